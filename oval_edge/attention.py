@@ -1,0 +1,129 @@
+"""Attention over the page pool: gather exactly the selected K/V, then one exact softmax (DESIGN §4.6).
+
+The decode path reads only the slots a `Selection` names (sink + top-k pages + window, or everything for dense
+layers and short rows) into a contiguous [B, kv_heads, T, head_dim] buffer and runs SDPA on it (GQA-aware).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from .config import OvalConfig
+from .pool import PagePool, StepIndex
+from .scoring import group_queries, score_pages
+from .selection import Selection, dense_selection, select_positions, slots_per_step
+
+
+def flat_slots(page_table: torch.Tensor, positions: torch.Tensor, kv_heads: int, page_size: int) -> torch.Tensor:
+    """Positions [B, Hkv, T] -> indices into a layer's K viewed as [pages*kv_heads*page_size, D]."""
+    b = positions.shape[0]
+    logical = (positions // page_size).clamp(max=page_table.shape[1] - 1)
+    page = page_table.gather(1, logical.reshape(b, -1)).view_as(positions)
+    heads = torch.arange(kv_heads, device=positions.device)[None, :, None]
+    return (page * kv_heads + heads) * page_size + positions % page_size
+
+
+def gather_kv(pool: PagePool, layer: int, page_table: torch.Tensor, positions: torch.Tensor):
+    """Copy the named positions of one layer out of the pool: -> k, v [B, Hkv, T, D]."""
+    g = pool.geometry
+    idx = flat_slots(page_table, positions, g.kv_heads, g.page_size).reshape(-1)
+    shape = (*positions.shape, g.head_dim)
+    k = pool.k[layer].view(-1, g.head_dim).index_select(0, idx).view(shape)
+    v = pool.v[layer].view(-1, g.head_dim).index_select(0, idx).view(shape)
+    return k, v
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """One softmax over the gathered slots. q [B, Hq, D]; k, v [B, Hkv, T, D]; valid [B, Hkv, T] -> [B, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    mask = valid.repeat_interleave(group, dim=1)[:, :, None, :]  # [B, Hq, 1, T]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0, :]
+
+
+def decode_attention(
+    pool: PagePool,
+    layer: int,
+    step: StepIndex,
+    q: torch.Tensor,
+    config: OvalConfig,
+    scale: float,
+    dense: bool = False,
+    scores: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Selection]:
+    """Attention of one new token per row. q [B, Hq, D] (rotated) -> ([B, Hq, D], the selection used).
+
+    dense=True attends to every position (dense layers). Otherwise rows longer than the token budget select
+    pages with `config.scorer` (or with `scores` [B, Hkv, Np] given by the caller, e.g. the eval oracle).
+    """
+    g = pool.geometry
+    if dense:
+        selection = dense_selection(step.lengths, g.kv_heads, step.page_table.shape[1] * g.page_size)
+    elif scores is None and max(step.lengths_list) <= slots_per_step(config):
+        selection = dense_selection(step.lengths, g.kv_heads, slots_per_step(config))
+    else:
+        if scores is None:
+            scores = score_pages(
+                config.scorer, group_queries(q, g.kv_heads), pool.summaries, layer, step.page_table, scale
+            )
+        selection = select_positions(config, scores, step.lengths, step.sealed)
+    k, v = gather_kv(pool, layer, step.page_table, selection.positions)
+    return attend(q, k, v, selection.valid, scale), selection
+
+
+def prefill_attention(
+    pool: PagePool,
+    layer: int,
+    step: StepIndex,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Dense causal attention for chunks of new tokens (prefill), after they were written to the pool.
+
+    q [N, Hq, D]; k_new, v_new [N, Hkv, D] (this step's tokens, rows concatenated) -> [N, Hq, D].
+    A chunk that starts a sequence attends to itself; a later chunk also reads the row's earlier pages.
+    """
+    out = torch.empty_like(q)
+    offset = 0
+    for row, n in enumerate(step.new_tokens):
+        if n == 0:
+            continue
+        end = step.lengths_list[row]
+        start = end - n
+        qs = q[offset : offset + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+        if start == 0:
+            ks = k_new[offset : offset + n].transpose(0, 1)[None]  # [1, Hkv, n, D]
+            vs = v_new[offset : offset + n].transpose(0, 1)[None]
+            res = _causal(qs, ks.to(q.dtype), vs.to(q.dtype), scale)
+        else:
+            positions = torch.arange(end, device=q.device).expand(1, pool.geometry.kv_heads, end)
+            ks, vs = gather_kv(pool, layer, step.page_table[row : row + 1], positions)
+            query_pos = torch.arange(start, end, device=q.device)
+            mask = positions[0, 0][None, :] <= query_pos[:, None]  # [n, end]: causal with an offset
+            res = F.scaled_dot_product_attention(
+                qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[offset : offset + n] = res[0].transpose(0, 1)
+        offset += n
+    return out
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of a fresh chunk; flash-attn on CUDA when it is installed, SDPA otherwise."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _has_flash_attn():
+        from flash_attn import flash_attn_func  # [batch, seq, heads, dim] layout, GQA native
+
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=True)
+        return out.transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+
+def _has_flash_attn() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None

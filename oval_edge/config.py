@@ -1,0 +1,105 @@
+"""`OvalConfig`: every knob of OVAL decode, validated when it is built (DESIGN §3–§4)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .units import parse_bytes
+
+SCORERS = ("oval", "quest")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+PAGE_SIZE_RANGE = (16, 256)
+
+
+def _check_int(name: str, value, low: int, high: int, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an integer in [{low}, {high}]{why}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value!r} is out of range: allowed [{low}, {high}]{why}")
+
+
+@dataclass(frozen=True)
+class OvalConfig:
+    """How OVAL pages, selects and attends. All sizes are in tokens unless named ``*_bytes``.
+
+    page_size     tokens per KV page (power of two, 16..256); a page is the unit of selection and allocation.
+    top_k         pages selected per KV head at each decode step (besides sink and window).
+    sink_pages    leading pages always attended (attention sinks).
+    window_min/   the local window of recent tokens always attended; its length is set each step from the
+    window_max    entropy of the candidate-page scores (peaked -> window_min, flat -> window_max).
+    dense_layers  the first layers attend densely (their attention is broad; selection there costs quality).
+    scorer        'oval' (output-aware local basis, DESIGN §4.3) or 'quest' (per-channel key min/max).
+    rank, eta     the oval basis rank r and the output-aware mix eta (0 = key-only spectral basis).
+    kv_dtype      dtype of the page pool; 'auto' = float16 on CUDA, float32 on CPU.
+    memory_budget total bytes the process may use for weights + workspace + KV pool (int or '1.5GiB');
+                  None lets the runtime ask the device.
+    """
+
+    page_size: int = 32
+    top_k: int = 4
+    sink_pages: int = 1
+    window_min: int = 64
+    window_max: int = 64
+    dense_layers: int = 2
+    scorer: str = "oval"
+    rank: int = 4
+    eta: float = 0.5
+    kv_dtype: str = "auto"
+    memory_budget: int | str | None = None
+    # Reuse of the last selection when the query barely moved (DESIGN §4.7); None = off.
+    reuse_tau: float | None = None
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        ps = self.page_size
+        _check_int("page_size", ps, *PAGE_SIZE_RANGE)
+        if ps & (ps - 1):
+            raise ValueError(
+                f"page_size={ps} is not a power of two; use one of 16, 32, 64, 128, 256 "
+                "(pages are indexed with shifts and gathered as fixed-size blocks)"
+            )
+        _check_int("top_k", self.top_k, 0, 4096, " pages per KV head")
+        _check_int("sink_pages", self.sink_pages, 0, 64)
+        _check_int("window_min", self.window_min, 3, 65536, " tokens (the window never holds fewer than 3)")
+        _check_int("window_max", self.window_max, 3, 65536, " tokens")
+        if self.window_max < self.window_min:
+            raise ValueError(
+                f"window_max={self.window_max} is below window_min={self.window_min}; "
+                "window_max must be >= window_min"
+            )
+        _check_int("dense_layers", self.dense_layers, 0, 1024)
+        if self.scorer not in SCORERS:
+            raise ValueError(f"scorer={self.scorer!r} is unknown; allowed: {', '.join(SCORERS)}")
+        _check_int("rank", self.rank, 1, 256, " (the oval basis rank r; at most the head dim)")
+        if isinstance(self.eta, bool) or not isinstance(self.eta, (int, float)) or not 0.0 <= self.eta <= 1.0:
+            raise ValueError(f"eta={self.eta!r} is out of range: allowed [0.0, 1.0] (0 = key-only basis)")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype={self.kv_dtype!r} is unknown; allowed: {', '.join(KV_DTYPES)}")
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget, "memory_budget"))
+        if self.reuse_tau is not None:
+            tau = self.reuse_tau
+            if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 < tau <= 1.0:
+                raise ValueError(f"reuse_tau={tau!r} is out of range: allowed (0.0, 1.0], or None to disable reuse")
+
+    # Tokens read per KV head at a sparse decode step: sink + top-k pages + the largest window.
+    @property
+    def token_budget(self) -> int:
+        return (self.sink_pages + self.top_k) * self.page_size + self.window_max
+
+    def replace(self, **changes) -> "OvalConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "OvalConfig":
+        """Build from a TOML/JSON table; unknown keys are an error that lists the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown OVAL setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {k: v for k, v in out.items() if v is not None}

@@ -1,0 +1,115 @@
+"""KV geometry and the budget arithmetic that sizes the page pool (DESIGN §3).
+
+No torch at import time: the planner (`oval-edge plan`) uses this without loading any model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .units import format_bytes
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SUMMARY_KINDS = ("oval", "quest")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Shape of one model's KV cache in pages; the unit every budget figure is computed from."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str = "float32"  # a key of DTYPE_BYTES
+    summary_kinds: tuple[str, ...] = ("oval",)
+    rank: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_dim", "page_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype={self.dtype!r} is unknown; allowed: {', '.join(DTYPE_BYTES)}")
+        bad = [k for k in self.summary_kinds if k not in SUMMARY_KINDS]
+        if bad:
+            raise ValueError(f"summary kind(s) {bad} unknown; allowed: {', '.join(SUMMARY_KINDS)}")
+        if not 1 <= self.rank <= self.head_dim:
+            raise ValueError(f"rank={self.rank} must be in [1, head_dim={self.head_dim}]")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token position in every layer and KV head."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def summary_elements_per_head(self) -> int:
+        """Summary numbers stored per (layer, page, KV head) for the kinds kept."""
+        n = 0
+        if "quest" in self.summary_kinds:
+            n += 2 * self.head_dim  # per-channel min and max of the keys
+        if "oval" in self.summary_kinds:
+            n += self.head_dim * self.rank + self.page_size * self.rank  # U (D x r) and C (P x r)
+        return n
+
+    @property
+    def summary_bytes_per_page(self) -> int:
+        return self.layers * self.kv_heads * self.summary_elements_per_head() * self.dtype_bytes
+
+    @property
+    def bytes_per_page(self) -> int:
+        """K + V + summaries of one logical page across every layer (what one page of budget costs)."""
+        return self.page_size * self.kv_bytes_per_token + self.summary_bytes_per_page
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """How many pages a budget buys, with the arithmetic kept for the startup report and /metrics."""
+
+    budget_bytes: int
+    weight_bytes: int
+    workspace_bytes: int
+    reserve_bytes: int
+    bytes_per_page: int
+    pages: int
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pages * self.bytes_per_page
+
+    def explain(self) -> str:
+        left = self.budget_bytes - self.weight_bytes - self.workspace_bytes - self.reserve_bytes
+        return (
+            f"pages = floor((budget {format_bytes(self.budget_bytes)} - weights {format_bytes(self.weight_bytes)}"
+            f" - workspace {format_bytes(self.workspace_bytes)} - reserve {format_bytes(self.reserve_bytes)})"
+            f" / {self.bytes_per_page} B per page) = floor({left} / {self.bytes_per_page}) = {self.pages}"
+            f" -> pool {format_bytes(self.pool_bytes)}"
+        )
+
+
+def size_pool(
+    budget_bytes: int,
+    weight_bytes: int,
+    geometry: KVGeometry,
+    workspace_bytes: int = 0,
+    reserve_bytes: int = 0,
+) -> PoolSizing:
+    """pages = floor((budget - weights - workspace - reserve) / bytes_per_page).
+
+    Raises ValueError with the minimum budget when not even one page fits, so the user knows what to set.
+    """
+    left = budget_bytes - weight_bytes - workspace_bytes - reserve_bytes
+    pages = left // geometry.bytes_per_page if left > 0 else 0
+    if pages < 1:
+        minimum = weight_bytes + workspace_bytes + reserve_bytes + geometry.bytes_per_page
+        raise ValueError(
+            f"memory_budget={format_bytes(budget_bytes)} leaves no room for the KV pool: weights "
+            f"{format_bytes(weight_bytes)} + workspace {format_bytes(workspace_bytes)} + reserve "
+            f"{format_bytes(reserve_bytes)} already take {format_bytes(budget_bytes - left)}; "
+            f"the minimum for one page is {format_bytes(minimum)} ({minimum} bytes)"
+        )
+    return PoolSizing(budget_bytes, weight_bytes, workspace_bytes, reserve_bytes, geometry.bytes_per_page, int(pages))

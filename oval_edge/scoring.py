@@ -1,0 +1,57 @@
+"""Estimate how much attention each page would receive from the current query (DESIGN §4.3).
+
+For GQA the G = q_heads / kv_heads query heads that share a KV head are scored together, so one selection
+serves the whole group. Both scorers return log-scale scores [B, kv_heads, pages]: a softmax over them is an
+estimated distribution of attention mass over pages, which the adaptive window reads its entropy from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, kv_heads, G, D]; query head i belongs to KV head i // G (transformers' layout)."""
+    b, hq, d = q.shape
+    return q.reshape(b, kv_heads, hq // kv_heads, d)
+
+
+def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
+    """Quest's upper bound on each page's largest logit, combined over the group by logsumexp.
+
+    q [B, Hkv, G, D]; kmin, kmax [B, Np, Hkv, D] (summaries gathered by page table) -> [B, Hkv, Np].
+    sum_d max(q_d * kmax_d, q_d * kmin_d) >= q . k for every key k of the page.
+    """
+    qe = q[:, None]  # [B, 1, Hkv, G, D]
+    bound = torch.maximum(qe * kmax[:, :, :, None, :], qe * kmin[:, :, :, None, :]).sum(-1)  # [B, Np, Hkv, G]
+    return torch.logsumexp(scale * bound.float(), dim=-1).transpose(1, 2)
+
+
+def oval_scores(q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, scale: float) -> torch.Tensor:
+    """logsumexp over a page's tokens and the group's heads of scale * C (U^T q): the page's estimated log-mass.
+
+    q [B, Hkv, G, D]; basis U [B, Np, Hkv, D, r]; coords C [B, Np, Hkv, P, r] -> [B, Hkv, Np].
+    """
+    projected = torch.einsum("bhgd,bnhdr->bnhgr", q.to(basis.dtype), basis)  # [B, Np, Hkv, G, r]
+    logits = torch.einsum("bnhpr,bnhgr->bnhpg", coords, projected)  # [B, Np, Hkv, P, G]
+    return torch.logsumexp(scale * logits.float().flatten(-2), dim=-1).transpose(1, 2)
+
+
+def score_pages(
+    scorer: str,
+    q: torch.Tensor,
+    summaries: dict[str, torch.Tensor],
+    layer: int,
+    page_table: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Score every page of every sequence's page table with the chosen scorer.
+
+    q [B, Hkv, G, D]; page_table [B, Np] physical pages -> scores [B, Hkv, Np] (callers mask non-candidates).
+    Only the summaries of the listed pages are read, never their keys.
+    """
+    if scorer == "oval":
+        return oval_scores(q, summaries["basis"][layer][page_table], summaries["coords"][layer][page_table], scale)
+    if scorer == "quest":
+        return quest_scores(q, summaries["kmin"][layer][page_table], summaries["kmax"][layer][page_table], scale)
+    raise ValueError(f"scorer={scorer!r} is unknown; allowed: oval, quest")
