@@ -1,0 +1,63 @@
+"""Memory figures the engine sizes its pool from: measured process memory and the prefill workspace."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from oval_edge.geometry import KVGeometry
+
+
+def process_rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{os.getpid()}/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (VmHWM)."""
+    try:
+        with open(f"/proc/{os.getpid()}/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a new pool may take from: free device memory on CUDA, MemAvailable on the host otherwise."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def prefill_workspace_bytes(
+    hidden: int, intermediate: int, q_heads: int, geometry: KVGeometry, chunk: int, context: int, act_bytes: int
+) -> int:
+    """Transient memory of one prefill chunk of `chunk` tokens against `context` cached tokens.
+
+    Largest live set in a layer: the residual + normed input + q/k/v/o (≈ 6 x hidden), the MLP's gate/up/act
+    (3 x intermediate), the K/V of the whole context gathered for the chunk (2 x kv_heads x context x D, fp32),
+    and the attention scores when the kernel materialises them (q_heads x chunk x context, fp32).
+    """
+    per_token = (6 * hidden + 3 * intermediate) * act_bytes
+    gathered = 2 * geometry.kv_heads * context * geometry.head_dim * 4
+    scores = q_heads * chunk * context * 4
+    return chunk * per_token + gathered + scores

@@ -1,0 +1,103 @@
+"""The Llama-family decoder forward written against the page pool (Llama, SmolLM2, Mistral, Qwen2).
+
+It uses the loaded transformers modules only as weight holders (projections, norms, MLP, rotary frequencies)
+and owns the attention: keys are rotated at their absolute positions and cached after RoPE, prefill is dense
+and writes pages, decode runs OVAL selection (or dense attention when asked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from oval_edge.attention import decode_attention, prefill_attention
+from oval_edge.config import OvalConfig
+from oval_edge.pool import PagePool, StepIndex
+from oval_edge.selection import Selection
+
+ATTENTION_MODES = ("oval", "dense")
+# (layer, q [B, Hq, D], step) -> page scores [B, Hkv, Np]; lets `eval` plug in the oracle scorer.
+ScoreOverride = Callable[[int, torch.Tensor, StepIndex], torch.Tensor]
+
+
+@dataclass
+class StepStats:
+    """What one decode step read, summed over layers (for /metrics and the benchmark's KV bytes per step)."""
+
+    kv_tokens_read: int = 0  # gathered K/V slots x KV heads, all layers, all rows
+    attended_tokens: int = 0  # valid slots among them
+    sparse_layers: int = 0
+    windows: list[float] = field(default_factory=list)
+
+
+class PagedLlama:
+    def __init__(self, hf_model: torch.nn.Module, pool: PagePool, config: OvalConfig, attention: str = "oval"):
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={attention!r} is unknown; allowed: {', '.join(ATTENTION_MODES)}")
+        cfg = hf_model.config
+        self.model = hf_model
+        self.decoder = hf_model.model
+        self.layers = list(hf_model.model.layers)
+        self.pool = pool
+        self.config = config
+        self.attention = attention
+        self.num_heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = self.head_dim**-0.5
+        self.score_override: ScoreOverride | None = None
+        self.last_selections: list[Selection | None] = []
+
+    @torch.inference_mode()
+    def forward(self, step: StepIndex, input_ids: torch.Tensor, decode: bool, collect: bool = False):
+        """Run every layer for this step's new tokens and return the logits of each row's last token.
+
+        input_ids [N] (rows concatenated as in `step`). decode=True requires one new token per row.
+        Returns (logits [B, vocab] float32, StepStats). The caller commits the step to the pool afterwards.
+        """
+        dev = self.pool.device
+        hidden = self.decoder.embed_tokens(input_ids.to(dev))  # [N, hidden]
+        cos, sin = self.decoder.rotary_emb(hidden[None], step.positions[None])  # [1, N, D] each
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, D] broadcast over heads
+        n = hidden.shape[0]
+        stats = StepStats()
+        self.last_selections = []
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(n, self.num_heads, self.head_dim)
+            k = attn.k_proj(x).view(n, self.kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(n, self.kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.pool.write(index, step, k, v)
+            if decode:
+                out, selection = self._decode_layer(index, step, q)
+                stats.kv_tokens_read += selection.valid.numel()
+                stats.attended_tokens += int(selection.valid.sum())
+                if selection.window is not None:
+                    stats.sparse_layers += 1
+                    stats.windows.append(float(selection.window.float().mean()))
+                if collect:
+                    self.last_selections.append(selection)
+            else:
+                out = prefill_attention(self.pool, index, step, q, k, v, self.scale)
+            hidden = hidden + attn.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        last = torch.cumsum(torch.tensor(step.new_tokens, device=dev), 0) - 1  # last token of each row
+        hidden = self.decoder.norm(hidden[last])
+        return self.model.lm_head(hidden).float(), stats
+
+    def _decode_layer(self, index: int, step: StepIndex, q: torch.Tensor):
+        dense = self.attention == "dense" or index < self.config.dense_layers
+        scores = None
+        if not dense and self.score_override is not None:
+            scores = self.score_override(index, q, step)
+        return decode_attention(self.pool, index, step, q, self.config, self.scale, dense=dense, scores=scores)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,109 @@
+"""One generation request as the engine tracks it, from the queue to its last token."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .detokenize import TextStream
+from .sampling import RowSampler, SamplingParams
+
+WAITING, PREFILL, RUNNING, FINISHED = "waiting", "prefill", "running", "finished"
+_ids = itertools.count()
+
+
+class RequestRejected(ValueError):
+    """The request can never be served as asked (too long for the pool or the model); say what to change."""
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; retry later (HTTP 503 with Retry-After)."""
+
+
+# on_token(request, token_id, new_text) runs in the engine thread after each sampled token.
+TokenCallback = Callable[["Request", int, str], None]
+FinishCallback = Callable[["Request"], None]
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokenizer: object
+    request_id: str = ""
+    on_token: TokenCallback | None = None
+    on_finish: FinishCallback | None = None
+    status: str = WAITING
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    error: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    prefilled: int = 0  # prompt tokens already in the pool
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            self.request_id = f"req-{next(_ids)}"
+        self.sampler = RowSampler(self.params)
+        self.stream = TextStream(self.tokenizer, self.params.stop)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Positions this request may ever write: the prompt plus every generated token but the last."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status == FINISHED
+
+    def emit(self, token_id: int, eos_ids: set[int]) -> bool:
+        """Record a sampled token; return True when the request is done."""
+        self.output_ids.append(token_id)
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        p = self.params
+        if (token_id in eos_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
+            self._callback(token_id, "")
+            self.finish_reason = "stop"
+            return True
+        delta = self.stream.push(token_id)
+        self.text += delta
+        self._callback(token_id, delta)
+        if self.stream.stopped:
+            self.finish_reason = "stop"
+            return True
+        if len(self.output_ids) >= p.max_tokens:
+            self.finish_reason = "length"
+            return True
+        return False
+
+    def finish(self, reason: str | None = None, error: str | None = None) -> None:
+        if self.status == FINISHED:
+            return
+        if reason:
+            self.finish_reason = reason
+        self.error = error
+        if self.finish_reason in ("stop", "length"):
+            tail = self.stream.flush()
+            if tail:
+                self.text += tail
+                self._callback(-1, tail)
+        self.status = FINISHED
+        self.finished_at = time.perf_counter()
+        if self.on_finish is not None:
+            self.on_finish(self)
+
+    def _callback(self, token_id: int, delta: str) -> None:
+        if self.on_token is not None:
+            self.on_token(self, token_id, delta)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)

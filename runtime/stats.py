@@ -1,0 +1,51 @@
+"""Counters and recent rates the engine keeps for /metrics, logs and the benchmark."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from oval_edge.geometry import KVGeometry
+
+from .paged_llama import StepStats
+
+
+@dataclass
+class EngineStats:
+    pages_total: int = 0
+    pages_used: int = 0
+    running: int = 0
+    waiting: int = 0
+    refused: int = 0
+    cancelled: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    # Last decode step: bytes of K/V gathered (all layers, all rows) and tokens attended per layer and row.
+    kv_bytes_last_step: int = 0
+    attended_per_row_layer: float = 0.0
+    window_mean: float = 0.0
+    sparse_layer_steps: int = 0
+    _recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (tokens, seconds) of recent steps
+
+    def record_decode(self, rows: int, seconds: float, step: StepStats, geometry: KVGeometry) -> None:
+        self.decode_steps += 1
+        self._recent.append((rows, seconds))
+        # kv_tokens_read counts gathered slots x KV heads; each slot moves K and V of head_dim values.
+        self.kv_bytes_last_step = step.kv_tokens_read * geometry.head_dim * 2 * geometry.dtype_bytes
+        per = max(1, rows * geometry.layers * geometry.kv_heads)
+        self.attended_per_row_layer = step.attended_tokens / per
+        self.sparse_layer_steps += step.sparse_layers
+        if step.windows:
+            self.window_mean = sum(step.windows) / len(step.windows)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        tokens = sum(t for t, _ in self._recent)
+        seconds = sum(s for _, s in self._recent)
+        return tokens / seconds if seconds > 0 else 0.0
+
+    @property
+    def pages_free(self) -> int:
+        return self.pages_total - self.pages_used
