@@ -2,7 +2,6 @@
 
 from .config import OvalConfig
 from .geometry import KVGeometry, PoolSizing, size_pool
-from .pool import PagePool, StepIndex
 from .units import format_bytes, parse_bytes
 
 __all__ = [
@@ -16,3 +15,13 @@ __all__ = [
     "format_bytes",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # PagePool / StepIndex need torch; import them on first use so torch-free users of oval_edge (the planner,
+    # oval_edge.jetson, the config readers) do not pay for torch at import time.
+    if name in ("PagePool", "StepIndex"):
+        from . import pool
+
+        return getattr(pool, name)
+    raise AttributeError(f"module 'oval_edge' has no attribute {name!r}")

@@ -62,6 +62,13 @@ def decode_attention(
     pages with `config.scorer` (or with `scores` [B, Hkv, Np] given by the caller, e.g. the eval oracle).
     """
     g = pool.geometry
+    if any(n > 1 for n in step.new_tokens):
+        # The window slots cover the open page only when a row adds one token per step (it has at most
+        # page_size unsealed positions); more would silently drop positions. Chunks go to prefill_attention.
+        raise ValueError(
+            f"decode_attention takes at most one new token per row, got new_tokens={step.new_tokens}; "
+            "use prefill_attention for chunks"
+        )
     if dense:
         selection = dense_selection(step.lengths, g.kv_heads, step.page_table.shape[1] * g.page_size)
     elif scores is None and max(step.lengths_list) <= slots_per_step(config):

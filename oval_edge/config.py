@@ -83,10 +83,12 @@ class OvalConfig:
             if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 < tau <= 1.0:
                 raise ValueError(f"reuse_tau={tau!r} is out of range: allowed (0.0, 1.0], or None to disable reuse")
 
-    # Tokens read per KV head at a sparse decode step: sink + top-k pages + the largest window.
+    # Tokens read per KV head at a sparse decode step: sink + top-k pages + the largest window, where the window
+    # slots also cover the open (unsealed) page, so at least page_size of them (= selection.slots_per_step).
+    # A sequence no longer than this is attended densely: exact, and no more reads than a sparse step.
     @property
     def token_budget(self) -> int:
-        return (self.sink_pages + self.top_k) * self.page_size + self.window_max
+        return (self.sink_pages + self.top_k) * self.page_size + max(self.window_max, self.page_size)
 
     def replace(self, **changes) -> "OvalConfig":
         return dataclasses.replace(self, **changes)

@@ -108,7 +108,8 @@ class PagePool:
 
     # ---- allocation --------------------------------------------------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
-        return self.pages_needed(num_tokens) <= len(self._free)
+        """Whether allocate(seq, num_tokens) would succeed now (a new sequence always takes >= 1 page)."""
+        return self.pages_needed(max(num_tokens, 1)) <= len(self._free)
 
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int] | None:
         """Reserve pages for `num_tokens` positions of a new sequence; None if they do not fit now."""

@@ -22,8 +22,8 @@ from .config import OvalConfig
 class Selection:
     positions: torch.Tensor  # [B, Hkv, T] absolute positions (0 where invalid, so the gather stays in bounds)
     valid: torch.Tensor  # [B, Hkv, T] bool
-    pages: torch.Tensor | None  # [B, Hkv, k] logical pages chosen (-1 = none), None for dense layers
-    window: torch.Tensor | None  # [B, Hkv] window length in tokens
+    pages: torch.Tensor | None  # [B, Hkv, k] logical pages chosen (-1: none / dense row); None for dense layers
+    window: torch.Tensor | None  # [B, Hkv] entropy window length in tokens; meaningful only where sparse_rows
     sparse_rows: torch.Tensor  # [B] bool: the row used page selection
 
     @property
@@ -37,7 +37,7 @@ def window_slots(config: OvalConfig) -> int:
 
 
 def slots_per_step(config: OvalConfig) -> int:
-    """T: token slots gathered per KV head at a sparse decode step."""
+    """T: token slots gathered per KV head at a sparse decode step (= config.token_budget, one definition)."""
     return (config.sink_pages + config.top_k) * config.page_size + window_slots(config)
 
 
@@ -45,7 +45,7 @@ def dense_selection(lengths: torch.Tensor, kv_heads: int, width: int) -> Selecti
     """Attend to every position 0..L-1 (dense layers, short sequences). width >= max(lengths)."""
     pos = torch.arange(width, device=lengths.device)
     valid = (pos[None, :] < lengths[:, None])[:, None, :].expand(-1, kv_heads, -1)
-    positions = pos.expand(lengths.shape[0], kv_heads, width)
+    positions = pos * valid  # 0 where invalid, as the Selection contract says: [B, Hkv, width]
     return Selection(positions, valid, None, None, torch.zeros_like(lengths, dtype=torch.bool))
 
 
@@ -118,6 +118,8 @@ def select_positions(
         positions = torch.where(dense_rows[:, None, None], dense.positions, positions)
         valid = torch.where(dense_rows[:, None, None], dense.valid, valid)
     positions = positions.clamp_min(0) * valid
+    # Dense rows read no selected page: report none, so selection statistics count only real picks.
+    chosen = chosen & ~dense_rows[:, None, None]
     pages = torch.where(chosen, top_pages, torch.full_like(top_pages, -1))
     return Selection(positions, valid, pages, window, ~dense_rows)
 

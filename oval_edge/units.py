@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -30,9 +31,11 @@ def parse_bytes(value: int | float | str, field: str = "size") -> int:
     if isinstance(value, bool):
         raise ValueError(f"{field}={value!r} is not a size; give bytes (e.g. 1610612736) or a string like '1.5GiB'")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):  # int(inf) would raise OverflowError, int(nan) an unhelpful ValueError
+            raise ValueError(f"{field}={value!r} is not a finite number of bytes; give e.g. 1610612736 or '1.5GiB'")
         if value <= 0:
             raise ValueError(f"{field}={value!r} must be > 0 bytes")
-        return int(value)
+        return _at_least_one_byte(value, value, field)
     if not isinstance(value, str):
         raise ValueError(f"{field}={value!r} is not a size; give bytes or a string like '1.5GiB'")
     match = _SIZE.match(value)
@@ -44,7 +47,14 @@ def parse_bytes(value: int | float | str, field: str = "size") -> int:
     number = float(match.group(1))
     if number <= 0:
         raise ValueError(f"{field}={value!r} must be > 0 bytes")
-    return int(number * _UNITS[match.group(2).lower()])
+    return _at_least_one_byte(number * _UNITS[match.group(2).lower()], value, field)
+
+
+def _at_least_one_byte(count: float, value, field: str) -> int:
+    # "0.1B" or 0.5 would truncate to a zero-byte budget, which is never what the user meant.
+    if count < 1:
+        raise ValueError(f"{field}={value!r} is less than one byte; give a size of at least 1 byte")
+    return int(count)
 
 
 def format_bytes(n: int | float) -> str:
