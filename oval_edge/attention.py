@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .config import OvalConfig
 from .pool import PagePool, StepIndex
 from .scoring import group_queries, score_pages
-from .selection import Selection, dense_selection, select_positions, slots_per_step
+from .selection import DecodePlan, Selection
 
 
 def flat_slots(page_table: torch.Tensor, positions: torch.Tensor, kv_heads: int, page_size: int) -> torch.Tensor:
@@ -27,13 +27,9 @@ def flat_slots(page_table: torch.Tensor, positions: torch.Tensor, kv_heads: int,
 
 
 def gather_kv(pool: PagePool, layer: int, page_table: torch.Tensor, positions: torch.Tensor):
-    """Copy the named positions of one layer out of the pool: -> k, v [B, Hkv, T, D]."""
+    """Copy the named positions [B, Hkv, T] of one layer out of the pool: -> k, v [B, Hkv, T, D]."""
     g = pool.geometry
-    idx = flat_slots(page_table, positions, g.kv_heads, g.page_size).reshape(-1)
-    shape = (*positions.shape, g.head_dim)
-    k = pool.k[layer].view(-1, g.head_dim).index_select(0, idx).view(shape)
-    v = pool.v[layer].view(-1, g.head_dim).index_select(0, idx).view(shape)
-    return k, v
+    return gather_slots(pool, layer, flat_slots(page_table, positions, g.kv_heads, g.page_size))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
@@ -55,6 +51,7 @@ def decode_attention(
     scale: float,
     dense: bool = False,
     scores: torch.Tensor | None = None,
+    plan: DecodePlan | None = None,
 ) -> tuple[torch.Tensor, Selection]:
     """Attention of one new token per row. q [B, Hq, D] (rotated) -> ([B, Hq, D], the selection used).
 
@@ -62,6 +59,25 @@ def decode_attention(
     pages with `config.scorer` (or with `scores` [B, Hkv, Np] given by the caller, e.g. the eval oracle).
     """
     g = pool.geometry
+    if plan is None:
+        plan = decode_plan(pool, step, config)
+    if dense:
+        selection = plan.full_dense()
+    elif scores is None and plan.all_dense:
+        # Every row fits the budget: attend densely over the page tables (at most T + page_size - 1 slots).
+        selection = plan.full_dense()
+    else:
+        if scores is None:
+            scores = score_pages(
+                config.scorer, group_queries(q, g.kv_heads), pool.summaries, layer, step.page_table, scale
+            )
+        selection = plan.select(scores)
+    k, v = gather_slots(pool, layer, selection.flat)
+    return attend(q, k, v, selection.valid, scale), selection
+
+
+def decode_plan(pool: PagePool, step: StepIndex, config: OvalConfig) -> DecodePlan:
+    """Build the per-step selection plan once; pass it to decode_attention for every layer of the step."""
     if any(n > 1 for n in step.new_tokens):
         # The window slots cover the open page only when a row adds one token per step (it has at most
         # page_size unsealed positions); more would silently drop positions. Chunks go to prefill_attention.
@@ -69,18 +85,18 @@ def decode_attention(
             f"decode_attention takes at most one new token per row, got new_tokens={step.new_tokens}; "
             "use prefill_attention for chunks"
         )
-    if dense:
-        selection = dense_selection(step.lengths, g.kv_heads, step.page_table.shape[1] * g.page_size)
-    elif scores is None and max(step.lengths_list) <= slots_per_step(config):
-        selection = dense_selection(step.lengths, g.kv_heads, slots_per_step(config))
-    else:
-        if scores is None:
-            scores = score_pages(
-                config.scorer, group_queries(q, g.kv_heads), pool.summaries, layer, step.page_table, scale
-            )
-        selection = select_positions(config, scores, step.lengths, step.sealed)
-    k, v = gather_kv(pool, layer, step.page_table, selection.positions)
-    return attend(q, k, v, selection.valid, scale), selection
+    g = pool.geometry
+    return DecodePlan(config, step.lengths, step.sealed, step.page_table.shape[1], g.kv_heads, step.page_table)
+
+
+def gather_slots(pool: PagePool, layer: int, flat: torch.Tensor):
+    """Copy the slots `flat` [B, Hkv, T] (flat pool indices) of one layer: -> k, v [B, Hkv, T, D]."""
+    g = pool.geometry
+    idx = flat.reshape(-1)
+    shape = (*flat.shape, g.head_dim)
+    k = pool.k[layer].view(-1, g.head_dim).index_select(0, idx).view(shape)
+    v = pool.v[layer].view(-1, g.head_dim).index_select(0, idx).view(shape)
+    return k, v
 
 
 def prefill_attention(

@@ -46,6 +46,7 @@ class StepIndex:
     lengths: torch.Tensor
     sealed: torch.Tensor
     lengths_list: list[int]
+    write_slots: torch.Tensor | None = None  # [N * kv_heads] write_base + h * page_size, built once per step
 
 
 class PagePool:
@@ -202,8 +203,10 @@ class PagePool:
     def write(self, layer: int, step: StepIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this layer's new keys/values. k, v [N, kv_heads, head_dim] (keys already rotated)."""
         g = self.geometry
-        heads = torch.arange(g.kv_heads, device=self.device) * g.page_size
-        slots = (step.write_base[:, None] + heads[None, :]).reshape(-1)  # [N * kv_heads]
+        if step.write_slots is None:  # same for every layer of the step: compute once
+            heads = torch.arange(g.kv_heads, device=self.device) * g.page_size
+            step.write_slots = (step.write_base[:, None] + heads[None, :]).reshape(-1)  # [N * kv_heads]
+        slots = step.write_slots
         self.k[layer].view(-1, g.head_dim).index_copy_(0, slots, k.reshape(-1, g.head_dim).to(self.k.dtype))
         self.v[layer].view(-1, g.head_dim).index_copy_(0, slots, v.reshape(-1, g.head_dim).to(self.v.dtype))
 

@@ -25,6 +25,7 @@ class Selection:
     pages: torch.Tensor | None  # [B, Hkv, k] logical pages chosen (-1: none / dense row); None for dense layers
     window: torch.Tensor | None  # [B, Hkv] entropy window length in tokens; meaningful only where sparse_rows
     sparse_rows: torch.Tensor  # [B] bool: the row used page selection
+    flat: torch.Tensor | None = None  # [B, Hkv, T] indices into a layer's [pages*Hkv*P, D] view (plan-built)
 
     @property
     def slots(self) -> int:
@@ -76,50 +77,112 @@ def select_positions(
     scores [B, Hkv, Np] page scores over each row's page table (logical page j covers positions j*P..j*P+P-1);
     lengths [B] tokens after this step; sealed [B] pages that have summaries.
     """
-    P, sink, k = config.page_size, config.sink_pages, config.top_k
-    b, kv_heads, num_pages = scores.shape
-    dev = scores.device
-    page_idx = torch.arange(num_pages, device=dev)
-    length = lengths[:, None]  # [B, 1]
-    # Candidates: sealed, not a sink page, and starting before the earliest possible window start.
-    candidates = (page_idx >= sink) & (page_idx < sealed[:, None]) & (page_idx * P < length - config.window_min)
-    masked = scores.float().masked_fill(~candidates[:, None, :], float("-inf"))
-    window = adaptive_window(masked, candidates, config)  # [B, Hkv]
-    # The window also starts no later than the first unsealed page, so every position is reachable.
-    start = torch.minimum(length - window, (sealed * P)[:, None])  # [B, Hkv]
-    masked = masked.masked_fill(page_idx * P >= start[..., None], float("-inf"))
+    return DecodePlan(config, lengths, sealed, scores.shape[-1], scores.shape[1]).select(scores)
 
-    take = min(k, num_pages)
-    top_scores, top_pages = masked.topk(take, dim=-1) if take else (masked[..., :0], masked[..., :0].long())
-    chosen = top_scores > float("-inf")  # [B, Hkv, take]
-    if take < k:  # fewer pages than k in the table: pad with empty picks to keep T fixed
-        pad = torch.zeros(b, kv_heads, k - take, dtype=torch.long, device=dev)
-        top_pages = torch.cat([top_pages, pad], dim=-1)
-        chosen = torch.cat([chosen, pad.bool()], dim=-1)
 
-    offsets = torch.arange(P, device=dev)
-    sink_pos = torch.arange(sink * P, device=dev).expand(b, kv_heads, -1)
-    page_pos = (top_pages[..., None] * P + offsets).flatten(-2)  # [B, Hkv, k*P]
-    page_ok = chosen.repeat_interleave(P, dim=-1)
-    w_slots = window_slots(config)
-    win_pos = (length - w_slots + torch.arange(w_slots, device=dev))[:, None, :].expand(-1, kv_heads, -1)
+class DecodePlan:
+    """The parts of a decode step's selection that do not depend on the layer's query, built once per step.
 
-    before_window = start[..., None]
-    positions = torch.cat([sink_pos, page_pos, win_pos], dim=-1)
-    valid = torch.cat(
-        [sink_pos < before_window, page_ok & (page_pos < before_window), (win_pos >= before_window) & (win_pos >= 0)],
-        dim=-1,
-    )
-    # Rows short enough to fit in T slots attend densely: exact, and no selection is needed.
-    slots = positions.shape[-1]
-    dense_rows = lengths <= slots
-    if bool(dense_rows.any()):
-        dense = dense_selection(lengths, kv_heads, slots)
-        positions = torch.where(dense_rows[:, None, None], dense.positions, positions)
-        valid = torch.where(dense_rows[:, None, None], dense.valid, valid)
-    positions = positions.clamp_min(0) * valid
-    # Dense rows read no selected page: report none, so selection statistics count only real picks.
-    chosen = chosen & ~dense_rows[:, None, None]
-    pages = torch.where(chosen, top_pages, torch.full_like(top_pages, -1))
-    return Selection(positions, valid, pages, window, ~dense_rows)
+    A step runs every layer with the same lengths, sealed counts and page tables, so candidate masks, sink and
+    window slots (and, with a fixed window, their validity) are computed here once instead of once per layer.
+    With `page_table` [B, Np] the plan also yields flat pool indices, so the gather needs no extra work.
+    """
 
+    def __init__(self, config: OvalConfig, lengths: torch.Tensor, sealed: torch.Tensor, num_pages: int,
+                 kv_heads: int, page_table: torch.Tensor | None = None) -> None:
+        P, sink = config.page_size, config.sink_pages
+        dev = lengths.device
+        self.config, self.lengths, self.page_table = config, lengths, page_table
+        self.batch, self.kv_heads, self.num_pages = lengths.shape[0], kv_heads, num_pages
+        self.slots = slots_per_step(config)
+        self.offsets = torch.arange(P, device=dev)
+        self.heads = torch.arange(kv_heads, device=dev)[None, :, None]  # [1, Hkv, 1]
+        length = lengths[:, None]  # [B, 1]
+        self.page_start = torch.arange(num_pages, device=dev) * P  # [Np]
+        # Candidates: sealed, not a sink page, and starting before the earliest possible window start.
+        self.candidates = (
+            (self.page_start >= sink * P) & (self.page_start < (sealed * P)[:, None])
+            & (self.page_start < length - config.window_min)
+        )  # [B, Np]
+        self.sealed_end = (sealed * P)[:, None]  # [B, 1]: the window starts no later than the first unsealed page
+        self.fixed_window = config.window_min == config.window_max
+        b = self.batch
+        w_slots = window_slots(config)
+        self.sink_pos = torch.arange(sink * P, device=dev).expand(b, kv_heads, -1)
+        self.win_pos = (length - w_slots + torch.arange(w_slots, device=dev))[:, None, :].expand(-1, kv_heads, -1)
+        if self.fixed_window:
+            self.window = torch.full((b, kv_heads), config.window_min, dtype=torch.long, device=dev)
+            self.start = torch.minimum(length - config.window_min, self.sealed_end)[:, :, None]  # [B, 1, 1]
+            self.selectable = (self.candidates[:, None, :] & (self.page_start < self.start))  # [B, 1, Np]
+            self.sink_valid, self.win_valid = self._edge_valid(self.start)
+        self.dense_rows = lengths <= self.slots
+        self.all_dense = bool(self.dense_rows.all())
+        self.any_dense = bool(self.dense_rows.any())
+        if self.any_dense:
+            self.short = dense_selection(lengths, kv_heads, self.slots)
+            self.short.flat = self._flat(self.short.positions)
+            self.short.pages = torch.full((b, kv_heads, config.top_k), -1, dtype=torch.long, device=dev)
+        self.sink_flat = self._flat(self.sink_pos)
+        self.win_flat = self._flat(self.win_pos.clamp_min(0))
+        self._full: Selection | None = None
+
+    def _edge_valid(self, start: torch.Tensor):
+        # Sink slots count below the window start, window slots at or above it (and not before position 0).
+        return self.sink_pos < start, (self.win_pos >= start) & (self.win_pos >= 0)
+
+    def _flat(self, positions: torch.Tensor) -> torch.Tensor | None:
+        if self.page_table is None:
+            return None
+        P = self.config.page_size
+        logical = (positions // P).clamp(max=self.page_table.shape[1] - 1)
+        page = self.page_table.gather(1, logical.reshape(self.batch, -1)).view_as(positions)
+        return (page * self.kv_heads + self.heads) * P + positions % P
+
+    def full_dense(self) -> Selection:
+        """Every cached position (dense layers, dense mode); shared by all layers of the step."""
+        if self._full is None:
+            self._full = dense_selection(self.lengths, self.kv_heads, self.num_pages * self.config.page_size)
+            self._full.flat = self._flat(self._full.positions)
+        return self._full
+
+    def select(self, scores: torch.Tensor) -> Selection:
+        """Top-k pages of `scores` [B, Hkv, Np] plus sink and window for the rows longer than T."""
+        if self.all_dense:
+            return self.short
+        config, P, k = self.config, self.config.page_size, self.config.top_k
+        neg = float("-inf")
+        if self.fixed_window:
+            window, start = self.window, self.start
+            masked = scores.float().masked_fill(~self.selectable, neg)
+            sink_valid, win_valid = self.sink_valid, self.win_valid
+        else:
+            masked = scores.float().masked_fill(~self.candidates[:, None, :], neg)
+            window = adaptive_window(masked, self.candidates, config)  # [B, Hkv]
+            start = torch.minimum(self.lengths[:, None] - window, self.sealed_end)[..., None]  # [B, Hkv, 1]
+            masked = masked.masked_fill(self.page_start >= start, neg)
+            sink_valid, win_valid = self._edge_valid(start)
+        take = min(k, self.num_pages)
+        top_scores, top_pages = masked.topk(take, dim=-1)
+        chosen = top_scores > neg  # [B, Hkv, take]
+        if take < k:  # fewer pages than k in the table: pad with empty picks to keep T fixed
+            pad = torch.zeros(self.batch, self.kv_heads, k - take, dtype=torch.long, device=scores.device)
+            top_pages = torch.cat([top_pages, pad], dim=-1)
+            chosen = torch.cat([chosen, pad.bool()], dim=-1)
+        page_pos = (top_pages[..., None] * P + self.offsets).flatten(-2)  # [B, Hkv, k*P]
+        page_valid = chosen.repeat_interleave(P, dim=-1) & (page_pos < start)
+        positions = torch.cat([self.sink_pos, page_pos, self.win_pos], dim=-1)
+        valid = torch.cat([sink_valid, page_valid, win_valid], dim=-1)
+        flat = None
+        if self.page_table is not None:
+            picked = self.page_table.gather(1, top_pages.reshape(self.batch, -1)).view_as(top_pages)
+            page_flat = (((picked * self.kv_heads + self.heads) * P)[..., None] + self.offsets).flatten(-2)
+            flat = torch.cat([self.sink_flat, page_flat, self.win_flat], dim=-1)
+        if self.any_dense:  # rows short enough to fit in T slots attend densely: exact, no selection
+            rows = self.dense_rows[:, None, None]
+            positions = torch.where(rows, self.short.positions, positions)
+            valid = torch.where(rows, self.short.valid, valid)
+            flat = torch.where(rows, self.short.flat, flat) if flat is not None else None
+            chosen = chosen & ~rows  # dense rows read no selected page: stats count only real picks
+        positions = positions.clamp_min(0) * valid
+        pages = torch.where(chosen, top_pages, torch.full_like(top_pages, -1))
+        return Selection(positions, valid, pages, window, ~self.dense_rows, flat)

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from oval_edge.attention import decode_attention, prefill_attention
+from oval_edge.attention import decode_attention, decode_plan, prefill_attention
 from oval_edge.config import OvalConfig
 from oval_edge.pool import PagePool, StepIndex
 from oval_edge.selection import Selection
@@ -29,7 +29,8 @@ class StepStats:
     kv_tokens_read: int = 0  # gathered K/V slots x KV heads, all layers, all rows
     attended_tokens: int = 0  # valid slots among them
     sparse_layers: int = 0
-    windows: list[float] = field(default_factory=list)
+    windows: list[torch.Tensor] = field(default_factory=list)  # adaptive window lengths of sparse rows
+    window_mean: float = 0.0
 
 
 class PagedLlama:
@@ -64,6 +65,8 @@ class PagedLlama:
         n = hidden.shape[0]
         stats = StepStats()
         self.last_selections = []
+        plan = decode_plan(self.pool, step, self.config) if decode else None
+        attended: list[torch.Tensor] = []  # summed once at the end: no per-layer reduction on the hot path
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
@@ -74,28 +77,33 @@ class PagedLlama:
             k = k * cos + _rotate_half(k) * sin
             self.pool.write(index, step, k, v)
             if decode:
-                out, selection = self._decode_layer(index, step, q)
+                out, selection = self._decode_layer(index, step, q, plan)
                 stats.kv_tokens_read += selection.valid.numel()
-                stats.attended_tokens += int(selection.valid.sum())
-                if selection.window is not None:
-                    stats.sparse_layers += 1
-                    stats.windows.append(float(selection.window.float().mean()))
+                attended.append(selection.valid)
+                if selection.window is not None and plan.config.window_min != plan.config.window_max:
+                    stats.windows.append(selection.window[selection.sparse_rows])
+                stats.sparse_layers += selection.window is not None and not plan.all_dense
                 if collect:
                     self.last_selections.append(selection)
             else:
                 out = prefill_attention(self.pool, index, step, q, k, v, self.scale)
             hidden = hidden + attn.o_proj(out.reshape(n, self.num_heads * self.head_dim))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if attended:
+            stats.attended_tokens = int(sum(int(v.sum()) for v in attended))
+            stats.window_mean = float(torch.cat(stats.windows).float().mean()) if stats.windows else float(
+                self.config.window_min)
         last = torch.cumsum(torch.tensor(step.new_tokens, device=dev), 0) - 1  # last token of each row
         hidden = self.decoder.norm(hidden[last])
         return self.model.lm_head(hidden).float(), stats
 
-    def _decode_layer(self, index: int, step: StepIndex, q: torch.Tensor):
+    def _decode_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan):
         dense = self.attention == "dense" or index < self.config.dense_layers
         scores = None
         if not dense and self.score_override is not None:
             scores = self.score_override(index, q, step)
-        return decode_attention(self.pool, index, step, q, self.config, self.scale, dense=dense, scores=scores)
+        return decode_attention(self.pool, index, step, q, self.config, self.scale, dense=dense, scores=scores,
+                                plan=plan)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

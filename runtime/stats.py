@@ -37,8 +37,8 @@ class EngineStats:
         per = max(1, rows * geometry.layers * geometry.kv_heads)
         self.attended_per_row_layer = step.attended_tokens / per
         self.sparse_layer_steps += step.sparse_layers
-        if step.windows:
-            self.window_mean = sum(step.windows) / len(step.windows)
+        if step.sparse_layers:
+            self.window_mean = step.window_mean
 
     @property
     def decode_tokens_per_second(self) -> float:

@@ -1,0 +1,62 @@
+"""A model that is missing, broken or of the wrong architecture fails at startup with its path and the reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oval_edge.runtime.loader import load_model
+from oval_edge.runtime.model_source import bundled_gguf_path, resolve_model
+
+
+def test_missing_path_names_the_path(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(ValueError, match=f"{missing}.*does not exist"):
+        load_model(str(missing), quant="none", device="cpu")
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ValueError, match=f"{bogus} is not a GGUF file"):
+        resolve_model(str(bogus))
+
+
+def test_a_truncated_gguf_fails_with_its_path(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    with open(bundled_gguf_path(), "rb") as handle:
+        broken.write_bytes(handle.read(4096))  # the header of the real file, then nothing
+    with pytest.raises(ValueError, match=f"model {broken}: cannot"):
+        load_model(str(broken), quant="none", device="cpu")
+
+
+def test_folder_without_config_json(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_broken_config_json(tmp_path):
+    (tmp_path / "config.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="config.json cannot be read"):
+        resolve_model(str(tmp_path))
+
+
+def test_unsupported_architecture_names_it_and_the_path(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 12}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"config.json: model_type 'gpt2' is not supported"):
+        resolve_model(str(tmp_path))
+
+
+def test_folder_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="no \\*.safetensors weights"):
+        resolve_model(str(tmp_path))
+
+
+def test_unknown_quant_and_device_are_named():
+    with pytest.raises(ValueError, match="quant='int3' is unknown"):
+        load_model("default", quant="int3", device="cpu")
+    with pytest.raises(ValueError, match="device='tpu' is not supported"):
+        load_model("default", quant="none", device="tpu")
