@@ -37,11 +37,14 @@ class LoadedModel:
 def pick_device(device: str | None) -> torch.device:
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is not supported; use cpu, cuda, cuda:N or auto") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} asked for CUDA, but torch sees no CUDA device; use --device cpu")
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not supported; use cpu, cuda or auto")
+        raise ValueError(f"device={device!r} is not supported; use cpu, cuda, cuda:N or auto")
     return dev
 
 

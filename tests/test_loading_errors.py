@@ -58,5 +58,5 @@ def test_folder_without_weights(tmp_path):
 def test_unknown_quant_and_device_are_named():
     with pytest.raises(ValueError, match="quant='int3' is unknown"):
         load_model("default", quant="int3", device="cpu")
-    with pytest.raises(ValueError, match="device='tpu' is not supported"):
+    with pytest.raises(ValueError, match="device='tpu' is not supported; use cpu, cuda"):
         load_model("default", quant="none", device="tpu")
