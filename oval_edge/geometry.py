@@ -66,6 +66,27 @@ class KVGeometry:
         return self.page_size * self.kv_bytes_per_token + self.summary_bytes_per_page
 
 
+# Transient bytes one seal batch may hold; the pages per batch follow from it (seal_chunk_pages).
+SEAL_WORKSPACE_BYTES = 32 * 2**20
+
+
+def seal_chunk_pages(geometry: KVGeometry) -> int:
+    """Pages summarised together at seal time, so that their fp32 work matrices stay within SEAL_WORKSPACE_BYTES.
+
+    About six D x D fp32 matrices (the Gram matrix, the value-weighted one, their mix, eigh's workspace) and
+    the page's fp32 keys/values live per (page, layer, KV head) while a batch is summarised.
+    """
+    g = geometry
+    per_page = 6 * g.layers * g.kv_heads * (g.head_dim * g.head_dim + g.page_size * g.head_dim) * 4
+    return max(1, SEAL_WORKSPACE_BYTES // per_page)
+
+
+def seal_workspace_bytes(geometry: KVGeometry) -> int:
+    """Peak transient bytes of one seal batch (for the planner's workspace)."""
+    g = geometry
+    return seal_chunk_pages(g) * 6 * g.layers * g.kv_heads * (g.head_dim * g.head_dim + g.page_size * g.head_dim) * 4
+
+
 @dataclass(frozen=True)
 class PoolSizing:
     """How many pages a budget buys, with the arithmetic kept for the startup report and /metrics."""

@@ -17,7 +17,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .geometry import KVGeometry, PoolSizing
+from .geometry import KVGeometry, PoolSizing, seal_chunk_pages
 from .summaries import oval_summary, quest_summary
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,6 +65,7 @@ class PagePool:
         self.device = torch.device(device)
         self.eta = float(eta)
         self.sizing = sizing
+        self.seal_chunk = seal_chunk_pages(geometry)  # pages summarised per batch (bounded transient memory)
         g = geometry
         dtype = TORCH_DTYPES[g.dtype]
         shape = (g.layers, num_pages, g.kv_heads, g.page_size, g.head_dim)
@@ -224,15 +225,13 @@ class PagePool:
             self.seal(to_seal)
         return len(to_seal)
 
-    # Pages summarised per batch: bounds the D x D matrices held at once (chunk*layers*heads of them).
-    SEAL_CHUNK = 32
-
     @torch.no_grad()
     def seal(self, pages: Sequence[int]) -> None:
         """Build the summaries of full physical pages, for every layer and KV head at once."""
         g = self.geometry
-        for i in range(0, len(pages), self.SEAL_CHUNK):
-            idx = torch.tensor(pages[i : i + self.SEAL_CHUNK], dtype=torch.long, device=self.device)
+        chunk = self.seal_chunk
+        for i in range(0, len(pages), chunk):
+            idx = torch.tensor(pages[i : i + chunk], dtype=torch.long, device=self.device)
             keys = self.k.index_select(1, idx)  # [layers, n, kv_heads, P, D]
             flat = keys.reshape(-1, g.page_size, g.head_dim)
             lead = keys.shape[:3]

@@ -38,8 +38,8 @@ def window_slots(config: OvalConfig) -> int:
 
 
 def slots_per_step(config: OvalConfig) -> int:
-    """T: token slots gathered per KV head at a sparse decode step (= config.token_budget, one definition)."""
-    return (config.sink_pages + config.top_k) * config.page_size + window_slots(config)
+    """T: token slots gathered per KV head at a sparse decode step (one definition: config.token_budget)."""
+    return config.token_budget
 
 
 def dense_selection(lengths: torch.Tensor, kv_heads: int, width: int) -> Selection:

@@ -35,9 +35,11 @@ def peak_rss_bytes() -> int:
 
 def available_bytes(device: torch.device) -> int:
     """Memory a new pool may take from: free device memory on CUDA, MemAvailable on the host otherwise."""
-    if device.type == "cuda":
+    if device.type == "cuda" and not torch.cuda.get_device_properties(device).is_integrated:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
+    # Host memory, and Jetson's unified memory: cudaMemGetInfo reports MemFree there and hides reclaimable
+    # page cache, so MemAvailable is the figure a pool can really take.
     try:
         with open("/proc/meminfo", encoding="ascii") as handle:
             for line in handle:

@@ -58,7 +58,7 @@ def quantize_decoder_linears(model: nn.Module, quant: str, compute_dtype: torch.
     return replaced
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: bitsandbytes then fails on layers with a bias (Qwen2's q/k/v)
 def _pack_for_cpu(model: nn.Module) -> None:
     """Let bitsandbytes convert each 4-bit weight to its fused CPU layout now, not in the first request.
 

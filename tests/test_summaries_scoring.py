@@ -34,7 +34,7 @@ def sealed_pool(request):
     gen = torch.Generator().manual_seed(1234)
     data = [structured_kv(gen, LAYERS, KV_HEADS, n, DIM) for n in LENGTHS]
     pool = make_pool(LAYERS, KV_HEADS, DIM, page_size, num_pages=24, rank=RANK, eta=eta)
-    pool.SEAL_CHUNK = 5  # one commit then seals its pages in several batches, as long prompts do
+    pool.seal_chunk = 5  # one commit then seals its pages in several batches, as long prompts do
     seq_ids = ["a", "b", "c"]
     # Chunks of 40 tokens across all rows at once: pages of different rows interleave in the pool and are sealed
     # over several commits, so each seal batch mixes sequences.
