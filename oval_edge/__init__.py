@@ -13,6 +13,8 @@ __all__ = [
     "StepIndex",
     "parse_bytes",
     "format_bytes",
+    "apply_oval_to_model",
+    "remove_oval",
 ]
 __version__ = "0.1.0"
 
@@ -24,4 +26,8 @@ def __getattr__(name: str):
         from . import pool
 
         return getattr(pool, name)
+    if name in ("apply_oval_to_model", "remove_oval"):  # imports transformers: only when asked for
+        from . import hf_integration
+
+        return getattr(hf_integration, name)
     raise AttributeError(f"module 'oval_edge' has no attribute {name!r}")

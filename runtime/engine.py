@@ -80,7 +80,7 @@ class Engine:
         return False
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._active)
+        return bool(self._waiting) or any(not r.finished for r in self._active)
 
     # ---- one engine step -----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -164,6 +164,7 @@ class Engine:
         if request in self._waiting:
             self._waiting.remove(request)
         self.pool.free(request.request_id)
+        self.stats.pages_used = self.pool.num_used
         if reason == "cancelled":
             self.stats.cancelled += 1
         request.finish(reason, error)
