@@ -3,7 +3,7 @@
 Tensors (per model):
     K, V     [layers, pages, kv_heads, page_size, head_dim]
     quest    kmin, kmax [layers, pages, kv_heads, head_dim]
-    oval     U [layers, pages, kv_heads, head_dim, r], C [layers, pages, kv_heads, page_size, r]
+    oval     U^T [layers, pages, kv_heads, r, head_dim], C [layers, pages, kv_heads, page_size, r]
 
 A logical page holds the same `page_size` token positions in every layer. Sequences own page tables
 (logical page -> physical page). Verbs follow nano-vllm's block manager / vLLM's block pool: few of them, and
@@ -77,7 +77,9 @@ class PagePool:
             self.summaries["kmin"] = torch.zeros(shape[:3] + (g.head_dim,), dtype=dtype, device=self.device)
             self.summaries["kmax"] = torch.zeros(shape[:3] + (g.head_dim,), dtype=dtype, device=self.device)
         if "oval" in g.summary_kinds:
-            self.summaries["basis"] = torch.zeros(shape[:3] + (g.head_dim, g.rank), dtype=dtype, device=self.device)
+            # Stored transposed (U^T, [r, D] per page and head): scoring then gathers whole [r, D] blocks and
+            # multiplies them with the query in one matmul, without an element-strided transpose at decode time.
+            self.summaries["basis"] = torch.zeros(shape[:3] + (g.rank, g.head_dim), dtype=dtype, device=self.device)
             self.summaries["coords"] = torch.zeros(shape[:3] + (g.page_size, g.rank), dtype=dtype, device=self.device)
         # Free list as a stack: recently freed pages are reused first (warm in cache).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
@@ -242,7 +244,7 @@ class PagePool:
             if "basis" in self.summaries:
                 values = self.v.index_select(1, idx).reshape(-1, g.page_size, g.head_dim)
                 basis, coords = oval_summary(flat, values, g.rank, self.eta)
-                self.summaries["basis"].index_copy_(1, idx, basis.view(*lead, g.head_dim, g.rank))
+                self.summaries["basis"].index_copy_(1, idx, basis.transpose(1, 2).reshape(*lead, g.rank, g.head_dim))
                 self.summaries["coords"].index_copy_(1, idx, coords.view(*lead, g.page_size, g.rank))
 
     def storage_pointers(self) -> tuple[int, ...]:

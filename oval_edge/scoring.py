@@ -27,14 +27,18 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale:
     return torch.logsumexp(scale * bound.float(), dim=-1).transpose(1, 2)
 
 
-def oval_scores(q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, scale: float) -> torch.Tensor:
+def oval_scores(q: torch.Tensor, basis_t: torch.Tensor, coords: torch.Tensor, scale: float) -> torch.Tensor:
     """logsumexp over a page's tokens and the group's heads of scale * C (U^T q): the page's estimated log-mass.
 
-    q [B, Hkv, G, D]; basis U [B, Np, Hkv, D, r]; coords C [B, Np, Hkv, P, r] -> [B, Hkv, Np].
+    q [B, Hkv, G, D]; basis_t U^T [B, Np, Hkv, r, D]; coords C [B, Np, Hkv, P, r] -> [B, Hkv, Np].
+    One matmul projects the group's queries onto every page's basis at once ([G, D] x [D, Np*r] per KV head).
     """
-    projected = torch.einsum("bhgd,bnhdr->bnhgr", q.to(basis.dtype), basis)  # [B, Np, Hkv, G, r]
-    logits = torch.einsum("bnhpr,bnhgr->bnhpg", coords, projected)  # [B, Np, Hkv, P, G]
-    return torch.logsumexp(scale * logits.float().flatten(-2), dim=-1).transpose(1, 2)
+    b, n, h, r, d = basis_t.shape
+    rows = basis_t.transpose(1, 2).reshape(b, h, n * r, d).float()  # [B, Hkv, Np*r, D]: [r, D] blocks move whole
+    proj = torch.matmul(q.float(), rows.transpose(-1, -2)).view(b, h, -1, n, r)  # [B, Hkv, G, Np, r]
+    c = coords.transpose(1, 2).float()  # [B, Hkv, Np, P, r]
+    logits = torch.matmul(c, proj.permute(0, 1, 3, 4, 2))  # [B, Hkv, Np, P, G]
+    return torch.logsumexp(scale * logits.flatten(-2), dim=-1)
 
 
 def score_pages(
@@ -50,8 +54,12 @@ def score_pages(
     q [B, Hkv, G, D]; page_table [B, Np] physical pages -> scores [B, Hkv, Np] (callers mask non-candidates).
     Only the summaries of the listed pages are read, never their keys.
     """
+    def gather(name: str) -> torch.Tensor:  # index_select on a flat index: far cheaper than advanced indexing
+        table = summaries[name][layer]
+        return table.index_select(0, page_table.reshape(-1)).view(*page_table.shape, *table.shape[1:])
+
     if scorer == "oval":
-        return oval_scores(q, summaries["basis"][layer][page_table], summaries["coords"][layer][page_table], scale)
+        return oval_scores(q, gather("basis"), gather("coords"), scale)
     if scorer == "quest":
-        return quest_scores(q, summaries["kmin"][layer][page_table], summaries["kmax"][layer][page_table], scale)
+        return quest_scores(q, gather("kmin"), gather("kmax"), scale)
     raise ValueError(f"scorer={scorer!r} is unknown; allowed: oval, quest")

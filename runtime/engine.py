@@ -42,8 +42,8 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = "default", quant: str = "nf4", device: str | None = "auto",
-             oval: OvalConfig | None = None, config: EngineConfig | None = None) -> "Engine":
-        return cls(load_model(model, quant, device), oval, config)
+             oval: OvalConfig | None = None, config: EngineConfig | None = None, fuse: bool = True) -> "Engine":
+        return cls(load_model(model, quant, device, fuse=fuse), oval, config)
 
     # ---- admission -----------------------------------------------------------------------------------------
     def token_limit(self) -> int:
@@ -68,6 +68,7 @@ class Engine:
                 self.stats.refused += 1
                 raise QueueFull(f"the queue holds {self.config.max_queue} waiting requests; retry shortly")
             self._waiting.append(request)
+            self._refresh_stats()
         return request
 
     def cancel(self, request_id: str) -> bool:
@@ -76,6 +77,7 @@ class Engine:
             for request in list(self._waiting) + self._active:
                 if request.request_id == request_id and not request.finished:
                     self._end(request, "cancelled")
+                    self._refresh_stats()
                     return True
         return False
 
@@ -95,10 +97,14 @@ class Engine:
             if running:
                 finished += self._guarded(self._decode, running)
             self._active = [r for r in self._active if not r.finished]
-            self.stats.running = len(self._active)
-            self.stats.waiting = len(self._waiting)
-            self.stats.pages_used = self.pool.num_used
+            self._refresh_stats()
             return finished
+
+    def _refresh_stats(self) -> None:
+        # Also called by submit and cancel, so /metrics is right between steps, not only after the next one.
+        self.stats.running = sum(1 for r in self._active if not r.finished)
+        self.stats.waiting = len(self._waiting)
+        self.stats.pages_used = self.pool.num_used
 
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.config.max_batch:

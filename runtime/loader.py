@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .model_source import ModelSource, check_architecture, resolve_model
+from .embeddings import StoredEmbedding, StoredHead, store_embeddings
 from .quantize import QUANT_TYPES, quantize_decoder_linears, weight_bytes
 
 
@@ -54,8 +55,13 @@ def compute_dtype_for(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.float16
 
 
-def load_model(model: str | None = "default", quant: str = "nf4", device: str | None = "auto") -> LoadedModel:
-    """Load, quantize and report. Raises ValueError naming the path for a missing/broken/unsupported model."""
+def load_model(model: str | None = "default", quant: str = "nf4", device: str | None = "auto",
+               fuse: bool = True) -> LoadedModel:
+    """Load, quantize and report. Raises ValueError naming the path for a missing/broken/unsupported model.
+
+    fuse=True fuses q/k/v and gate/up into single 4-bit layers for the runtime's forward (same numbers, fewer
+    kernel calls); fuse=False keeps transformers' module layout so its own forward/generate still runs.
+    """
     if quant not in QUANT_TYPES:
         raise ValueError(f"quant={quant!r} is unknown; allowed: {', '.join(QUANT_TYPES)}")
     start = time.perf_counter()
@@ -82,12 +88,16 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
         raise ValueError(f"model {source.path}: cannot load its weights ({type(exc).__name__}: {exc})") from exc
     hf_model.eval().requires_grad_(False)
     if quant != "none":
-        quantize_decoder_linears(hf_model, quant, compute_dtype=load_dtype, device=dev)
+        quantize_decoder_linears(hf_model, quant, compute_dtype=load_dtype, device=dev, fuse=fuse)
+        store_embeddings(hf_model, storage=load_dtype, activations=dtype)
         gc.collect()
-    # Embeddings, norms (and an untied head) in the activation dtype; 4-bit layers are left as they are.
+    # Norms (and, unquantized, everything) in the activation dtype; 4-bit layers and stored embeddings keep theirs.
+    kept = (StoredEmbedding, StoredHead, *_linear4bit_types(quant))
     for module in hf_model.modules():
+        if isinstance(module, kept):
+            continue
         for name, param in list(module.named_parameters(recurse=False)):
-            if param.dtype.is_floating_point and param.dtype != dtype:
+            if param.dtype.is_floating_point and (param.dtype != dtype or param.device != dev):
                 param.data = param.data.to(device=dev, dtype=dtype)
     for module in hf_model.modules():  # rotary inv_freq and other buffers follow the weights
         for name, buf in list(module.named_buffers(recurse=False)):
@@ -106,6 +116,14 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
         weight_bytes=weight_bytes(hf_model),
         load_seconds=time.perf_counter() - start,
     )
+
+
+def _linear4bit_types(quant: str) -> tuple:
+    if quant == "none":
+        return ()
+    import bitsandbytes as bnb
+
+    return (bnb.nn.Linear4bit,)
 
 
 def _return_freed_memory() -> None:

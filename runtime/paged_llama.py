@@ -48,6 +48,7 @@ class PagedLlama:
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim**-0.5
+        self.qkv_split = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.score_override: ScoreOverride | None = None
         self.last_selections: list[Selection | None] = []
 
@@ -70,9 +71,7 @@ class PagedLlama:
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(n, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(n, self.kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(n, self.kv_heads, self.head_dim)
+            q, k, v = self._qkv(attn, x, n)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             self.pool.write(index, step, k, v)
@@ -88,7 +87,7 @@ class PagedLlama:
             else:
                 out = prefill_attention(self.pool, index, step, q, k, v, self.scale)
             hidden = hidden + attn.o_proj(out.reshape(n, self.num_heads * self.head_dim))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
         if attended:
             stats.attended_tokens = int(sum(int(v.sum()) for v in attended))
             stats.window_mean = float(torch.cat(stats.windows).float().mean()) if stats.windows else float(
@@ -96,6 +95,25 @@ class PagedLlama:
         last = torch.cumsum(torch.tensor(step.new_tokens, device=dev), 0) - 1  # last token of each row
         hidden = self.decoder.norm(hidden[last])
         return self.model.lm_head(hidden).float(), stats
+
+    def _qkv(self, attn, x: torch.Tensor, n: int):
+        """q [n, Hq, D], k and v [n, Hkv, D] from one fused 4-bit matmul when the loader fused them."""
+        fused = getattr(attn, "qkv_proj", None)
+        if fused is None:
+            return (attn.q_proj(x).view(n, self.num_heads, self.head_dim),
+                    attn.k_proj(x).view(n, self.kv_heads, self.head_dim),
+                    attn.v_proj(x).view(n, self.kv_heads, self.head_dim))
+        q, k, v = fused(x).split(self.qkv_split, dim=-1)
+        return (q.view(n, self.num_heads, self.head_dim), k.view(n, self.kv_heads, self.head_dim),
+                v.view(n, self.kv_heads, self.head_dim))
+
+    @staticmethod
+    def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(mlp, "gate_up_proj", None)
+        if fused is None:
+            return mlp(x)
+        gate, up = fused(x).chunk(2, dim=-1)  # [n, intermediate] each
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
     def _decode_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan):
         dense = self.attention == "dense" or index < self.config.dense_layers

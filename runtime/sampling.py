@@ -57,9 +57,13 @@ class RowSampler:
     def sample(self, logits: torch.Tensor) -> int:
         """logits [vocab] float32 -> token id."""
         p = self.params
-        if p.temperature == 0:
+        # Below float32's smallest normal number a temperature would divide by 0: use its limit, greedy.
+        if p.temperature < torch.finfo(torch.float32).tiny:
             return int(torch.argmax(logits))
-        logits = logits.float().cpu() / p.temperature
+        logits = logits.float().cpu()
+        # Shift by the max first: a tiny temperature then sends the others to -inf instead of overflowing to inf
+        # (inf - inf = NaN in the softmax); the softmax is shift-invariant, so nothing else changes.
+        logits = (logits - logits.max()) / p.temperature
         if p.top_k > 0 and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -68,6 +72,7 @@ class RowSampler:
             sorted_probs, order = torch.sort(probs, descending=True)
             # keep the smallest prefix whose mass reaches top_p (the first token always stays)
             drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= p.top_p
+            drop[0] = False  # also when top_p is below float32 resolution (it rounds to 0, and 0 >= 0)
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -76,7 +76,9 @@ def test_nf4_runtime_follows_hugging_face_with_the_same_bitsandbytes_weights():
     """Same bnb NF4 layers in both. bitsandbytes' fused CPU kernel rounds activations to bf16, so even HF's own
     cached decode differs from its full forward by ~0.15 logits; tokens are compared where that noise cannot
     flip them (top-2 margin > 1), logits within 1.0 along HF's own greedy trajectory."""
-    engine = Engine.load("default", quant="nf4", device="cpu", oval=COVERING, config=EngineConfig(num_pages=16))
+    # fuse=False keeps transformers' module layout, so its generate() runs on the very same 4-bit layers.
+    engine = Engine.load("default", quant="nf4", device="cpu", oval=COVERING, config=EngineConfig(num_pages=16),
+                         fuse=False)
     import bitsandbytes as bnb
 
     model, pool, runner = engine.loaded.model, engine.pool, engine.runner

@@ -115,7 +115,9 @@ def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozense
             state += s * shape.layers
         bias_bytes = LINEAR4_COMPUTE_BYTES[target]
     biases = shape.layers * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * bias_bytes if shape.qkv_bias else 0
-    embedding = shape.vocab * shape.hidden * act
+    # 4-bit modes keep the embedding (and an untied head) in 16 bits: bf16 on CPU, fp16 on CUDA
+    # (runtime.embeddings), while activations stay in `act`.
+    embedding = shape.vocab * shape.hidden * (act if quant == "none" else 2)
     return WeightBreakdown(
         quant=quant, layout=layout, target=target, linear_codes=codes, quant_state=state, dense_linear=dense,
         biases=biases, embedding=embedding, lm_head=0 if shape.tied_embeddings else embedding,
