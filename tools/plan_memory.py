@@ -18,11 +18,11 @@ MiB = 2**20
 # Resident bytes of a loaded server besides its weights: interpreter, torch, transformers, bitsandbytes, the
 # tokenizer and what loading leaves in the heap. This is what runtime/engine_setup.build_pool measures as its
 # `reserve` on the CPU (process RSS - weight bytes). CPU: measured in this project after
-# runtime.loader.load_model('default', 'nf4', 'cpu'): RSS 812 MiB with 162 MiB of weights -> 650 MiB (torch 2.13
-# CPU, Python 3.11, x86-64). CUDA: an estimate - host process ~400 MiB plus ~300 MiB of CUDA context with lazy
+# runtime.loader.load_model('default', 'nf4', 'cpu') (which returns the load's freed heap with malloc_trim):
+# RSS 520 MiB with 108 MiB of weights -> 412 MiB (torch 2.13 CPU, Python 3.11, x86-64). CUDA: an estimate - host process ~400 MiB plus ~300 MiB of CUDA context with lazy
 # module loading (PyTorch maintainers, pytorch/pytorch#107667) plus cuBLAS workspaces; on a Jetson both live in
 # the same DRAM. Override with --runtime-overhead after measuring on the board.
-RUNTIME_OVERHEAD = {"cpu": 650 * MiB, "cuda": 800 * MiB}
+RUNTIME_OVERHEAD = {"cpu": 412 * MiB, "cuda": 800 * MiB}
 # Resident bytes before the checkpoint is read (imports done), the base of the load peak. CPU: measured peak RSS
 # of that load, 913 MiB, minus the load transient `load_transient_bytes` predicts for it (607 MiB). CUDA: the CPU
 # figure plus the CUDA context (estimate).

@@ -1,0 +1,274 @@
+"""`oval-edge bench` and its `--serve` load tool: correctness of what they compute and report (never timing).
+
+One test runs the real benchmark on a tiny case (two child processes load the bundled model); the rest check
+the arithmetic (medians, ratios, percentiles), the run order, the SSE checks and the outcome classes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from oval_edge.tools import bench_command
+from oval_edge.tools.bench_plan import BenchSettings, parse_engines, parse_int_list, prompt_length, schedule
+from oval_edge.tools.bench_report import aggregate, effective_gb_s, median, ratios, scaling
+from oval_edge.tools.bench_runner import run_worker
+from oval_edge.tools.bench_worker import MemoryMeter, TokenClock
+from oval_edge.tools.load_client import RequestResult, StreamCheck, run_clients
+from oval_edge.tools.load_report import kv_pages, pages_returned, parse_metrics, percentile, summarize, verdict
+
+ROW_FIELDS = ("engine", "context", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "kv_bytes_per_step")
+
+
+def _bench_args(**overrides) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_command.add_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+# ---- the real thing, tiny --------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_tiny_bench_writes_rows_ratios_and_runs(tmp_path, capsys):
+    # 320 prompt tokens > OVAL's token budget (sink + 4 pages + window = 224), so OVAL really selects pages.
+    # quant none: half the load time of nf4 (no quantizing), and the rows are the same either way. One thread:
+    # on a shared CI machine two OpenMP threads stall on each other at every small op (it is not timed here).
+    out = tmp_path / "bench.json"
+    args = _bench_args(contexts="320", gen=4, runs=1, engines="oval,dense", device="cpu", quant="none", threads=1,
+                       json_path=str(out), no_progress=True)
+    assert bench_command.run(args) == 0
+    report = json.loads(out.read_text())
+    rows = {r["engine"]: r for r in report["rows"]}
+    assert set(rows) == {"oval", "dense"}
+    for row in rows.values():
+        for name in ROW_FIELDS:
+            assert row[name] is not None, name
+        assert row["context"] == 320 and row["prompt_tokens"] == 320 and row["gen_tokens"] == 4
+        assert row["threads"] == 1 and row["device"] == "cpu"
+        assert row["runs_ok"] == 1 and row["decode_steps"] == 3
+        assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+        # The process holds at least its own weights; the run peak never exceeds the whole-life peak.
+        assert row["peak_rss_mb"] * 2**20 > row["weight_bytes"] > 0
+        assert row["run_peak_rss_mb"] <= row["peak_rss_mb"]
+    # Dense reads every cached token of every layer at the last step: >= 323 tokens x K/V bytes per token
+    # (SmolLM2: 30 layers x 3 KV heads x 64 dims, K and V, in the pool's dtype).
+    per_token = 2 * 30 * 3 * 64 * {"float32": 4, "bfloat16": 2, "float16": 2}[rows["dense"]["kv_dtype"]]
+    assert rows["dense"]["kv_bytes_per_step"] >= (320 + 4 - 1) * per_token
+    assert rows["oval"]["kv_bytes_per_step"] < rows["dense"]["kv_bytes_per_step"]
+    (ratio,) = report["ratios"]
+    assert ratio["vs"] == "dense" and ratio["context"] == 320
+    assert ratio["decode_tok_s_ratio"] == pytest.approx(rows["oval"]["decode_tok_s"] / rows["dense"]["decode_tok_s"])
+    assert ratio["peak_rss_ratio"] == pytest.approx(rows["oval"]["peak_rss_mb"] / rows["dense"]["peak_rss_mb"])
+    assert [r["engine"] for r in report["runs"]] == ["oval", "dense"]
+    assert report["meta"]["gen"] == 4 and report["meta"]["engines"] == ["oval", "dense"]
+    printed = capsys.readouterr().out
+    assert "OVAL decode x" in printed and "oval" in printed and "dense" in printed
+
+
+def test_failed_worker_becomes_an_error_row(tmp_path):
+    job = {"engine": "no-such-engine", "context": 8, "run": 0, "threads": 1, "device": "cpu", "prompt_ids": [1]}
+    row = run_worker(job, str(tmp_path), timeout_s=120)
+    assert row["engine"] == "no-such-engine" and "unknown" in row["error"]
+    rows = aggregate([row])
+    assert rows[0]["runs_ok"] == 0 and rows[0]["decode_tok_s"] is None and rows[0]["errors"]
+
+
+def test_llamacpp_worker_modules_do_not_import_torch():
+    # The llama.cpp run's peak RSS must be llama.cpp's own, not llama.cpp + torch.
+    code = ("import sys, oval_edge.tools.bench_worker, oval_edge.tools.bench_peers; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---- arithmetic ----------------------------------------------------------------------------------------------
+def test_median_ignores_missing_values():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, None, 2.0, 3.0]) == 2.5
+    assert median([None]) is None and median([]) is None
+
+
+def _run(engine, context, run, decode, prefill=100.0, rss=500.0, kv=1000, weights=10_000):
+    return {"engine": engine, "context": context, "run": run, "decode_tok_s": decode, "prefill_tok_s": prefill,
+            "peak_rss_mb": rss, "run_peak_rss_mb": rss, "kv_bytes_per_step": kv, "weight_bytes": weights,
+            "prompt_tokens": context, "label": engine}
+
+
+def test_aggregate_takes_medians_and_skips_failed_runs():
+    runs = [_run("oval", 512, 0, 30.0), _run("oval", 512, 1, 10.0), _run("oval", 512, 2, 20.0, rss=700.0),
+            {"engine": "oval", "context": 512, "run": 3, "error": "boom"}]
+    (row,) = aggregate(runs, bandwidth_gb_s=1.0)
+    assert row["decode_tok_s"] == 20.0 and row["peak_rss_mb"] == 500.0
+    assert row["runs_ok"] == 3 and row["runs_failed"] == 1 and row["errors"] == ["boom"]
+    assert row["decode_tok_s_runs"] == [30.0, 10.0, 20.0]
+    assert row["effective_gb_s"] == pytest.approx((10_000 + 1000) * 20.0 / 1e9)
+    assert row["bandwidth_fraction"] == pytest.approx(row["effective_gb_s"] / 1.0)
+    assert effective_gb_s(None, 5, 1.0) is None
+
+
+def test_ratios_are_oval_over_each_other_engine_at_the_same_context():
+    rows = aggregate([_run("oval", 512, 0, 30.0, rss=600.0, kv=224), _run("dense", 512, 0, 20.0, rss=400.0, kv=512),
+                      _run("hf", 512, 0, 10.0, rss=1200.0), _run("oval", 8192, 0, 27.0),
+                      _run("llama.cpp", 8192, 0, 0.0)])
+    got = {(r["vs"], r["context"]): r for r in ratios(rows)}
+    assert set(got) == {("dense", 512), ("hf", 512), ("llama.cpp", 8192)}
+    assert got[("dense", 512)]["decode_tok_s_ratio"] == pytest.approx(1.5)
+    assert got[("dense", 512)]["peak_rss_ratio"] == pytest.approx(1.5)
+    assert got[("dense", 512)]["kv_bytes_ratio"] == pytest.approx(224 / 512)
+    assert got[("hf", 512)]["decode_tok_s_ratio"] == pytest.approx(3.0)
+    assert got[("hf", 512)]["peak_rss_ratio"] == pytest.approx(0.5)
+    assert got[("llama.cpp", 8192)]["decode_tok_s_ratio"] is None  # a zero rate gives no ratio, not a crash
+    scale = {(s["engine"], s["context"]): s["decode_vs_base"] for s in scaling(rows)}
+    assert scale[("oval", 8192)] == pytest.approx(0.9) and scale[("oval", 512)] == 1.0
+
+
+def test_token_clock_splits_prefill_and_decode():
+    clock = TokenClock()
+    clock.start = 10.0
+    clock.times, clock.token_ids = [12.0, 12.5, 13.0, 14.0], [5, 6, 7, 8]
+    summary = clock.summary(prompt_tokens=100)
+    assert summary["prefill_s"] == 2.0 and summary["prefill_tok_s"] == 50.0
+    assert summary["decode_steps"] == 3 and summary["decode_s"] == 2.0 and summary["decode_tok_s"] == 1.5
+    clock.times = clock.times[:1]
+    with pytest.raises(RuntimeError, match="at least 2"):
+        clock.summary(prompt_tokens=100)
+
+
+def test_memory_meter_reports_whole_life_and_run_peaks():
+    meter = MemoryMeter(cuda=False)
+    ballast = bytearray(64 * 2**20)  # raise the load-time peak, then drop it before the "run"
+    ballast[:: 4096] = b"x" * len(ballast[:: 4096])
+    del ballast
+    meter.after_load()
+    out = meter.finish()
+    assert out["peak_rss_mb"] >= out["load_peak_rss_mb"] >= 64
+    if out["run_peak_rss_mb"] is not None:  # /proc/self/clear_refs writable (Linux >= 4.0)
+        assert out["run_peak_rss_mb"] < out["load_peak_rss_mb"]
+
+
+# ---- plan --------------------------------------------------------------------------------------------------
+def test_schedule_alternates_engines_run_by_run():
+    order = schedule((512, 2048), ("oval", "dense", "hf"), runs=2)
+    assert [e for e, c, r in order if c == 512] == ["oval", "dense", "hf", "oval", "dense", "hf"]
+    assert [r for e, c, r in order if c == 512] == [0, 0, 0, 1, 1, 1]
+    assert len(order) == 12 and [c for _, c, _ in order[6:]] == [2048] * 6
+
+
+def test_parsing_and_validation():
+    assert parse_int_list("512, 2k,4096,512", "--contexts") == (512, 2048, 4096)
+    with pytest.raises(ValueError, match="--contexts"):
+        parse_int_list("512,abc", "--contexts")
+    assert parse_engines("oval,dense", peers=True) == ("oval", "dense", "hf", "llama.cpp")
+    assert parse_engines("oval,llamacpp", peers=False) == ("oval", "llama.cpp")
+    with pytest.raises(ValueError, match="vllm"):
+        parse_engines("oval,vllm", peers=False)
+    with pytest.raises(ValueError, match="--gen=1"):
+        BenchSettings(contexts=(512,), engines=("oval",), gen=1)
+    with pytest.raises(ValueError, match="--contexts"):
+        BenchSettings(contexts=(0,), engines=("oval",))
+
+
+def test_prompt_is_shortened_only_past_the_models_positions():
+    assert prompt_length(4096, 64, 8192) == 4096
+    assert prompt_length(8192, 64, 8192) == 8128
+    assert prompt_length(8192, 64, None) == 8192
+    with pytest.raises(ValueError, match="no room"):
+        prompt_length(100, 9000, 8192)
+
+
+# ---- the load tool -----------------------------------------------------------------------------------------
+def _chunk(content=None, finish=None):
+    return "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"content": content} if content else {}, "finish_reason": finish}]})
+
+
+def test_stream_check_accepts_a_well_formed_stream():
+    check = StreamCheck()
+    firsts = [check.feed(line) for line in
+              [": keep-alive", _chunk(), "", _chunk("Hel"), "", _chunk("lo"), "", _chunk(None, "length"), "",
+               'data: {"object": "chat.completion.chunk", "choices": [], "usage": {"completion_tokens": 3}}',
+               "", "data: [DONE]", ""]]
+    check.close()
+    assert check.well_formed and check.finish_reason == "length" and check.content_chunks == 2
+    assert firsts.count(True) == 1 and firsts[3] is True  # first content, not the role-only chunk
+    assert check.usage == {"completion_tokens": 3} and "".join(check.text) == "Hello"
+
+
+@pytest.mark.parametrize("lines, problem", [
+    ([_chunk("a"), _chunk(None, "stop")], "without data: [DONE]"),
+    ([_chunk("a"), "data: {not json", "data: [DONE]"], "not JSON"),
+    ([_chunk(None, "stop"), "data: [DONE]", _chunk("late")], "after [DONE]"),
+    ([_chunk("a"), "data: [DONE]"], "finish_reason"),
+    (["garbage line", _chunk(None, "stop"), "data: [DONE]"], "not an SSE field"),
+    (['data: {"choices": []}', "data: [DONE]"], "chat.completion.chunk"),
+])
+def test_stream_check_names_what_is_wrong(lines, problem):
+    check = StreamCheck()
+    for line in lines:
+        check.feed(line)
+    check.close()
+    assert not check.well_formed and problem in check.problem
+
+
+def test_outcomes_percentiles_and_verdict():
+    ok = RequestResult(0, 0, status=200, ttft_s=0.1, latency_s=1.0, completion_tokens=8, well_formed=True,
+                       finish_reason="length")
+    busy = RequestResult(0, 1, status=503, retry_after="1")
+    bare_503 = RequestResult(1, 0, status=503)
+    broken = RequestResult(1, 1, status=200, well_formed=False, problem="the stream ended without data: [DONE]")
+    assert [r.outcome for r in (ok, busy, bare_503, broken)] == ["completed", "busy", "error", "error"]
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([5.0], 95) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8) and percentile([], 50) is None
+    summary = summarize([ok, busy], wall_s=2.0)
+    assert summary["completed"] == 1 and summary["busy"] == 1 and summary["aggregate_tok_s"] == 4.0
+    assert verdict(summary, pages_ok=True) == []
+    bad = summarize([ok, bare_503, broken], wall_s=1.0)
+    problems = " ".join(verdict(bad, pages_ok=False))
+    assert "5xx" in problems and "malformed" in problems and "did not return" in problems
+
+
+def test_metrics_pages_are_found_and_checked():
+    text = ("# HELP oval_edge_kv_pages_total KV pages in the pool\n# TYPE oval_edge_kv_pages_total gauge\n"
+            "oval_edge_kv_pages_total 256.0\noval_edge_kv_pages_free 250.0\n"
+            "oval_edge_selected_pages_total 9000\nhttp_requests_total{code=\"200\"} 3\n")
+    pages = kv_pages(parse_metrics(text))
+    assert pages == {"total": 256.0, "free": 250.0, "used": 6.0}
+    assert pages_returned(pages) is False
+    assert pages_returned(kv_pages(parse_metrics("oval_edge_kv_pages_used 0\noval_edge_kv_pages_total 8\n"))) is True
+    assert pages_returned(kv_pages(parse_metrics("up 1\n"))) is None
+
+
+def test_clients_over_http_classify_streams_and_503s():
+    """run_clients against a small ASGI app speaking the OpenAI streaming protocol (no model): every third
+    request is refused with 503 + Retry-After, the rest stream three tokens."""
+    httpx = pytest.importorskip("httpx")
+    calls = []
+
+    async def app(scope, receive, send):
+        assert scope["type"] == "http" and scope["path"] == "/v1/chat/completions"
+        body = json.loads((await receive())["body"])
+        calls.append(body)
+        if len(calls) % 3 == 0:
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"retry-after", b"1")]})
+            await send({"type": "http.response.body", "body": b'{"error": {"message": "busy"}}'})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for line in [_chunk(), _chunk("a"), _chunk("b"), _chunk("c", "length"), "data: [DONE]"]:
+            await send({"type": "http.response.body", "body": (line + "\n\n").encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    transport = httpx.ASGITransport(app=app)
+    results, wall = asyncio.run(run_clients("http://test", "m", clients=3, requests_per_client=2, max_tokens=3,
+                                            headers={}, time_limit_s=30, transport=transport))
+    assert len(results) == 6 and wall > 0
+    assert all(body["stream"] is True and body["max_tokens"] == 3 for body in calls)
+    outcomes = sorted(r.outcome for r in results)
+    assert outcomes == ["busy", "busy", "completed", "completed", "completed", "completed"]
+    done = [r for r in results if r.outcome == "completed"]
+    assert all(r.completion_tokens == 3 and r.ttft_s is not None and r.finish_reason == "length" for r in done)
