@@ -11,22 +11,19 @@ from oval_edge.geometry import KVGeometry
 
 def process_rss_bytes() -> int:
     """Resident set size of this process now (Linux /proc; 0 where it cannot be read)."""
-    try:
-        with open(f"/proc/{os.getpid()}/status", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _status_bytes("VmRSS")
 
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (VmHWM)."""
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> int:
     try:
         with open(f"/proc/{os.getpid()}/status", encoding="ascii") as handle:
             for line in handle:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
