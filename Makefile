@@ -24,7 +24,7 @@ serve: $(STAMP)
 	$(VENV)/bin/oval-edge serve $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
