@@ -81,6 +81,13 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
     except Exception as exc:  # transformers raises many types for a broken file; name the path
         raise ValueError(f"model {source.path}: cannot read its configuration ({type(exc).__name__}: {exc})") from exc
     check_architecture(getattr(config, "model_type", None), source.path)
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+        # Attention limited to the last `window` tokens is not implemented: refuse rather than attend wrongly.
+        raise ValueError(
+            f"model {source.path}: sliding-window attention ({window} tokens) is not supported; use a model "
+            "without it (e.g. Mistral v0.2+, where sliding_window is null)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
         hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=load_dtype, **kwargs)

@@ -60,3 +60,13 @@ def test_unknown_quant_and_device_are_named():
         load_model("default", quant="int3", device="cpu")
     with pytest.raises(ValueError, match="device='tpu' is not supported; use cpu, cuda"):
         load_model("default", quant="none", device="tpu")
+
+
+def test_sliding_window_models_are_refused_not_attended_wrongly(tmp_path):
+    config = {"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768,
+              "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+              "intermediate_size": 128, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="sliding-window attention \\(4096 tokens\\) is not supported"):
+        load_model(str(tmp_path), quant="none", device="cpu")

@@ -55,7 +55,7 @@ def format_device_plan(plan: DevicePlan) -> str:
         f"request  : context {r.context} x batch {r.batch}, prefill chunk {r.prefill_chunk}",
         f"workspace: per page size, serve's formula reserves {_span([p.serve_workspace_bytes for p in plan.rows])}; "
         f"the largest step needs {_span([p.transient_bytes for p in plan.rows])}, of which sealing pages "
-        f"(summaries of up to 32 pages x {s.layers} layers x {s.kv_heads} heads at once) "
+        f"(a few pages x {s.layers} layers x {s.kv_heads} heads at once, bounded by bytes) "
         f"{_span([p.seal_bytes for p in plan.rows])}; the plan sets aside the larger",
         "",
     ]
