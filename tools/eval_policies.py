@@ -93,23 +93,19 @@ def build_policies(names: list[str], top_ks: list[int], etas: list[float]) -> li
 
 
 def parse_int_list(text: str, option: str, low: int, high: int) -> list[int]:
-    try:
-        values = [int(part) for part in str(text).split(",") if part.strip()]
-    except ValueError as exc:
-        raise ValueError(f"{option}={text!r} must be comma-separated integers, e.g. 2,4,8") from exc
-    if not values:
-        raise ValueError(f"{option}={text!r} names no value")
-    bad = [v for v in values if not low <= v <= high]
-    if bad:
-        raise ValueError(f"{option}={text!r}: {bad} out of range; allowed [{low}, {high}]")
-    return list(dict.fromkeys(values))
+    return _parse_list(text, option, low, high, int, "integers, e.g. 2,4,8")
 
 
 def parse_float_list(text: str, option: str, low: float, high: float) -> list[float]:
+    return _parse_list(text, option, low, high, float, "numbers, e.g. 0,0.5")
+
+
+def _parse_list(text: str, option: str, low, high, kind, example: str) -> list:
+    """Comma-separated values of `kind` within [low, high], duplicates dropped in order; errors name the option."""
     try:
-        values = [float(part) for part in str(text).split(",") if part.strip()]
+        values = [kind(part) for part in str(text).split(",") if part.strip()]
     except ValueError as exc:
-        raise ValueError(f"{option}={text!r} must be comma-separated numbers, e.g. 0,0.5") from exc
+        raise ValueError(f"{option}={text!r} must be comma-separated {example}") from exc
     if not values:
         raise ValueError(f"{option}={text!r} names no value")
     bad = [v for v in values if not low <= v <= high]
