@@ -89,7 +89,7 @@ class PagedLlama:
             hidden = hidden + attn.o_proj(out.reshape(n, self.num_heads * self.head_dim))
             hidden = hidden + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
         if attended:
-            stats.attended_tokens = int(sum(int(v.sum()) for v in attended))
+            stats.attended_tokens = int(torch.stack([v.sum() for v in attended]).sum())  # one device sync
             stats.window_mean = float(torch.cat(stats.windows).float().mean()) if stats.windows else float(
                 self.config.window_min)
         last = torch.cumsum(torch.tensor(step.new_tokens, device=dev), 0) - 1  # last token of each row
