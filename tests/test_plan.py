@@ -133,7 +133,7 @@ def test_torch_free_copies_agree_with_the_runtime():
     from oval_edge.runtime.engine_setup import kv_dtype_name
     from oval_edge.runtime.memory import prefill_workspace_bytes
     from oval_edge.selection import slots_per_step as runtime_slots
-    from oval_edge.tools import plan_memory, plan_model
+    from oval_edge.tools import plan_model
 
     for cfg in (OvalConfig(), OvalConfig(page_size=16, top_k=8), OvalConfig(page_size=128, window_max=96)):
         assert cfg.token_budget == runtime_slots(cfg)

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 
 from .bench_plan import HF_DTYPES, BenchSettings, default_threads, parse_engines, parse_int_list, prompt_length
-from .bench_report import aggregate, format_table, report_json
+from .bench_report import aggregate, format_table, report_json, write_json_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,12 +91,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_table(rows, report["ratios"], report["meta"]))
     if args.json_path:
-        try:
-            with open(args.json_path, "w", encoding="utf-8") as handle:
-                json.dump(report, handle, indent=2)
-        except OSError as exc:
-            raise ValueError(f"cannot write --json {args.json_path}: {exc.strerror or exc}") from exc
-        print(f"wrote {args.json_path}")
+        write_json_report(args.json_path, report)
     return 0 if all(r["runs_ok"] > 0 for r in rows) else 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 
 REFERENCE = "oval"
@@ -164,3 +165,13 @@ def _footnotes(rows: list[dict], meta: dict, show_bw: bool) -> str:
 
 def report_json(meta: dict, rows: list[dict], runs: list[dict]) -> dict:
     return {"meta": meta, "rows": rows, "ratios": ratios(rows), "scaling": scaling(rows), "runs": runs}
+
+
+def write_json_report(path: str, report: dict) -> None:
+    """Write a --json report; an unwritable path is a ValueError that names it."""
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=2)
+    except OSError as exc:
+        raise ValueError(f"cannot write --json {path}: {exc.strerror or exc}") from exc
+    print(f"wrote {path}")

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from urllib.parse import urlparse
 
 from .load_client import run_clients
+from .bench_report import write_json_report
 from .load_report import format_summary, kv_pages, pages_returned, parse_metrics, summarize, verdict
 from .load_server import AutoServer, wait_healthy
 
@@ -72,12 +72,7 @@ def run_load(args: argparse.Namespace) -> int:
         print("  OK: every request completed or got a deliberate 503, no other 5xx, all streams well-formed, "
               "every KV page free again")
     if args.json_path:
-        try:
-            with open(args.json_path, "w", encoding="utf-8") as handle:
-                json.dump(report, handle, indent=2)
-        except OSError as exc:
-            raise ValueError(f"cannot write --json {args.json_path}: {exc.strerror or exc}") from exc
-        print(f"wrote {args.json_path}")
+        write_json_report(args.json_path, report)
     return 0 if not report["problems"] else 1
 
 
