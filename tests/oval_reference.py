@@ -8,23 +8,9 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from oval_edge import KVGeometry, PagePool
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Run a test module on one intra-op thread, then restore the setting.
-
-    These tests run thousands of tiny ops; on a shared 2-core machine OpenMP's spinning workers fight the other
-    processes and make them 5-10x slower. Import this fixture into a test module to apply it there.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def structured_kv(gen: torch.Generator, layers: int, heads: int, length: int, dim: int):

@@ -28,15 +28,6 @@ TEXT = Path(__file__).resolve().parents[1] / "tools" / "data" / "botchan_ch1-2.t
 ALL = list(POLICY_NAMES[1:])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    # Decode steps are many small ops; on a shared 2-core machine OpenMP's spinning workers make them much slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_loaded(vocab: int = 256, tokenizer=None) -> LoadedModel:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -211,7 +202,7 @@ def test_bad_options_fail_before_the_model_loads(argv, message, capsys):
 # ---- the bundled model (slow) ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smollm(single_thread):
+def smollm():
     pytest.importorskip("gguf")
     from oval_edge.runtime.loader import load_model
 

@@ -12,7 +12,7 @@ import torch
 from oval_edge import OvalConfig
 from oval_edge.attention import decode_attention, prefill_attention
 from oval_edge.selection import slots_per_step
-from oval_reference import make_pool, prefill, single_thread, structured_kv, write_tokens  # noqa: F401
+from oval_reference import make_pool, prefill, structured_kv, write_tokens
 
 LAYERS, KV_HEADS, Q_HEADS, DIM = 2, 3, 9, 64
 GROUP = Q_HEADS // KV_HEADS

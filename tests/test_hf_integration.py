@@ -44,18 +44,8 @@ def _model_folder() -> str:
     return spec.submodule_search_locations[0]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    # One intra-op thread: decode steps are many small ops, and on a shared 2-core machine OpenMP's spinning
-    # workers fight the other processes and make them 5-10x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def loaded(single_thread):
+def loaded():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = _model_folder()

@@ -19,7 +19,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from oval_edge import KVGeometry, PagePool, size_pool
 from oval_edge.attention import gather_kv
-from oval_reference import single_thread  # noqa: F401  (autouse fixture)
 
 LAYERS, HEADS, DIM, PAGE, PAGES = 2, 2, 8, 16, 12
 

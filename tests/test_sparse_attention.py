@@ -14,13 +14,12 @@ import torch
 from oval_edge import OvalConfig
 from oval_edge.attention import decode_attention
 from oval_edge.selection import select_positions, slots_per_step
-from oval_reference import (  # noqa: F401  (single_thread is an autouse fixture)
+from oval_reference import (
     make_pool,
     prefill,
     ref_attention,
     ref_page_score,
     ref_selection,
-    single_thread,
     structured_kv,
     write_tokens,
 )

@@ -13,13 +13,12 @@ import torch
 
 from oval_edge.scoring import group_queries, score_pages
 from oval_edge.summaries import oval_summary
-from oval_reference import (  # noqa: F401  (single_thread is an autouse fixture)
+from oval_reference import (
     make_pool,
     prefill,
     ref_oval_summary,
     ref_page_score,
     ref_quest_summary,
-    single_thread,
     structured_kv,
 )
 
