@@ -32,6 +32,11 @@ class OvalConfig:
     scorer        'oval' (output-aware local basis, DESIGN §4.3) or 'quest' (per-channel key min/max).
     rank, eta     the oval basis rank r and the output-aware mix eta (0 = key-only spectral basis).
     kv_dtype      dtype of the page pool; 'auto' = float16 on CUDA, float32 on CPU.
+    window_module path of a calibrated output-aware window module (`oval-edge calibrate`): it sets each KV
+                  head's window within [window_min, window_max] from the layer's hidden state; None = off.
+    reuse_tau     selection reuse (oval_edge/reuse.py): a row keeps a recent selection of a layer instead of scoring
+    reuse_slots   pages when every KV head's query has cosine >= reuse_tau with the one that chose it; reuse_slots
+                  selections kept per sequence, layer and KV head (LRU). None = off (the default: see README).
     memory_budget total bytes the process may use for weights + workspace + KV pool (int or '1.5GiB');
                   None lets the runtime ask the device.
     """
@@ -47,8 +52,12 @@ class OvalConfig:
     eta: float = 0.5
     kv_dtype: str = "auto"
     memory_budget: int | str | None = None
-    # Reuse of the last selection when the query barely moved (DESIGN §4.7); None = off.
+    # Reuse of a recent selection when the query barely moved (DESIGN §4.7, oval_edge/reuse.py); None = off.
     reuse_tau: float | None = None
+    reuse_slots: int = 8  # recent selections kept per sequence, layer and KV head (the LRU's size)
+    # The calibrated output-aware window module (DESIGN §5; `oval-edge calibrate` writes it); None = off, the
+    # window follows the entropy rule above. It sets each KV head's window inside [window_min, window_max].
+    window_module: str | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +91,15 @@ class OvalConfig:
             tau = self.reuse_tau
             if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 < tau <= 1.0:
                 raise ValueError(f"reuse_tau={tau!r} is out of range: allowed (0.0, 1.0], or None to disable reuse")
+        _check_int("reuse_slots", self.reuse_slots, 1, 64, " recent selections per sequence, layer and KV head")
+        if self.window_module is not None:
+            if not isinstance(self.window_module, str) or not self.window_module.strip():
+                raise ValueError(f"window_module={self.window_module!r} must be the path of a module file written by "
+                                 "`oval-edge calibrate`, or None")
+            if self.window_min == self.window_max:
+                raise ValueError(f"window_module is set but window_min = window_max = {self.window_min}: the module "
+                                 "chooses each head's window inside [window_min, window_max]; widen the range "
+                                 "(e.g. window_min=16, window_max=128)")
 
     # Tokens read per KV head at a sparse decode step: sink + top-k pages + the largest window, where the window
     # slots also cover the open (unsealed) page, so at least page_size of them (= selection.slots_per_step).

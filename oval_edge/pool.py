@@ -72,15 +72,21 @@ class PagePool:
         # The only allocations the pool ever makes: everything below is written in place.
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        # Per-layer [pages * kv_heads * page_size, head_dim] views (no copy): the rows decode writes and gathers.
+        self.k_rows = [self.k[layer].view(-1, g.head_dim) for layer in range(g.layers)]
+        self.v_rows = [self.v[layer].view(-1, g.head_dim) for layer in range(g.layers)]
         self.summaries: dict[str, torch.Tensor] = {}
         if "quest" in g.summary_kinds:
             self.summaries["kmin"] = torch.zeros(shape[:3] + (g.head_dim,), dtype=dtype, device=self.device)
             self.summaries["kmax"] = torch.zeros(shape[:3] + (g.head_dim,), dtype=dtype, device=self.device)
         if "oval" in g.summary_kinds:
-            # Stored transposed (U^T, [r, D] per page and head): scoring then gathers whole [r, D] blocks and
-            # multiplies them with the query in one matmul, without an element-strided transpose at decode time.
-            self.summaries["basis"] = torch.zeros(shape[:3] + (g.rank, g.head_dim), dtype=dtype, device=self.device)
-            self.summaries["coords"] = torch.zeros(shape[:3] + (g.page_size, g.rank), dtype=dtype, device=self.device)
+            # Head-major [layers, kv_heads, pages, ...] and rank first: U^T [r, D] and C^T [r, P] per head and page.
+            # Scoring gathers a sequence's pages per KV head as contiguous blocks (one index_select), multiplies the
+            # query with all [r, D] blocks in one matmul and combines the r coordinate rows with page_size-long
+            # inner loops (scoring.oval_scores): no transpose at decode time.
+            head_major = (g.layers, g.kv_heads, num_pages)
+            self.summaries["basis"] = torch.zeros(head_major + (g.rank, g.head_dim), dtype=dtype, device=self.device)
+            self.summaries["coords"] = torch.zeros(head_major + (g.rank, g.page_size), dtype=dtype, device=self.device)
         # Free list as a stack: recently freed pages are reused first (warm in cache).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._tables: dict[Hashable, list[int]] = {}
@@ -210,8 +216,8 @@ class PagePool:
             heads = torch.arange(g.kv_heads, device=self.device) * g.page_size
             step.write_slots = (step.write_base[:, None] + heads[None, :]).reshape(-1)  # [N * kv_heads]
         slots = step.write_slots
-        self.k[layer].view(-1, g.head_dim).index_copy_(0, slots, k.reshape(-1, g.head_dim).to(self.k.dtype))
-        self.v[layer].view(-1, g.head_dim).index_copy_(0, slots, v.reshape(-1, g.head_dim).to(self.v.dtype))
+        self.k_rows[layer].index_copy_(0, slots, k.reshape(-1, g.head_dim).to(self.k.dtype))
+        self.v_rows[layer].index_copy_(0, slots, v.reshape(-1, g.head_dim).to(self.v.dtype))
 
     def commit(self, step: StepIndex) -> int:
         """Advance lengths after every layer wrote, then seal full pages. Returns pages sealed."""
@@ -244,8 +250,10 @@ class PagePool:
             if "basis" in self.summaries:
                 values = self.v.index_select(1, idx).reshape(-1, g.page_size, g.head_dim)
                 basis, coords = oval_summary(flat, values, g.rank, self.eta)
-                self.summaries["basis"].index_copy_(1, idx, basis.transpose(1, 2).reshape(*lead, g.rank, g.head_dim))
-                self.summaries["coords"].index_copy_(1, idx, coords.view(*lead, g.page_size, g.rank))
+                basis_t = basis.transpose(1, 2).reshape(*lead, g.rank, g.head_dim).transpose(1, 2)  # [L, Hkv, n, r, D]
+                coords_t = coords.transpose(1, 2).reshape(*lead, g.rank, g.page_size).transpose(1, 2)  # [L, Hkv, n, r, P]
+                self.summaries["basis"].index_copy_(2, idx, basis_t)
+                self.summaries["coords"].index_copy_(2, idx, coords_t)
 
     def storage_pointers(self) -> tuple[int, ...]:
         """Data pointers of every pool tensor: equal across calls proves nothing was reallocated."""

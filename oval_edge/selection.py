@@ -114,14 +114,18 @@ class DecodePlan:
             self.window = torch.full((b, kv_heads), config.window_min, dtype=torch.long, device=dev)
             self.start = torch.minimum(length - config.window_min, self.sealed_end)[:, :, None]  # [B, 1, 1]
             self.selectable = (self.candidates[:, None, :] & (self.page_start < self.start))  # [B, 1, Np]
+            self.unselectable = ~self.selectable  # negated once per step, not once per layer
             self.sink_valid, self.win_valid = self._edge_valid(self.start)
         self.dense_rows = lengths <= self.slots
+        self.sparse_rows = ~self.dense_rows
         self.all_dense = bool(self.dense_rows.all())
         self.any_dense = bool(self.dense_rows.any())
         if self.any_dense:
             self.short = dense_selection(lengths, kv_heads, self.slots)
             self.short.flat = self._flat(self.short.positions)
             self.short.pages = torch.full((b, kv_heads, config.top_k), -1, dtype=torch.long, device=dev)
+        # Flat pool index of slot j of physical page p for KV head h: p * Hkv * P + (h * P + j) -> [1, Hkv, 1, P]
+        self.head_slots = (self.heads * P)[..., None] + self.offsets
         self.sink_flat = self._flat(self.sink_pos)
         self.win_flat = self._flat(self.win_pos.clamp_min(0))
         self._full: Selection | None = None
@@ -145,19 +149,26 @@ class DecodePlan:
             self._full.flat = self._flat(self._full.positions)
         return self._full
 
-    def select(self, scores: torch.Tensor) -> Selection:
-        """Top-k pages of `scores` [B, Hkv, Np] plus sink and window for the rows longer than T."""
+    def select(self, scores: torch.Tensor, window: torch.Tensor | None = None) -> Selection:
+        """Top-k pages of `scores` [B, Hkv, Np] plus sink and window for the rows longer than T.
+
+        window [B, Hkv]: lengths chosen by the caller (the output-aware module), clamped to [window_min,
+        window_max]; the window still ends at the newest token and covers the open page. None: the entropy rule.
+        """
         if self.all_dense:
             return self.short
         config, P, k = self.config, self.config.page_size, self.config.top_k
         neg = float("-inf")
-        if self.fixed_window:
+        if self.fixed_window:  # a caller's window is clamped to [window_min, window_max]: the same fixed one
             window, start = self.window, self.start
-            masked = scores.float().masked_fill(~self.selectable, neg)
+            masked = scores.float().masked_fill(self.unselectable, neg)
             sink_valid, win_valid = self.sink_valid, self.win_valid
         else:
             masked = scores.float().masked_fill(~self.candidates[:, None, :], neg)
-            window = adaptive_window(masked, self.candidates, config)  # [B, Hkv]
+            if window is None:
+                window = adaptive_window(masked, self.candidates, config)  # [B, Hkv]
+            else:
+                window = window.to(self.lengths.device, torch.long).clamp(config.window_min, config.window_max)
             start = torch.minimum(self.lengths[:, None] - window, self.sealed_end)[..., None]  # [B, Hkv, 1]
             masked = masked.masked_fill(self.page_start >= start, neg)
             sink_valid, win_valid = self._edge_valid(start)
@@ -168,14 +179,15 @@ class DecodePlan:
             pad = torch.zeros(self.batch, self.kv_heads, k - take, dtype=torch.long, device=scores.device)
             top_pages = torch.cat([top_pages, pad], dim=-1)
             chosen = torch.cat([chosen, pad.bool()], dim=-1)
-        page_pos = (top_pages[..., None] * P + self.offsets).flatten(-2)  # [B, Hkv, k*P]
-        page_valid = chosen.repeat_interleave(P, dim=-1) & (page_pos < start)
+        page_pos = top_pages[..., None] * P + self.offsets  # [B, Hkv, k, P]
+        page_valid = ((page_pos < start[..., None]) & chosen[..., None]).flatten(-2)  # [B, Hkv, k*P]
+        page_pos = page_pos.flatten(-2)
         positions = torch.cat([self.sink_pos, page_pos, self.win_pos], dim=-1)
         valid = torch.cat([sink_valid, page_valid, win_valid], dim=-1)
         flat = None
         if self.page_table is not None:
             picked = self.page_table.gather(1, top_pages.reshape(self.batch, -1)).view_as(top_pages)
-            page_flat = (((picked * self.kv_heads + self.heads) * P)[..., None] + self.offsets).flatten(-2)
+            page_flat = (picked[..., None] * (self.kv_heads * P) + self.head_slots).flatten(-2)  # [B, Hkv, k*P]
             flat = torch.cat([self.sink_flat, page_flat, self.win_flat], dim=-1)
         if self.any_dense:  # rows short enough to fit in T slots attend densely: exact, no selection
             rows = self.dense_rows[:, None, None]
@@ -183,6 +195,7 @@ class DecodePlan:
             valid = torch.where(rows, self.short.valid, valid)
             flat = torch.where(rows, self.short.flat, flat) if flat is not None else None
             chosen = chosen & ~rows  # dense rows read no selected page: stats count only real picks
-        positions = positions.clamp_min(0) * valid
-        pages = torch.where(chosen, top_pages, torch.full_like(top_pages, -1))
-        return Selection(positions, valid, pages, window, ~self.dense_rows, flat)
+        # Sparse rows are longer than T, so every slot position is >= 0; dense rows took the short positions.
+        positions = positions * valid
+        pages = top_pages.masked_fill(~chosen, -1)
+        return Selection(positions, valid, pages, window, self.sparse_rows, flat)

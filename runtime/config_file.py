@@ -2,7 +2,8 @@
 
     [model]   path = "/abs/model.gguf" | "/abs/hf-folder" | "default";  quant = "nf4" | "fp4" | "none"
     [oval]    OvalConfig fields (page_size, top_k, sink_pages, window_min, window_max, dense_layers, scorer, rank,
-              eta, kv_dtype, reuse_tau) - validated by OvalConfig itself
+              eta, kv_dtype, reuse_tau, reuse_slots, window_module) - validated by OvalConfig itself; a relative
+              window_module path is taken relative to the config file's folder
     [server]  memory_budget (bytes or "1.5GiB": what the process may use for weights + workspace + KV pool),
               the EngineConfig settings max_batch, max_queue, prefill_chunk, max_model_len (or its alias
               max_context, as runtime/server_options.py reads it), attention, and device ("auto", "cpu", "cuda",
@@ -152,17 +153,21 @@ def load_config_file(path: str) -> dict:
     model_path = sections["model"].get("path")
     if model_path and model_path != "default" and not os.path.isabs(os.path.expanduser(model_path)):
         sections["model"]["path"] = os.path.normpath(os.path.join(os.path.dirname(path), model_path))
+    module = sections["oval"].get("window_module")  # like the model path: relative to the config file's folder
+    if module and not os.path.isabs(os.path.expanduser(module)):
+        sections["oval"]["window_module"] = os.path.normpath(os.path.join(os.path.dirname(path), module))
     return sections
 
 
-def write_config_file(path: str, sections: dict) -> str:
-    """Validate, then write `sections` as TOML (tomli-w, imported here). Returns the absolute path."""
+def write_config_file(path: str, sections: dict, writer: str = "oval-edge plan") -> str:
+    """Validate, then write `sections` as TOML (tomli-w, imported here); `writer` names the command in the header.
+    Returns the absolute path."""
     import tomli_w
 
     path = os.path.abspath(os.path.expanduser(path))
     clean = validate_sections(sections, f"config for {path}")
     text = tomli_w.dumps({k: v for k, v in clean.items() if v})
-    header = "# Written by `oval-edge plan`; read by `oval-edge serve --config`. Sizes are bytes.\n"
+    header = f"# Written by `{writer}`; read by `oval-edge serve --config`. Sizes are bytes.\n"
     try:
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(header + text)

@@ -33,6 +33,10 @@ class Engine:
         self.max_model_len = min(self.config.max_model_len or model_len, model_len)
         self.pool: PagePool = build_pool(loaded, self.oval, self.config, self.max_model_len)
         self.runner = PagedLlama(loaded.model, self.pool, self.oval, attention=self.config.attention)
+        if self.oval.window_module:  # the calibrated output-aware window module (oval-edge calibrate)
+            from oval_edge.output_module import window_hook
+
+            self.runner.window_override = window_hook(self.oval, loaded.config, loaded.name, loaded.device)
         self.eos_ids = _eos_ids(loaded)
         self.stats = EngineStats(pages_total=self.pool.num_pages)
         self._waiting: deque[Request] = deque()
@@ -169,6 +173,8 @@ class Engine:
         if request in self._waiting:
             self._waiting.remove(request)
         self.pool.free(request.request_id)
+        if self.runner.reuse is not None:  # its selections must not outlive it (oval_edge/reuse.py)
+            self.runner.reuse.drop(request.request_id)
         self.stats.pages_used = self.pool.num_used
         if reason == "cancelled":
             self.stats.cancelled += 1

@@ -109,7 +109,7 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
     for module in hf_model.modules():  # rotary inv_freq and other buffers follow the weights
         for name, buf in list(module.named_buffers(recurse=False)):
             module.register_buffer(name, buf.to(dev), persistent=name not in module._non_persistent_buffers_set)
-    _return_freed_memory()
+    return_freed_memory()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     logging.getLogger(__name__).info("loaded %s (%s) on %s", source.path, quant, dev)
@@ -133,7 +133,7 @@ def _linear4bit_types(quant: str) -> tuple:
     return (bnb.nn.Linear4bit,)
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Give the heap freed after loading (full-precision tensors, GGUF buffers) back to the OS.
 
     glibc keeps freed arenas mapped; without this the process's RSS stays at the load-time peak, which would

@@ -61,6 +61,22 @@ class _EngineCollector:
         yield _gauge("kv_bytes_read_last_step", "bytes of K and V gathered by the last decode step, all layers",
                      stats.kv_bytes_last_step)
         yield _counter("sparse_layer_steps", "layer-steps decoded with OVAL page selection", stats.sparse_layer_steps)
+        yield from _reuse_metrics(getattr(getattr(engine, "runner", None), "reuse", None))
+
+
+def _reuse_metrics(reuse):
+    """Selection reuse (oval_edge/reuse.py): always exported, zero when reuse is off, so series never vanish."""
+    counts = reuse.counts if reuse is not None else None
+    yield _gauge("selection_reuse_tau", "query cosine needed to reuse a recent page selection (0: reuse is off)",
+                 reuse.tau if reuse is not None else 0.0)
+    yield _counter("selection_reuse_lookups", "sparse row-layer decode steps that looked for a reusable selection",
+                   counts.lookups if counts else 0)
+    yield _counter("selection_reuse_hits", "row-layer decode steps that reused a recent selection (not scored)",
+                   counts.hits if counts else 0)
+    yield _counter("selection_reuse_head_lookups", "KV heads looked up (lookups x KV heads)",
+                   counts.head_lookups if counts else 0)
+    yield _counter("selection_reuse_head_hits", "KV heads whose query matched a recent selection on their own",
+                   counts.head_hits if counts else 0)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

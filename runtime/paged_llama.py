@@ -15,11 +15,17 @@ import torch
 from oval_edge.attention import decode_attention, decode_plan, prefill_attention
 from oval_edge.config import OvalConfig
 from oval_edge.pool import PagePool, StepIndex
+from oval_edge.reuse import SelectionReuse
 from oval_edge.selection import Selection
+
+from .projections import bind_norm, bind_projection
 
 ATTENTION_MODES = ("oval", "dense")
 # (layer, q [B, Hq, D], step) -> page scores [B, Hkv, Np]; lets `eval` plug in the oracle scorer.
 ScoreOverride = Callable[[int, torch.Tensor, StepIndex], torch.Tensor]
+# (layer, normed hidden state x [N, hidden], step) -> window lengths [B, Hkv] or None; called for every layer of
+# every step (prefill too, where the result is unused); the output-aware window module (oval_edge/output_module).
+WindowOverride = Callable[[int, torch.Tensor, StepIndex], "torch.Tensor | None"]
 
 
 @dataclass
@@ -50,7 +56,13 @@ class PagedLlama:
         self.scale = self.head_dim**-0.5
         self.qkv_split = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.score_override: ScoreOverride | None = None
+        # Selection reuse (DESIGN §4.7, oval_edge/reuse.py); None unless config.reuse_tau is set.
+        self.reuse = SelectionReuse.for_model(config, len(self.layers), self.num_heads, self.kv_heads,
+                                              self.head_dim, pool.device)
+        self.window_override: WindowOverride | None = None
         self.last_selections: list[Selection | None] = []
+        self.ops = [LayerOps.bind(layer) for layer in self.layers]
+        self.final_norm = bind_norm(self.decoder.norm)
 
     @torch.inference_mode()
     def forward(self, step: StepIndex, input_ids: torch.Tensor, decode: bool, collect: bool = False):
@@ -63,20 +75,19 @@ class PagedLlama:
         hidden = self.decoder.embed_tokens(input_ids.to(dev))  # [N, hidden]
         cos, sin = self.decoder.rotary_emb(hidden[None], step.positions[None])  # [1, N, D] each
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, D] broadcast over heads
+        sin = _signed_sin(sin)  # once per step, so each layer's RoPE is three ops (see _rope)
         n = hidden.shape[0]
         stats = StepStats()
         self.last_selections = []
         plan = decode_plan(self.pool, step, self.config) if decode else None
         attended: list[torch.Tensor] = []  # summed once at the end: no per-layer reduction on the hot path
-        for index, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q, k, v = self._qkv(attn, x, n)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        for index, (layer, ops) in enumerate(zip(self.layers, self.ops)):
+            x = ops.input_norm(hidden)
+            window = self.window_override(index, x, step) if self.window_override is not None else None
+            q, k, v = self._qkv(ops, x, n, cos, sin)
             self.pool.write(index, step, k, v)
             if decode:
-                out, selection = self._decode_layer(index, step, q, plan)
+                out, selection = self._decode_layer(index, step, q, plan, window)
                 stats.kv_tokens_read += selection.valid.numel()
                 attended.append(selection.valid)
                 if selection.window is not None and plan.config.window_min != plan.config.window_max:
@@ -86,44 +97,92 @@ class PagedLlama:
                     self.last_selections.append(selection)
             else:
                 out = prefill_attention(self.pool, index, step, q, k, v, self.scale)
-            hidden = hidden + attn.o_proj(out.reshape(n, self.num_heads * self.head_dim))
-            hidden = hidden + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+            hidden = hidden + ops.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+            hidden = hidden + ops.mlp(ops.post_norm(hidden))
         if attended:
             stats.attended_tokens = int(torch.stack([v.sum() for v in attended]).sum())  # one device sync
             stats.window_mean = float(torch.cat(stats.windows).float().mean()) if stats.windows else float(
                 self.config.window_min)
         last = torch.cumsum(torch.tensor(step.new_tokens, device=dev), 0) - 1  # last token of each row
-        hidden = self.decoder.norm(hidden[last])
+        hidden = self.final_norm(hidden[last])
         return self.model.lm_head(hidden).float(), stats
 
-    def _qkv(self, attn, x: torch.Tensor, n: int):
-        """q [n, Hq, D], k and v [n, Hkv, D] from one fused 4-bit matmul when the loader fused them."""
-        fused = getattr(attn, "qkv_proj", None)
-        if fused is None:
-            return (attn.q_proj(x).view(n, self.num_heads, self.head_dim),
-                    attn.k_proj(x).view(n, self.kv_heads, self.head_dim),
-                    attn.v_proj(x).view(n, self.kv_heads, self.head_dim))
-        q, k, v = fused(x).split(self.qkv_split, dim=-1)
-        return (q.view(n, self.num_heads, self.head_dim), k.view(n, self.kv_heads, self.head_dim),
-                v.view(n, self.kv_heads, self.head_dim))
+    def _qkv(self, ops: "LayerOps", x: torch.Tensor, n: int, cos: torch.Tensor, sin: torch.Tensor):
+        """q [n, Hq, D] and k [n, Hkv, D] rotated at their positions, v [n, Hkv, D].
 
-    @staticmethod
-    def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
-        fused = getattr(mlp, "gate_up_proj", None)
-        if fused is None:
-            return mlp(x)
-        gate, up = fused(x).chunk(2, dim=-1)  # [n, intermediate] each
-        return mlp.down_proj(mlp.act_fn(gate) * up)
+        cos, sin [n, 1, D]. With fused q/k/v the query and key heads sit side by side in one output row, so they
+        are rotated together: one RoPE over Hq + Hkv heads instead of two.
+        """
+        hq, hkv, d = self.num_heads, self.kv_heads, self.head_dim
+        if ops.qkv is not None:
+            qkv = ops.qkv(x)  # [n, (Hq + 2 Hkv) * D]
+            qk = _rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)
+            return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+        q = _rope(ops.q(x).view(n, hq, d), cos, sin)
+        k = _rope(ops.k(x).view(n, hkv, d), cos, sin)
+        return q, k, ops.v(x).view(n, hkv, d)
 
-    def _decode_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan):
+    def _decode_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan, window=None):
         dense = self.attention == "dense" or index < self.config.dense_layers
         scores = None
         if not dense and self.score_override is not None:
             scores = self.score_override(index, q, step)
+        if not dense and scores is None and self.reuse is not None:
+            return self.reuse.decode(self.pool, index, step, q, plan, self.config, self.scale, window)
         return decode_attention(self.pool, index, step, q, self.config, self.scale, dense=dense, scores=scores,
-                                plan=plan)
+                                plan=plan, window=window)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [.., D] -> [-sin[:D/2], sin[D/2:]]: folds rotate_half's negation into the table (see _rope)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in transformers' rotate_half convention: x [n, H, D]; cos, signed_sin [n, 1, D].
+
+    x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1] equals x*cos + [x2, x1] * [-sin1, sin2]; [x2, x1]
+    is x rolled by D/2. Three ops per call instead of seven: RoPE runs twice per layer per step.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+@dataclass
+class LayerOps:
+    """One decoder layer's weights bound for the runtime's forward (runtime/projections.py): the 4-bit projections
+    straight to their kernel, the norms to one fused op. The modules stay the owners of the weights."""
+
+    input_norm: Callable
+    post_norm: Callable
+    qkv: Callable | None  # fused q/k/v (the loader fuses 4-bit layers); else q, k, v separately
+    q: Callable | None
+    k: Callable | None
+    v: Callable | None
+    o_proj: Callable
+    gate_up: Callable | None
+    mlp_module: torch.nn.Module
+    down: Callable
+    act: Callable
+
+    @classmethod
+    def bind(cls, layer: torch.nn.Module) -> "LayerOps":
+        attn, mlp = layer.self_attn, layer.mlp
+        fused = getattr(attn, "qkv_proj", None)
+        gate_up = getattr(mlp, "gate_up_proj", None)
+        return cls(
+            input_norm=bind_norm(layer.input_layernorm), post_norm=bind_norm(layer.post_attention_layernorm),
+            qkv=bind_projection(fused) if fused is not None else None,
+            q=None if fused is not None else bind_projection(attn.q_proj),
+            k=None if fused is not None else bind_projection(attn.k_proj),
+            v=None if fused is not None else bind_projection(attn.v_proj),
+            o_proj=bind_projection(attn.o_proj),
+            gate_up=bind_projection(gate_up) if gate_up is not None else None,
+            mlp_module=mlp, down=bind_projection(mlp.down_proj), act=mlp.act_fn,
+        )
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is None:
+            return self.mlp_module(x)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [n, intermediate] each
+        return self.down(self.act(gate) * up)

@@ -57,6 +57,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-context", type=int, metavar="TOKENS",
                        help="cap on prompt + max_tokens per request (default: the model's context length)")
     group.add_argument("--prefill-chunk", type=int, metavar="TOKENS", help="prompt tokens per prefill step (512)")
+    group.add_argument("--window-module", metavar="FILE.safetensors",
+                       help="a window module fitted by `oval-edge calibrate` (sets each head's window; off by default)"
+                       "; without a window range in --config, the range it was calibrated with is used")
+    group.add_argument("--threads", type=int, metavar="N",
+                       help="CPU threads for the model's math (default: torch's, one per core). On a CPU host shared "
+                            "with other busy processes, 1 thread avoids threads waiting on each other")
     group.add_argument("--attention", choices=("oval", "dense"),
                        help="oval (sparse decode, the default) or dense (reads every cached token: the baseline)")
 
@@ -68,7 +74,17 @@ def _pick(flag, table: dict, key: str, default):
 
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
-    """Merge flags over the config file over the defaults; raises ValueError naming a bad value."""
+    """Merge flags over the config file over the defaults; raises ValueError naming a bad value.
+
+    --threads is applied here (torch.set_num_threads is process-wide), so serve and chat share it.
+    """
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads {threads} must be >= 1")
+        import torch
+
+        torch.set_num_threads(threads)
     sections = {"model": {}, "oval": {}, "server": {}}
     if args.config:
         from .config_file import load_config_file
@@ -79,6 +95,12 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     for flag, key in ((args.page_size, "page_size"), (args.top_k, "top_k")):
         if flag is not None:
             oval_values[key] = flag
+    if getattr(args, "window_module", None):
+        oval_values["window_module"] = args.window_module
+    if oval_values.get("window_module") and oval_values.get("window_min") == oval_values.get("window_max"):
+        from oval_edge.output_module import calibrated_window_range  # the range the module was fitted for
+
+        oval_values["window_min"], oval_values["window_max"] = calibrated_window_range(oval_values["window_module"])
     budget = _pick(args.memory_budget, server_t, "memory_budget", oval_values.get("memory_budget"))
     if budget is not None:
         oval_values["memory_budget"] = budget

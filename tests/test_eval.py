@@ -81,7 +81,7 @@ def test_eval_pool_seals_each_row_with_its_own_eta():
             kmin, kmax = quest_summary(k)
             torch.testing.assert_close(pool.summaries["kmin"][:, page].reshape_as(kmin), kmin)
             torch.testing.assert_close(pool.summaries["kmax"][:, page].reshape_as(kmax), kmax)
-            stored = pool.summaries["basis"][:, page].reshape(-1, 4, geometry.head_dim).transpose(1, 2)  # U^T -> U
+            stored = pool.summaries["basis"][:, :, page].reshape(-1, 4, geometry.head_dim).transpose(1, 2)  # U^T -> U
             if eta is None:  # rows that never score with oval summaries skip the eigensolver
                 assert not bool(stored.any())
                 continue

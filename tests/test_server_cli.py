@@ -29,7 +29,7 @@ def test_help_lists_the_flags():
     result = _run("--help")
     assert result.returncode == 0
     for flag in ("--model", "--quant", "--device", "--memory-budget", "--page-size", "--top-k", "--config", "--host",
-                 "--port", "--api-key", "--max-batch", "--max-queue"):
+                 "--port", "--api-key", "--max-batch", "--max-queue", "--threads"):
         assert flag in result.stdout
 
 
@@ -38,6 +38,7 @@ def test_help_lists_the_flags():
     (("--model", "/nonexistent/model.gguf"), "/nonexistent/model.gguf"),
     (("--max-batch", "0"), "max_batch=0"),
     (("--config", "/nonexistent/serve.toml"), "/nonexistent/serve.toml"),
+    (("--threads", "0"), "--threads 0 must be >= 1"),
 ])
 def test_bad_flags_fail_fast_naming_the_value(args, words):
     result = _run(*args)
@@ -121,3 +122,20 @@ def test_serve_with_config_then_sigterm_drains_and_exits_zero(tmp_path):
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_threads_flag_sets_torch_threads():
+    import argparse
+
+    import torch
+
+    from oval_edge.runtime.server_options import add_engine_arguments, engine_spec
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    before = torch.get_num_threads()
+    try:
+        engine_spec(parser.parse_args(["--threads", "1"]))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -87,8 +87,8 @@ def test_oval_summary_matches_loop_reference(sealed_pool):
                 u_ref, c_ref, evals = ref_oval_summary(keys, values, RANK, eta)
                 # The data has a gap after the r-th eigenvalue, so the top-r subspace (U U^T) is well defined.
                 assert float(evals[RANK - 1] - evals[RANK]) > 1e-2
-                u = pool.summaries["basis"][layer, phys, head].double().T  # stored U^T [r, D] -> U [D, r]
-                c = pool.summaries["coords"][layer, phys, head].double()  # [P, r]
+                u = pool.summaries["basis"][layer, head, phys].double().T  # stored U^T [r, D] -> U [D, r]
+                c = pool.summaries["coords"][layer, head, phys].double().T  # stored C^T [r, P] -> C [P, r]
                 torch.testing.assert_close(u.T @ u, torch.eye(RANK, dtype=torch.float64), atol=TOL, rtol=0)
                 torch.testing.assert_close(u @ u.T, u_ref @ u_ref.T, atol=TOL, rtol=0)
                 torch.testing.assert_close(c, keys.double() @ u, atol=TOL, rtol=0)  # C = K U for the stored U

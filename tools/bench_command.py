@@ -17,7 +17,8 @@ import datetime
 import os
 import platform
 
-from .bench_plan import HF_DTYPES, BenchSettings, default_threads, parse_engines, parse_int_list, prompt_length
+from .bench_plan import (HF_DTYPES, BenchSettings, default_threads, parse_engines, parse_int_list, prompt_length,
+                         with_reuse)
 from .bench_report import aggregate, format_table, report_json, write_json_report
 
 
@@ -38,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads for every engine (default: the CPUs this process may use)")
     parser.add_argument("--page-size", type=int, default=32, help="OVAL page size in tokens (default 32)")
     parser.add_argument("--top-k", type=int, default=4, help="OVAL pages selected per KV head (default 4)")
+    parser.add_argument("--reuse-tau", default=None,
+                        help="comma-separated cosines: also run oval with selection reuse at each (oval+reuse@TAU)")
     parser.add_argument("--hf-dtype", default="float32", choices=HF_DTYPES,
                         help="dtype of the Hugging Face peer's dequantized weights and cache (default float32)")
     parser.add_argument("--bandwidth", type=float, default=None,
@@ -100,6 +103,7 @@ def build_settings(args: argparse.Namespace) -> BenchSettings:
 
     OvalConfig(page_size=args.page_size, top_k=args.top_k)  # a bad value fails now, not in every worker
     engines = parse_engines(args.engines, args.peers)
+    engines = with_reuse(engines, getattr(args, "reuse_tau", None))
     device = _resolve_device(args.device)
     skipped = {}
     if "llama.cpp" in engines:

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 RUNTIME_ENGINES = ("oval", "dense")  # this project's runtime, OVAL and dense attention on the same page pool
+REUSE_PREFIX = "oval+reuse@"  # OVAL with selection reuse at a query cosine (--reuse-tau 0.95 -> oval+reuse@0.95)
 PEER_ENGINES = ("hf", "llama.cpp")  # what a user would pick instead (Hugging Face generate(), llama-cpp-python)
 ENGINES = RUNTIME_ENGINES + PEER_ENGINES
 ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "huggingface": "hf", "transformers": "hf"}
@@ -70,9 +71,16 @@ class BenchSettings:
                 raise ValueError(f"--contexts value {c!r} is out of range: allowed integers in [1, 1048576]")
         if not self.engines:
             raise ValueError("no engine to run; give --engines oval,dense and/or --peers")
-        unknown = [e for e in self.engines if e not in ENGINES]
+        unknown = [e for e in self.engines if e not in ENGINES and not e.startswith(REUSE_PREFIX)]
         if unknown:
             raise ValueError(f"--engines {unknown} unknown; allowed: {', '.join(ENGINES)}")
+        for engine in self.engines:
+            try:
+                tau = reuse_tau_of(engine)
+            except ValueError:
+                tau = float("nan")
+            if tau is not None and not 0.0 < tau <= 1.0:
+                raise ValueError(f"engine {engine!r}: the reuse cosine must be in (0, 1], e.g. {REUSE_PREFIX}0.95")
         for name, low, high in (("gen", 2, 1_000_000), ("runs", 1, 1000), ("threads", 1, 4096)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -99,6 +107,27 @@ def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
     if not values:
         raise ValueError(f"{flag}={text!r} names no value; give e.g. 512,2048,4096,8192")
     return tuple(dict.fromkeys(values))  # keep the order, drop repeats
+
+
+def reuse_tau_of(engine: str) -> float | None:
+    """The cosine threshold of an oval+reuse@TAU engine (None for any other engine)."""
+    return float(engine[len(REUSE_PREFIX):]) if engine.startswith(REUSE_PREFIX) else None
+
+
+def with_reuse(engines: tuple[str, ...], text: str | None) -> tuple[str, ...]:
+    """--reuse-tau 0.9,0.95: one oval+reuse@TAU engine per value, right after oval (so they alternate A B A B)."""
+    if text is None:
+        return engines
+    try:
+        taus = [float(part) for part in str(text).split(",") if part.strip()]
+    except ValueError as exc:
+        raise ValueError(f"--reuse-tau={text!r} must be comma-separated cosines, e.g. 0.9,0.95,0.99") from exc
+    bad = [t for t in taus if not 0.0 < t <= 1.0]
+    if bad or not taus:
+        raise ValueError(f"--reuse-tau={text!r}: {bad or 'no value'} out of range; allowed (0, 1]")
+    added = tuple(dict.fromkeys(f"{REUSE_PREFIX}{t:g}" for t in taus))
+    at = engines.index("oval") + 1 if "oval" in engines else 0
+    return engines[:at] + added + engines[at:]
 
 
 def parse_engines(text: str, peers: bool) -> tuple[str, ...]:

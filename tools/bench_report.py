@@ -8,7 +8,8 @@ import statistics
 REFERENCE = "oval"
 # Per-run numbers whose median becomes the row's figure.
 MEDIAN_FIELDS = ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_mb", "run_peak_rss_mb", "rss_after_load_mb",
-                 "peak_device_mb", "run_peak_device_mb", "kv_bytes_per_step", "weight_bytes", "prefill_s", "decode_s")
+                 "peak_device_mb", "run_peak_device_mb", "kv_bytes_per_step", "weight_bytes", "prefill_s", "decode_s",
+                 "reuse_hit_rate")
 # Per-run facts that do not vary between runs: taken from the first successful run.
 FIRST_FIELDS = ("label", "prompt_tokens", "gen_tokens", "decode_steps", "kv_bytes_source", "kv_dtype", "device",
                 "threads", "pool_pages", "pool_bytes", "n_ctx", "output_ids")

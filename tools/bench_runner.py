@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import Callable
 
-from .bench_plan import BenchSettings, passage_ids, prompt_length, schedule, warmup_ids
+from .bench_plan import BenchSettings, passage_ids, prompt_length, reuse_tau_of, schedule, warmup_ids
 
 WORKER_MODULE = "oval_edge.tools.bench_worker"
 
@@ -50,6 +50,7 @@ def job_spec(settings: BenchSettings, engine: str, context: int, run: int, promp
         "gen": settings.gen, "model": settings.model, "model_dir": settings.model_dir,
         "gguf_file": settings.gguf_file, "quant": settings.quant, "device": settings.device,
         "threads": settings.threads, "page_size": settings.page_size, "top_k": settings.top_k,
+        "reuse_tau": reuse_tau_of(engine),
         "hf_dtype": settings.hf_dtype, "kv_elements_per_token": kv_elements_per_token,
     }
 

@@ -25,11 +25,14 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
 
     torch.set_num_threads(int(job["threads"]))
     prompt, gen = list(job["prompt_ids"]), int(job["gen"])
-    oval = OvalConfig(page_size=int(job["page_size"]), top_k=int(job["top_k"]))
+    tau = job.get("reuse_tau")  # oval+reuse@TAU engines: oval with selection reuse at that cosine
+    oval = OvalConfig(page_size=int(job["page_size"]), top_k=int(job["top_k"]),
+                      reuse_tau=float(tau) if tau is not None else None)
     pages = pool_pages(len(prompt), gen, oval.page_size)
     engine = Engine.load(
         model=job["model"], quant=job["quant"], device=job["device"], oval=oval,
-        config=EngineConfig(max_batch=1, max_queue=1, attention=job["engine"], num_pages=pages),
+        config=EngineConfig(max_batch=1, max_queue=1, attention="dense" if job["engine"] == "dense" else "oval",
+                            num_pages=pages),
     )
     engine.generate(list(job["warmup_ids"]), SamplingParams(max_tokens=WARMUP_GEN_TOKENS, ignore_eos=True))
     meter.after_load()
@@ -43,8 +46,16 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
     if request.finish_reason not in ("length", "stop"):
         raise RuntimeError(f"the {job['engine']} engine ended the request with {request.finish_reason}: {request.error}")
     geometry = engine.pool.geometry
+    # Selection reuse counts (the 32-token warm-up fits the token budget: dense, so it looks nothing up).
+    counts = engine.runner.reuse.counts if engine.runner.reuse is not None else None
+    label = f"{job['engine']} ({engine.loaded.quant})"
+    if counts is not None:
+        label = f"oval + selection reuse at tau={oval.reuse_tau:g} ({engine.loaded.quant}), " \
+                f"{counts.hit_rate:.1%} of row-layer steps reused"
     return {
-        "label": f"{job['engine']} ({engine.loaded.quant})",
+        "label": label,
+        "reuse_hit_rate": counts.hit_rate if counts is not None else None,
+        "reuse_lookups": counts.lookups if counts is not None else None,
         "kv_bytes_per_step": engine.stats.kv_bytes_last_step,
         "kv_bytes_source": "measured: K/V gathered at the last decode step, all layers (engine stats)",
         "kv_dtype": geometry.dtype,

@@ -110,7 +110,7 @@ def run_job(job: dict) -> dict:
     uses_torch_cuda = job["device"] == "cuda" and engine != "llama.cpp"
     meter = MemoryMeter(cuda=uses_torch_cuda)
     began = time.perf_counter()
-    if engine in ("oval", "dense"):
+    if engine in ("oval", "dense") or job.get("reuse_tau") is not None:  # oval+reuse@TAU: oval with reuse
         from .bench_runtime import run_runtime
 
         extra = run_runtime(job, meter, clock)

@@ -19,7 +19,8 @@ import torch
 from oval_edge.config import OvalConfig
 from oval_edge.units import format_bytes, parse_bytes
 
-from .eval_policies import POLICY_NAMES, build_policies, parse_float_list, parse_int_list, parse_names
+from .eval_policies import (ALL_POLICIES, POLICY_NAMES, build_policies, parse_float_list, parse_int_list,
+                            parse_names)
 
 TASKS = ("fidelity", "passkey")
 
@@ -36,13 +37,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "machine they hurt)")
     run.add_argument("--tasks", default="fidelity,passkey", help=f"comma-separated: {', '.join(TASKS)}")
     run.add_argument("--policies", default=",".join(POLICY_NAMES[1:]),
-                     help="compared with dense: window, quest, oval, oracle")
+                     help="compared with dense: window, quest, oval, oracle; and the window policies entropy "
+                          "(window from the page-score entropy) and module (from --window-module)")
     run.add_argument("--prefill-chunk", type=int, default=512, help="tokens per dense prefill chunk")
     oval = parser.add_argument_group("budget (every policy reads the same tokens per step)")
     oval.add_argument("--page-size", default="32", help="comma-separated page sizes (one pass each)")
     oval.add_argument("--top-k", default="4", help="comma-separated pages selected per KV head")
     oval.add_argument("--eta", default="0.5", help="comma-separated oval eta values (0 = key-only basis)")
     oval.add_argument("--window", type=int, default=64, help="local window in tokens")
+    oval.add_argument("--entropy-window", default="16,128",
+                      help="LO,HI: window range of the entropy policy (pick it so that its mean window is --window)")
+    oval.add_argument("--module-window", default=None,
+                      help="LO,HI: window range of the module policy (default: the range it was calibrated with)")
+    oval.add_argument("--window-module", default=None,
+                      help="a window module from `oval-edge calibrate`; adds the module policy")
+    oval.add_argument("--reuse-tau", default=None,
+                      help="comma-separated cosines, e.g. 0.9,0.95,0.99: one more oval row per value that reuses a "
+                           "recent page selection when the query moved less (selection reuse, DESIGN §4.7)")
     oval.add_argument("--sink-pages", type=int, default=1, help="leading pages always attended")
     oval.add_argument("--dense-layers", type=int, default=2, help="first layers decoded densely")
     oval.add_argument("--rank", type=int, default=4, help="oval basis rank r")
@@ -74,10 +85,21 @@ def _check_int(name: str, value: int, low: int, high: int) -> None:
 def _settings(args: argparse.Namespace) -> dict:
     """Validate every option before the model loads, so a typo costs nothing."""
     tasks = parse_names(args.tasks, "--tasks", TASKS)
-    names = parse_names(args.policies, "--policies", POLICY_NAMES)
+    names = parse_names(args.policies, "--policies", ALL_POLICIES)
+    if args.window_module and "module" not in names:
+        names.append("module")
+    windows = {"entropy": _window_range(args.entropy_window, "--entropy-window")}
+    if "module" in names:
+        if not args.window_module:
+            raise ValueError("--policies module needs --window-module FILE (written by `oval-edge calibrate`)")
+        from oval_edge.output_module import calibrated_window_range
+
+        windows["module"] = (_window_range(args.module_window, "--module-window") if args.module_window
+                             else calibrated_window_range(args.window_module))
     page_sizes = parse_int_list(args.page_size, "--page-size", 16, 256)
     top_ks = parse_int_list(args.top_k, "--top-k", 1, 4096)
     etas = parse_float_list(args.eta, "--eta", 0.0, 1.0)
+    reuse_taus = _reuse_taus(args.reuse_tau, names)
     _check_int("--threads", args.threads, 1, 1024)
     _check_int("--length", args.length, 16, 1 << 20)
     start = args.start if args.start is not None else max(1, args.length - 192)
@@ -91,9 +113,28 @@ def _settings(args: argparse.Namespace) -> dict:
                         kv_dtype="float32") for p in page_sizes]  # validates window, sink, rank, ...
     if args.text is not None and not os.path.isfile(args.text):
         raise ValueError(f"--text {args.text} is not a file")
-    return dict(tasks=tasks, policies=build_policies(names, top_ks, etas), page_sizes=page_sizes, start=start,
-                contexts=contexts, depths=depths, base=bases[0].replace(top_k=top_ks[0]),
+    return dict(tasks=tasks, policies=build_policies(names, top_ks, etas, windows, reuse_taus), page_sizes=page_sizes,
+                start=start, contexts=contexts, depths=depths, base=bases[0].replace(top_k=top_ks[0]),
                 pool_memory=parse_bytes(args.pool_memory, "--pool-memory"))
+
+
+def _reuse_taus(text: str | None, names: list[str]) -> list[float]:
+    if text is None:
+        return []
+    taus = parse_float_list(text, "--reuse-tau", float("-inf"), float("inf"))
+    bad = [t for t in taus if not 0.0 < t <= 1.0]
+    if bad:
+        raise ValueError(f"--reuse-tau={text!r}: {bad} out of range; allowed (0, 1] (1 = only an unchanged query)")
+    if "oval" not in names:
+        raise ValueError("--reuse-tau adds oval rows that reuse selections: keep oval in --policies")
+    return taus
+
+
+def _window_range(text: str, option: str) -> tuple[int, int]:
+    values = parse_int_list(text, option, 3, 65536)
+    if len(values) != 2 or values[0] >= values[1]:
+        raise ValueError(f"{option}={text!r} must be LO,HI with 3 <= LO < HI, e.g. 16,128")
+    return values[0], values[1]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,6 +151,15 @@ def run(args: argparse.Namespace) -> int:
     if too_long:
         raise ValueError(f"{too_long} tokens exceed the model's context of {limit}; lower --length / --contexts")
     print(describe(loaded))
+    s["module"] = None
+    if args.window_module:
+        from oval_edge.output_module import load_module
+
+        s["module"] = load_module(args.window_module, loaded.device, loaded.config, loaded.name)
+        card = s["module"].card
+        print(f"window module {args.window_module}: calibrated on {card.text}; held-out MAE "
+              f"{card.fit.get('heldout', {}).get('mae_tokens', float('nan')):.1f} tokens, mean reach "
+              f"{card.mean_reach:.3f}")
     base = s["base"]
     print(f"budget: window {args.window}, sink pages {args.sink_pages}, dense layers {args.dense_layers}, "
           f"rank {args.rank}; policies: {', '.join(p.label for p in s['policies'])}")
@@ -151,7 +201,7 @@ def _fidelity(args, s, loaded, base: OvalConfig) -> list[dict]:
     print(f"\nfidelity: {source}, {args.length} tokens, dense prefill 0..{s['start'] - 1}, "
           f"{args.length - s['start']} teacher-forced decode steps per row")
     rows = run_fidelity(loaded, ids, s["start"], base, s["policies"], s["page_sizes"], args.prefill_chunk,
-                        show_progress=not args.no_progress)
+                        show_progress=not args.no_progress, window_module=s["module"])
     return fidelity_records(rows)
 
 
@@ -173,5 +223,5 @@ def _passkey(args, s, loaded, base: OvalConfig) -> list[dict]:
             print(f"  context {context}, page {page_size}: {len(cases)} cases, up to {max_rows} rows "
                   f"({format_bytes(max_rows * row_bytes)}) per batch")
             results += run_passkey(loaded, cases, config, s["policies"], max_rows, args.prefill_chunk,
-                                   show_progress=not args.no_progress)
+                                   show_progress=not args.no_progress, window_module=s["module"])
     return passkey_records(results)

@@ -27,17 +27,21 @@ class FidelityRow:
     page_size: int
     tokens_per_step: int | None  # configured K/V slots per KV head in a sparse layer (None: dense)
     tokens_attended: float | None  # measured mean valid slots per KV head per sparse layer-step
+    window_mean: float | None  # measured mean window length (tokens) per KV head per sparse layer-step
     context: int  # text length N
     steps: int  # decode steps compared (N - start)
     kl: float
     top1: float
     ppl: float
+    reuse: dict | None = None  # rows with a reuse_tau: {"hit_rate", "head_hit_rate", "lookups"} (tools/eval_reuse)
 
 
 @torch.no_grad()
 def run_fidelity(loaded, ids: list[int], start: int, base: OvalConfig, policies: list[Policy],
-                 page_sizes: list[int], chunk: int = 512, show_progress: bool = True) -> list[FidelityRow]:
-    """One pass per page size; every pass starts from the same dense prefix (computed once)."""
+                 page_sizes: list[int], chunk: int = 512, show_progress: bool = True,
+                 window_module=None) -> list[FidelityRow]:
+    """One pass per page size; every pass starts from the same dense prefix (computed once). `window_module`:
+    the calibrated module the `module` policy rows decode with."""
     total = len(ids)
     if not 1 <= start < total:
         raise ValueError(f"--start={start} must be in [1, {total - 1}] for a text of {total} tokens")
@@ -48,11 +52,12 @@ def run_fidelity(loaded, ids: list[int], start: int, base: OvalConfig, policies:
     rows: list[FidelityRow] = []
     for page_size in page_sizes:
         config = base.replace(page_size=page_size)
-        rows += _one_pass(loaded, ids, start, config, policies, keys, values, show_progress)
+        rows += _one_pass(loaded, ids, start, config, policies, keys, values, show_progress, window_module)
     return rows
 
 
-def _one_pass(loaded, ids, start, config: OvalConfig, policies, keys, values, show_progress) -> list[FidelityRow]:
+def _one_pass(loaded, ids, start, config: OvalConfig, policies, keys, values, show_progress,
+              window_module=None) -> list[FidelityRow]:
     total, count, page_size = len(ids), len(policies), config.page_size
     pages_per_row = -(-total // page_size)
     pool = EvalPool(geometry_for(loaded.config, page_size, config.rank), count * pages_per_row, loaded.device,
@@ -60,7 +65,7 @@ def _one_pass(loaded, ids, start, config: OvalConfig, policies, keys, values, sh
     for row, policy in enumerate(policies):
         pool.allocate_row(row, total, policy.summary_eta())
         load_kv(pool, row, keys, values)
-    runner = EvalRunner(loaded.model, pool, config, policies)
+    runner = EvalRunner(loaded.model, pool, config, policies, window_module)
     seq_ids = list(range(count))
     kl = torch.zeros(count, dtype=torch.float64)
     agree = torch.zeros(count, dtype=torch.long)
@@ -85,11 +90,20 @@ def _one_pass(loaded, ids, start, config: OvalConfig, policies, keys, values, sh
     out = []
     for row, policy in enumerate(policies):
         layer_steps = int(runner.sparse_layer_steps[row])
-        attended = float(runner.reads[row]) / (layer_steps * pool.geometry.kv_heads) if layer_steps else None
+        per_head = layer_steps * pool.geometry.kv_heads
+        attended = float(runner.reads[row]) / per_head if layer_steps else None
+        window = float(runner.window_sum[row]) / per_head if layer_steps else None
         out.append(FidelityRow(
             policy=policy, page_size=page_size, tokens_per_step=policy.tokens_per_step(config),
-            tokens_attended=attended, context=total, steps=n,
+            tokens_attended=attended, window_mean=window, context=total, steps=n,
             kl=max(float(kl[row]) / n, 0.0), top1=float(agree[row]) / n,
             ppl=math.exp(float(nll[row]) / scored) if n > 1 else float("nan"),
+            reuse=_reuse_summary(runner.row_reuse.counts(row)),
         ))
     return out
+
+
+def _reuse_summary(counts) -> dict | None:
+    if counts is None:
+        return None
+    return {"hit_rate": counts.hit_rate, "head_hit_rate": counts.head_hit_rate, "lookups": counts.lookups}

@@ -54,6 +54,17 @@ class PasskeyResult:
     answers: list[bool] = field(default_factory=list)  # in case order
     outputs: list[str] = field(default_factory=list)
     cases: list[tuple[float, str]] = field(default_factory=list)  # (depth, key) of each answer
+    reads: float = 0.0  # K/V slots attended in sparse layers, summed over KV heads, steps and cases
+    window_sum: float = 0.0  # window lengths, summed likewise
+    head_steps: int = 0  # sparse layer-steps x KV heads
+
+    @property
+    def tokens_attended(self) -> float | None:
+        return self.reads / self.head_steps if self.head_steps else None
+
+    @property
+    def window_mean(self) -> float | None:
+        return self.window_sum / self.head_steps if self.head_steps else None
 
     @property
     def accuracy(self) -> float:
@@ -105,8 +116,8 @@ def parse_answer(text: str) -> str | None:
 
 @torch.no_grad()
 def run_passkey(loaded, cases: list[PasskeyCase], base: OvalConfig, policies: list[Policy], max_rows: int,
-                chunk: int = 512, show_progress: bool = True) -> list[PasskeyResult]:
-    """All cases of one context (and one page size, base.page_size)."""
+                chunk: int = 512, show_progress: bool = True, window_module=None) -> list[PasskeyResult]:
+    """All cases of one context (and one page size, base.page_size); `window_module` for `module` rows."""
     if policies[0].name != "dense":
         raise ValueError("the first row must be the dense reference")
     context = cases[0].context
@@ -137,8 +148,12 @@ def run_passkey(loaded, cases: list[PasskeyCase], base: OvalConfig, policies: li
                 pool.allocate_row((c, r), capacity, policies[r].summary_eta())
                 load_kv(pool, (c, r), case_keys, case_values)
             bar.update(1)
-        runner = EvalRunner(model, pool, base, [policies[r] for _, r in row_ids])
+        runner = EvalRunner(model, pool, base, [policies[r] for _, r in row_ids], window_module)
         outputs = _decode(runner, pool, row_ids, batch[0].question)
+        for i, (_, r) in enumerate(row_ids):
+            results[r].reads += float(runner.reads[i])
+            results[r].window_sum += float(runner.window_sum[i])
+            results[r].head_steps += int(runner.sparse_layer_steps[i]) * pool.geometry.kv_heads
         for (c, r), ids in zip(row_ids, outputs):
             text = tokenizer.decode(ids, skip_special_tokens=True)
             results[r].outputs.append(text)

@@ -26,7 +26,10 @@ def fidelity_records(rows: list[FidelityRow]) -> list[dict]:
         "task": "fidelity", "policy": r.policy.name, "eta": r.policy.eta, "page_size": r.page_size,
         "top_k": r.policy.top_k, "tokens_per_step": r.tokens_per_step, "context": r.context,
         "kl": r.kl, "top1": r.top1, "ppl": _finite(r.ppl), "accuracy": None, "retention": None,
-        "tokens_attended": r.tokens_attended, "steps": r.steps,
+        "tokens_attended": r.tokens_attended, "window_mean": r.window_mean, "window_range": r.policy.window,
+        "steps": r.steps, "reuse_tau": r.policy.reuse_tau,
+        "reuse_hit_rate": r.reuse["hit_rate"] if r.reuse else None,
+        "reuse_head_hit_rate": r.reuse["head_hit_rate"] if r.reuse else None,
     } for r in rows]
 
 
@@ -41,7 +44,8 @@ def passkey_records(results: list[PasskeyResult]) -> list[dict]:
             "task": "passkey", "policy": r.policy.name, "eta": r.policy.eta, "page_size": r.page_size,
             "top_k": r.policy.top_k, "tokens_per_step": r.tokens_per_step, "context": r.context,
             "kl": None, "top1": None, "ppl": None, "accuracy": r.accuracy, "retention": retention(ref, r),
-            "cases": len(r.answers), "correct": sum(r.answers),
+            "cases": len(r.answers), "correct": sum(r.answers), "tokens_attended": r.tokens_attended,
+            "window_mean": r.window_mean, "window_range": r.policy.window, "reuse_tau": r.policy.reuse_tau,
             "answers": [{"depth": d, "key": k, "output": o, "correct": a}
                         for (d, k), o, a in zip(r.cases, r.outputs, r.answers)],
         })
@@ -55,31 +59,49 @@ def _num(value, fmt: str, none: str = "-") -> str:
 def _label(rec: dict) -> str:
     if rec["policy"] == "dense":
         return "dense"
+    if rec["policy"] == "oval" and rec.get("reuse_tau") is not None:
+        return f"oval reuse τ={rec['reuse_tau']:g}"
     if rec["policy"] == "oval":
         return f"oval eta={rec['eta']:g}"
+    if rec.get("window_range"):
+        lo, hi = rec["window_range"]
+        return f"{rec['policy']} W{lo}-{hi}"
     return rec["policy"]
 
 
+def _attended(rec: dict) -> str:
+    """Measured mean tokens attended and mean window per KV head per sparse layer-step: 'attended/window'."""
+    if rec["tokens_per_step"] is None or rec.get("tokens_attended") is None:
+        return "-"
+    window = rec.get("window_mean")
+    return f"{rec['tokens_attended']:.0f}/{window:.0f}" if window else f"{rec['tokens_attended']:.0f}"
+
+
 def fidelity_table(records: list[dict]) -> str:
-    head = f"{'policy':<16}{'page':>5}{'k':>4}{'tokens/step':>12}{'read':>7}{'KL':>11}{'top-1':>8}{'ppl':>8}"
+    # Selection reuse rows (--reuse-tau) add a column: the share of their sparse row-layer steps that reused.
+    reuse = any(rec.get("reuse_tau") is not None for rec in records)
+    head = (f"{'policy':<18}{'page':>5}{'k':>4}{'tokens/step':>12}{'read':>7}{'attended/window':>16}{'KL':>11}"
+            f"{'top-1':>8}{'ppl':>8}" + (f"{'reused':>8}" if reuse else ""))
     lines = [head, "-" * len(head)]
     for rec in records:
         tokens = "all" if rec["tokens_per_step"] is None else str(rec["tokens_per_step"])
         read = "-" if rec["tokens_per_step"] is None else f"{rec['tokens_per_step'] / rec['context']:.0%}"
-        lines.append(f"{_label(rec):<16}{rec['page_size']:>5}{_num(rec['top_k'], 'd'):>4}{tokens:>12}{read:>7}"
-                     f"{rec['kl']:>11.4g}{rec['top1']:>8.1%}{_num(rec['ppl'], '.3f'):>8}")
+        lines.append(f"{_label(rec):<18}{rec['page_size']:>5}{_num(rec['top_k'], 'd'):>4}{tokens:>12}{read:>7}"
+                     f"{_attended(rec):>16}{rec['kl']:>11.4g}{rec['top1']:>8.1%}{_num(rec['ppl'], '.3f'):>8}"
+                     + (f"{_num(rec.get('reuse_hit_rate'), '.1%'):>8}" if reuse else ""))
     return "\n".join(lines)
 
 
 def passkey_table(records: list[dict]) -> str:
-    head = f"{'policy':<16}{'context':>8}{'page':>5}{'k':>4}{'tokens/step':>12}{'read':>7}{'accuracy':>14}{'retention':>10}"
+    head = (f"{'policy':<18}{'context':>8}{'page':>5}{'k':>4}{'tokens/step':>12}{'read':>7}{'attended/window':>16}"
+            f"{'accuracy':>14}{'retention':>10}")
     lines = [head, "-" * len(head)]
     for rec in records:
         tokens = "all" if rec["tokens_per_step"] is None else str(rec["tokens_per_step"])
         read = "-" if rec["tokens_per_step"] is None else f"{rec['tokens_per_step'] / rec['context']:.0%}"
         acc = f"{rec['correct']}/{rec['cases']} {rec['accuracy']:.0%}"
-        lines.append(f"{_label(rec):<16}{rec['context']:>8}{rec['page_size']:>5}{_num(rec['top_k'], 'd'):>4}"
-                     f"{tokens:>12}{read:>7}{acc:>14}{_num(rec['retention'], '.0%', 'n/a'):>10}")
+        lines.append(f"{_label(rec):<18}{rec['context']:>8}{rec['page_size']:>5}{_num(rec['top_k'], 'd'):>4}"
+                     f"{tokens:>12}{read:>7}{_attended(rec):>16}{acc:>14}{_num(rec['retention'], '.0%', 'n/a'):>10}")
     return "\n".join(lines)
 
 
@@ -113,7 +135,10 @@ def write_plot(path: str, records: list[dict], title: str) -> None:
             suffix = f" P={rec['page_size']}" if len({r["page_size"] for r in recs}) > 1 else ""
             if task == "passkey" and len({r["context"] for r in recs}) > 1:
                 suffix += f" ctx={rec['context']}"
-            lines.setdefault(_label(rec) + suffix, []).append((rec["tokens_per_step"], value))
+            # Window policies gather more slots than they attend: place them at what they attend on average.
+            x = rec["tokens_attended"] if rec.get("window_range") and rec.get("tokens_attended") else rec[
+                "tokens_per_step"]
+            lines.setdefault(_label(rec) + suffix, []).append((x, value))
         markers = "osD^vP*X"  # distinct markers: policies that tie (e.g. retention 1.0) stay visible
         for i, (name, points) in enumerate(sorted(lines.items())):
             points.sort()

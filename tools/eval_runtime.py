@@ -24,6 +24,7 @@ from oval_edge.selection import Selection
 from oval_edge.summaries import quest_summary
 
 from .eval_policies import Policy
+from .eval_reuse import EvalReuse
 
 
 def geometry_for(model_config, page_size: int, rank: int, kinds=("oval", "quest")) -> KVGeometry:
@@ -100,10 +101,13 @@ class EvalRunner(PagedLlama):
     """PagedLlama whose decode layers dispatch each row group to decode_attention with that group's config.
 
     row_policies[b] is the policy of batch row b; every step must list the rows in that order.
-    `reads` accumulates, per row, the K/V slots attended in sparse layers (summed over KV heads).
+    `reads` accumulates, per row, the K/V slots attended in sparse layers (summed over KV heads), `window_sum`
+    the window lengths (summed over KV heads). Rows of the `module` policy take their windows from
+    `window_module` (a calibrated OutputAwareModule) through the runtime's window_override hook.
     """
 
-    def __init__(self, hf_model, pool: PagePool, base: OvalConfig, row_policies: Sequence[Policy]):
+    def __init__(self, hf_model, pool: PagePool, base: OvalConfig, row_policies: Sequence[Policy],
+                 window_module=None):
         super().__init__(hf_model, pool, base, attention="oval")
         self.row_policies = list(row_policies)
         keys: dict[tuple, list[int]] = defaultdict(list)
@@ -114,14 +118,28 @@ class EvalRunner(PagedLlama):
             first = self.row_policies[rows[0]]
             by_scorer: dict[str, list[int]] = defaultdict(list)
             for i, row in enumerate(rows):
-                by_scorer[self.row_policies[row].name].append(i)
+                by_scorer[self.row_policies[row].scorer].append(i)
             self.groups.append(RowGroup(
                 torch.tensor(rows, dtype=torch.long, device=pool.device), rows, first.config(base),
                 first.group_key()[0],
                 {s: torch.tensor(i, dtype=torch.long, device=pool.device) for s, i in by_scorer.items()},
             ))
         self.reads = torch.zeros(len(self.row_policies), dtype=torch.float64)
+        self.window_sum = torch.zeros(len(self.row_policies), dtype=torch.float64)
+        ranges = {p.window for p in self.row_policies if p.name == "module"}
+        if ranges:
+            from oval_edge.output_module import WindowHook
+
+            if window_module is None:
+                raise ValueError("the module policy needs a calibrated window module (--window-module FILE)")
+            if len(ranges) > 1:
+                raise ValueError(f"module rows must share one window range, got {sorted(ranges)}")
+            lo, hi = ranges.pop()
+            self.window_override = WindowHook(window_module, lo, hi)  # windows of every row; module rows use them
         self.sparse_layer_steps = torch.zeros(len(self.row_policies), dtype=torch.long)
+        # Oval rows with a reuse_tau keep recent selections (tools/eval_reuse.py); no-op without such rows.
+        self.row_reuse = EvalReuse(self.groups, self.row_policies, len(self.layers), self.num_heads, self.kv_heads,
+                                   self.head_dim, pool.device)
         self._cached: tuple[StepIndex, list] | None = None
 
     def _substeps(self, step: StepIndex) -> list:
@@ -134,8 +152,9 @@ class EvalRunner(PagedLlama):
             self._cached = (step, list(zip(subs, plans)))
         return self._cached[1]
 
-    def _decode_layer(self, index: int, step: StepIndex, q: torch.Tensor, *_runtime_plan):
+    def _decode_layer(self, index: int, step: StepIndex, q: torch.Tensor, _runtime_plan=None, window=None):
         # The runtime's own plan (built for the base config over all rows) is not used: each group has its own.
+        # window [B, Hkv]: the module's windows for every row (None without module rows), used by module rows.
         out = torch.empty_like(q)
         b, kv_heads = q.shape[0], self.kv_heads
         parts: list[tuple[torch.Tensor, Selection]] = []
@@ -143,13 +162,19 @@ class EvalRunner(PagedLlama):
             q_group = q.index_select(0, group.rows)
             dense = group.kind == "dense" or index < group.config.dense_layers
             scores = None if dense else self._group_scores(group, index, sub, q_group)
+            rows_window = window.index_select(0, group.rows) if window is not None and group.kind == "module" else None
+            reused = self.row_reuse.apply(group, index, sub, plan, q_group, scores)
             o, sel = decode_attention(self.pool, index, sub, q_group, group.config, self.scale, dense=dense,
-                                      scores=scores, plan=plan)
+                                      scores=scores, plan=plan, window=rows_window)
+            self.row_reuse.record(reused, sel)
             out.index_copy_(0, group.rows, o)
             parts.append((group.rows, sel))
             if not dense:
                 self.reads.index_add_(0, group.rows.cpu(), sel.valid.sum((1, 2)).double().cpu())
                 self.sparse_layer_steps[group.rows.cpu()] += 1
+                if sel.window is not None:
+                    used = sel.window * sel.sparse_rows[:, None]  # [n, Hkv]; dense (short) rows have none
+                    self.window_sum.index_add_(0, group.rows.cpu(), used.sum(1).double().cpu())
         # One Selection for the runner's statistics: every group's slots, padded to the widest group.
         width = max(sel.slots for _, sel in parts)
         valid = torch.zeros(b, kv_heads, width, dtype=torch.bool, device=q.device)

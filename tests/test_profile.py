@@ -1,0 +1,218 @@
+"""`oval-edge profile` (issue 7): top-k per page size, the choice rule, the report and config it writes, and one
+tiny end-to-end profile of the bundled model (slow)."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from oval_edge.config import OvalConfig
+from oval_edge.runtime.cli import main
+from oval_edge.runtime.config_file import load_config_file, oval_config
+from oval_edge.tools.profile_choice import ROW_FIELDS, NoConfiguration, ProfileRow, choose, explain, top_k_for
+from oval_edge.tools.profile_report import config_sections, report_json, write_config
+
+BASE = OvalConfig()
+
+
+# ---- top-k per page size ----------------------------------------------------------------------------------------
+
+def test_top_k_reads_the_default_budget_where_the_page_size_allows():
+    assert BASE.token_budget == 224
+    ks = {p: top_k_for(p, 224, BASE) for p in (16, 32, 64, 128)}
+    assert ks == {16: 9, 32: 4, 64: 1, 128: 1}
+    assert [BASE.replace(page_size=p, top_k=k).token_budget for p, k in ks.items()] == [224, 224, 192, 384]
+    assert top_k_for(32, 352, BASE) == 8  # DESIGN §4's k=8 row
+    assert top_k_for(32, 10, BASE) == 1  # below one page: still select a page (k=0 would be window-only)
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("window", [3, 64, 200])
+def test_top_k_is_the_nearest_budget_by_brute_force(page_size, window):
+    base = OvalConfig(window_min=window, window_max=window, sink_pages=2)
+    for target in range(1, 3000, 37):
+        k = top_k_for(page_size, target, base)
+        cost = lambda kk: abs(base.replace(page_size=page_size, top_k=kk).token_budget - target)  # noqa: E731
+        best = min(range(1, 200), key=lambda kk: (cost(kk), kk))
+        assert k == best, (page_size, window, target)
+
+
+def test_top_k_rejects_a_non_positive_budget():
+    with pytest.raises(ValueError, match="--tokens-per-step"):
+        top_k_for(32, 0, BASE)
+
+
+# ---- the choice -------------------------------------------------------------------------------------------------
+
+def row(page_size, ms, kl, fits=True, **extra) -> ProfileRow:
+    k = top_k_for(page_size, 224, BASE)
+    return ProfileRow(page_size=page_size, top_k=k, tokens_per_step=BASE.replace(page_size=page_size, top_k=k)
+                      .token_budget, pages=1000, pool_tokens=1000 * page_size, max_context=8192,
+                      summary_bytes=2**26, decode_ms_median=ms if fits else None, seal_ms=5.0, kl=kl, top1=0.8,
+                      fits_context=fits, decode_ms_p25=ms * 0.95 if fits else None,
+                      decode_ms_p75=ms * 1.05 if fits else None, **extra)
+
+
+def test_fastest_row_within_the_kl_bar_wins():
+    rows = [row(16, 50.0, 0.03), row(32, 40.0, 0.05), row(64, 30.0, 0.20), row(128, 20.0, 0.01, fits=False)]
+    chosen = choose(rows, 0.1, 224)
+    assert chosen.page_size == 32  # 64 is faster but over the bar; 128 is fastest but cannot hold the context
+    assert choose(rows, 0.04, 224).page_size == 16  # a tighter bar leaves only page 16
+    assert choose(rows, 0.5, 224).page_size == 64  # a loose one admits the fastest that fits
+    text = explain(chosen, rows, 0.1, 4096)
+    assert "page_size 32" in text and "page_size 64 (KL 0.2)" in text and "page_size 128 (up to 8192" in text
+    assert "Next was page_size 16" in text
+
+
+def test_equal_speed_goes_to_the_lower_kl():
+    assert choose([row(16, 40.0, 0.05), row(32, 40.0, 0.02)], 0.1, 224).page_size == 32
+
+
+def test_no_row_under_the_bar_is_an_error_that_says_what_to_change():
+    rows = [row(16, 50.0, 0.08), row(32, 40.0, 0.12)]
+    with pytest.raises(NoConfiguration) as info:
+        choose(rows, 0.05, 224)
+    message = str(info.value)
+    assert "--max-kl 0.05" in message and "0.08" in message and "page 16" in message
+    assert "--tokens-per-step" in message and "no configuration was written" in message
+
+
+def test_no_row_holding_the_context_asks_for_more_budget():
+    with pytest.raises(NoConfiguration, match="--memory-budget"):
+        choose([row(16, 50.0, 0.01, fits=False)], 0.1, 224)
+
+
+# ---- what is written --------------------------------------------------------------------------------------------
+
+def test_json_rows_lead_with_the_issue_fields_and_hold_the_choice():
+    rows = [row(16, 50.0, 0.03), row(32, 40.0, float("nan"))]
+    report = report_json({"kind": "cpu"}, {"context": 4096}, rows, rows[0], "why")
+    assert list(report["rows"][0])[: len(ROW_FIELDS)] == list(ROW_FIELDS)
+    assert report["rows"][1]["kl"] is None  # not finite -> null, so the file stays strict JSON
+    assert report["chosen"]["page_size"] == 16 and report["explanation"] == "why"
+    json.dumps(report, allow_nan=False)
+
+
+def test_written_config_is_what_serve_reads(tmp_path):
+    chosen = row(64, 30.0, 0.02)
+    settings = {"context": 4096, "max_kl": 0.1, "memory_budget": 3 * 2**30, "prefill_chunk": 256}
+    record = {"title": "CPU host", "cpu": "x", "torch_threads": 1, "nvpmodel": None}
+    path = write_config(str(tmp_path / "p.toml"),
+                        config_sections(chosen, BASE, "default", "/x.gguf", "nf4", "cpu", settings, record))
+    sections = load_config_file(path)
+    oval = oval_config(sections)
+    assert (oval.page_size, oval.top_k, oval.memory_budget) == (64, chosen.top_k, 3 * 2**30)
+    assert sections["server"]["prefill_chunk"] == 256 and sections["model"] == {"path": "default", "quant": "nf4"}
+    assert sections["plan"]["written_by"] == "oval-edge profile" and "nvpmodel" not in sections["plan"]
+
+
+def test_nothing_qualifies_exits_1_and_writes_no_config(tmp_path, capsys):
+    from oval_edge.tools.profile_command import _conclude
+
+    args = SimpleNamespace(json_path=str(tmp_path / "p.json"), plot=None, write_config=str(tmp_path / "p.toml"),
+                           model="default")
+    loaded = SimpleNamespace(name="m", quant="nf4", source=SimpleNamespace(path="/m.gguf"), device="cpu")
+    s = {"max_kl": 0.01, "tokens_per_step": 224, "context": 512, "memory_budget": 2**30, "top_ks": {16: 9}}
+    assert _conclude(args, s, loaded, {"kind": "cpu"}, [row(16, 50.0, 0.08)], 1.0) == 1
+    assert not (tmp_path / "p.toml").exists()
+    report = json.loads((tmp_path / "p.json").read_text())
+    assert report["chosen"] is None and "--max-kl" in report["explanation"]
+    assert "raise --max-kl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--page-sizes", "16,48"], "power of two"),
+    (["--max-kl", "0"], "--max-kl"),
+    (["--calib-tokens", "200", "--calib-steps", "50"], "--calib-tokens=200"),
+    (["--calib-tokens", "600", "--calib-steps", "600"], "--calib-steps"),
+    (["--memory-budget", "lots"], "--memory-budget"),
+    (["--tokens-per-step", "0"], "--tokens-per-step"),
+    (["--write-config", "/no/such/folder/p.toml"], "--write-config /no/such/folder/p.toml"),
+])
+def test_bad_options_fail_before_the_model_loads(argv, message, capsys):
+    assert main(["profile", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---- the bundled model (slow) -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_tiny_profile_of_the_bundled_model(tmp_path):
+    pytest.importorskip("gguf")
+    from oval_edge.runtime.model_source import resolve_model
+
+    try:
+        resolve_model("default")
+    except ValueError as exc:  # the model package is not installed
+        pytest.skip(str(exc))
+    out = {name: tmp_path / name for name in ("p.json", "p.png", "p.toml")}
+    rc = main(["profile", "--page-sizes", "16,32", "--context", "300", "--steps", "3", "--warmup", "1",
+               "--calib-tokens", "288", "--calib-steps", "24", "--memory-budget", "1GiB", "--no-progress",
+               "--json", str(out["p.json"]), "--plot", str(out["p.png"]), "--write-config", str(out["p.toml"])])
+    assert rc == 0
+    report = json.loads(out["p.json"].read_text())
+    rows = report["rows"]
+    assert [(r["page_size"], r["top_k"], r["tokens_per_step"]) for r in rows] == [(16, 9, 224), (32, 4, 224)]
+    for r in rows:
+        assert set(ROW_FIELDS) <= set(r)
+        assert r["fits_context"] and r["decode_steps"] == 3 and r["interleaved"]  # two small probes fit the budget
+        assert 0 < r["decode_ms_p25"] <= r["decode_ms_median"] <= r["decode_ms_p75"]
+        assert r["seal_ms"] > 0 and r["seal_page_ms"] > 0
+        assert r["pool_bytes"] == r["pages"] * r["bytes_per_page"] <= 2**30
+        assert r["summary_bytes"] == r["pages"] * r["summary_bytes_per_page"] > 0
+        assert r["max_context"] == min(r["pages"] * r["page_size"], 8192)
+        assert 0 < r["kl"] < 1 and 0 <= r["top1"] <= 1 and math.isfinite(r["ppl"]) and r["fidelity_steps"] == 24
+    # 16-token pages keep more summary per token than 32-token ones
+    assert rows[0]["summary_bytes_per_page"] / 16 > rows[1]["summary_bytes_per_page"] / 32
+    chosen = report["chosen"]
+    ok = [r for r in rows if r["kl"] <= report["settings"]["max_kl"]]
+    assert chosen == min(ok, key=lambda r: r["decode_ms_median"])
+    assert report["device"]["kind"] == "cpu" and report["device"]["cpu"]
+    assert out["p.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sections = load_config_file(str(out["p.toml"]))
+    oval = oval_config(sections)
+    assert (oval.page_size, oval.top_k, oval.memory_budget) == (chosen["page_size"], chosen["top_k"], 2**30)
+    assert sections["plan"]["decode_ms_median"] == pytest.approx(chosen["decode_ms_median"], rel=1e-3)
+
+
+# ---- how the decode probes are stepped --------------------------------------------------------------------------
+
+class FakeProbe:
+    """Stands in for DecodeProbe: records when it was built, stepped and finished."""
+
+    def __init__(self, log, config, steps):
+        self.log, self.name, self.left = log, config.page_size, steps
+        log.append(("build", self.name))
+
+    @property
+    def done(self):
+        return self.left == 0
+
+    def step(self):
+        self.log.append(("step", self.name))
+        self.left -= 1
+
+    def finish(self, interleaved):
+        self.log.append(("finish", self.name))
+        return interleaved
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_probes_are_stepped_in_turn_or_one_after_another(monkeypatch, interleave):
+    from oval_edge.tools import profile_measure
+
+    log: list = []
+    monkeypatch.setattr(profile_measure, "DecodeProbe",
+                        lambda loaded, config, prompt, warmup, steps, chunk, advance: FakeProbe(log, config, steps))
+    configs = [BASE.replace(page_size=p) for p in (16, 32, 64)]
+    out = profile_measure.measure_decode(None, configs, [1] * 8, 0, 3, 512, interleave, lambda n: None)
+    assert out == [interleave] * 3
+    steps = [name for kind, name in log if kind == "step"]
+    if interleave:  # all prefilled first, then A B C / B C A / C A B: no page size always follows the same one
+        assert [kind for kind, _ in log[:3]] == ["build"] * 3
+        assert steps == [16, 32, 64, 32, 64, 16, 64, 16, 32]
+    else:  # one probe alive at a time, never more K/V than one pool
+        assert log == [e for p in (16, 32, 64) for e in [("build", p)] + [("step", p)] * 3 + [("finish", p)]]
