@@ -14,7 +14,9 @@ candidates, window, validity and flat indices. A logical page always holds the s
 the window only moves forward, so a page chosen at an earlier step lies before the window now too.
 
 State is tensors with one slot per sequence ([layers, slots, entries, kv_heads, ...]): a batch looks every row up
-with a few ops per layer. A sequence's slot is freed by `drop` (the engine calls it when a request ends) or when
+with a few ops per layer, and what the layers selected is written once per step, for all layers together, when the
+next step binds (on a CPU every tensor op costs microseconds of dispatch whatever its size, and a lookup that
+misses is pure overhead on top of the scoring it could not skip). A sequence's slot is freed by `drop` (the engine calls it when a request ends) or when
 the pool no longer owns it, and cleared when the sequence's length is not its last one plus one, so a sequence
 that takes over an id (or pages) never sees another sequence's selections.
 """
@@ -60,7 +62,6 @@ class Binding:
 
     step: object
     seq_ids: tuple
-    slot_list: list[int]
     slots: torch.Tensor  # [n]
     sparse: list[bool]  # rows longer than the token budget (short rows attend densely: no lookup, no count)
 
@@ -70,15 +71,17 @@ class Lookup:
     """One layer's lookup for the bound rows, kept until the layer's selection is recorded."""
 
     layer: int
-    unit: torch.Tensor  # [n, Hkv, G*D] unit queries of this step
+    slots: torch.Tensor  # [n] the rows' state slots
+    query: torch.Tensor  # [n, Hkv, G*D] this step's group queries
+    norm: torch.Tensor  # [n, Hkv] their norms (clamped above 0)
     entry: torch.Tensor  # [n, Hkv] best matching entry of every head
     hit_rows: list[int]  # rows that reuse (every head matched)
     miss_rows: list[int]  # sparse rows without a hit: scored afresh; their selections enter the LRU
 
 
 class SelectionReuse:
-    """Every method runs in inference mode: the decode step does, and its state tensors are inference tensors
-    (they may only be updated in place in that mode, e.g. by `drop` from the engine outside a step)."""
+    """Every method that touches state runs in inference mode, as the decode step does: the state tensors are
+    inference tensors (updated in place only in that mode, e.g. by `drop` from the engine between steps)."""
 
     @torch.inference_mode()
     def __init__(self, tau: float, entries: int, layers: int, kv_heads: int, group_dim: int, top_k: int,
@@ -96,10 +99,12 @@ class SelectionReuse:
         self._slot: dict[Hashable, int] = {}  # sequence id -> slot
         self._length: dict[Hashable, int] = {}  # sequence id -> its length at its last step
         self._free: list[int] = []
-        self._clock = 0  # recency stamp, one tick per lookup
+        self._clock = 0  # recency stamp: one tick per step (a layer's LRU changes at most once per step)
         self._bound: Binding | None = None  # the rows of the step being decoded
-        self._heads = torch.arange(kv_heads, device=self.device)[None, :]  # [1, Hkv]
-        # Per layer, slot, entry and KV head. stamp -1 = empty; the least recent stamp is evicted first.
+        self._pending: list[tuple] = []  # (lookup, pages, window) of this step's layers, written by _flush
+        self._heads = torch.arange(kv_heads, device=self.device)  # [Hkv]
+        # Per layer, slot, entry and KV head: unit queries (zeros when empty: cosine 0 < tau never matches), pages,
+        # windows and recency stamps (-1 = empty; the least recent stamp is evicted first).
         self.query = torch.zeros(layers, 0, entries, kv_heads, group_dim, device=self.device)
         self.pages = torch.zeros(layers, 0, entries, kv_heads, top_k, dtype=torch.long, device=self.device)
         self.window = torch.zeros(layers, 0, entries, kv_heads, dtype=torch.long, device=self.device)
@@ -123,6 +128,7 @@ class SelectionReuse:
     @torch.inference_mode()
     def drop(self, seq_id: Hashable) -> None:
         """Forget a sequence (it ended); its slot is cleared and reused by the next new sequence."""
+        self._flush()  # its last step's writes land before the clear, never in the slot's next owner
         slot = self._slot.pop(seq_id, None)
         self._length.pop(seq_id, None)
         if slot is not None:
@@ -143,6 +149,8 @@ class SelectionReuse:
         bound = self._bound
         if bound is not None and bound.step is step and bound.seq_ids == ids:
             return bound
+        self._flush()
+        self._clock += 1
         if owns is not None:
             for sid in [s for s in self._slot if s not in ids and not owns(s)]:
                 self.drop(sid)
@@ -156,7 +164,7 @@ class SelectionReuse:
             self._length[sid] = int(length)
             slots.append(slot)
         sparse = [not d for d in dense_rows.tolist()]
-        self._bound = Binding(step, ids, slots, torch.tensor(slots, dtype=torch.long, device=self.device), sparse)
+        self._bound = Binding(step, ids, torch.tensor(slots, dtype=torch.long, device=self.device), sparse)
         return self._bound
 
     def _take(self, seq_id: Hashable) -> int:
@@ -169,7 +177,7 @@ class SelectionReuse:
 
     def _clear(self, slot: int) -> None:
         self.stamp[:, slot] = -1
-        self.query[:, slot] = 0.0  # zero queries never match (see lookup)
+        self.query[:, slot] = 0.0
 
     def _grow(self, more: int) -> None:
         old = self.stamp.shape[1]
@@ -183,18 +191,15 @@ class SelectionReuse:
         self._free.extend(range(old + more - 1, old - 1, -1))
 
     # ---- one layer: lookup, then record what the layer selected ----------------------------------------------
-    # Few tensor ops on purpose: on a CPU each op costs microseconds of dispatch whatever its size, and a lookup
-    # that misses is pure overhead on top of the scoring it could not skip.
     @torch.inference_mode()
     def lookup(self, layer: int, q: torch.Tensor) -> Lookup:
-        """Match the bound rows' queries q [n, Hq, D] against their LRUs of `layer`."""
+        """Match the bound rows' queries q [n, Hq, D] against their LRUs of `layer` (as few ops as possible)."""
         bound, n, h = self._bound, q.shape[0], self.kv_heads
-        self._clock += 1
-        unit = F.normalize(q.reshape(n, h, -1).float(), dim=-1)  # [n, Hkv, G*D]
-        # Stored queries are unit vectors, or zeros for empty entries: cosine 0 < tau, so empty entries never match.
-        query = self.query[layer].index_select(0, bound.slots)  # [n, S, Hkv, G*D]
-        best, entry = (query * unit[:, None]).sum(-1).max(1)  # cosine [n, S, Hkv] -> best entry [n, Hkv]
-        matched = (best >= self.threshold).sum(-1).tolist()  # [n] heads that matched
+        query = q.reshape(n, h, -1).float()  # [n, Hkv, G*D]
+        norm = query.norm(dim=-1).clamp_min_(1e-12)  # [n, Hkv]
+        stored = self.query[layer].index_select(0, bound.slots)  # [n, S, Hkv, G*D], unit vectors or zeros
+        dots, entry = (stored * query[:, None]).sum(-1).max(1)  # cosine x norm [n, S, Hkv] -> best [n, Hkv]
+        matched = (dots >= norm * self.threshold).sum(-1).tolist()  # [n] heads that matched
         hit_rows = [r for r in range(n) if bound.sparse[r] and matched[r] == h]
         miss_rows = [r for r in range(n) if bound.sparse[r] and matched[r] < h]
         counts = self.counts
@@ -202,14 +207,14 @@ class SelectionReuse:
         counts.hits += len(hit_rows)
         counts.head_lookups += (len(hit_rows) + len(miss_rows)) * h
         counts.head_hits += sum(matched[r] for r in range(n) if bound.sparse[r])
-        return Lookup(layer, unit, entry, hit_rows, miss_rows)
+        return Lookup(layer, bound.slots, query, norm, entry, hit_rows, miss_rows)
 
     def cached(self, found: Lookup) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages [n, Hkv, k] and windows [n, Hkv] of every head's best entry (meaningful on hit rows)."""
-        slots, pick = self._bound.slots, found.entry[:, None, :]  # [n, 1, Hkv]
-        pages = self.pages[found.layer].index_select(0, slots)  # [n, S, Hkv, k]
+        pick = found.entry[:, None, :]  # [n, 1, Hkv]
+        pages = self.pages[found.layer].index_select(0, found.slots)  # [n, S, Hkv, k]
         pages = pages.gather(1, pick[..., None].expand(-1, -1, -1, pages.shape[-1])).squeeze(1)
-        window = self.window[found.layer].index_select(0, slots).gather(1, pick).squeeze(1)
+        window = self.window[found.layer].index_select(0, found.slots).gather(1, pick).squeeze(1)
         return pages, window
 
     def scores(self, pages: torch.Tensor, num_pages: int) -> torch.Tensor:
@@ -218,36 +223,45 @@ class SelectionReuse:
         out = torch.full((*pages.shape[:2], num_pages), float("-inf"), device=pages.device)
         return out.scatter_(2, pages.clamp(0, num_pages - 1), 0.0)
 
+    def record(self, found: Lookup, pages: torch.Tensor, window: torch.Tensor | None) -> None:
+        """Keep what the layer selected (Selection.pages [n, Hkv, k], -1 = none; .window [n, Hkv] or None when it
+        is the config's fixed one). Written with the other layers' records when the next step binds."""
+        if found.hit_rows or found.miss_rows:
+            self._pending.append((found, pages, window))
+
     @torch.inference_mode()
-    def record(self, found: Lookup, pages: torch.Tensor | None, window: torch.Tensor | None) -> None:
-        """After the layer selected: hit entries become the most recent; scored rows store their selections.
-
-        pages [n, Hkv, k] logical pages chosen (-1: none), window [n, Hkv] (None: not stored) — Selection's fields.
-        """
-        bound, layer, clock = self._bound, found.layer, self._clock
-        for r in found.hit_rows:  # stamp[entry[r, h], h] = now, for every head h
-            self.stamp[layer, bound.slot_list[r]].scatter_(0, found.entry[r : r + 1], clock)
-        if not found.miss_rows or pages is None:
+    def _flush(self) -> None:
+        """Write the pending records of one step, all layers at once: hit entries become the most recent, scored
+        heads replace their least recently used (or an empty) entry."""
+        pending, self._pending = self._pending, []
+        if not pending:
             return
-        rows = found.miss_rows
-        every = len(rows) == found.entry.shape[0]  # the common case (one row, or nothing hit): no row gathers
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t if every else t.index_select(0, torch.tensor(rows, dtype=torch.long, device=t.device))
-
-        slots = bound.slots if every else take(bound.slots)
-        victim = self.stamp[layer].index_select(0, slots).argmin(1)  # [m, Hkv]: an empty entry, else the LRU one
-        index = (slots[:, None].expand_as(victim), victim, self._heads.expand_as(victim))
-        chosen = take(pages)
-        # An entry with fewer than k pages (chosen while fewer candidates existed) is stored as empty: reusing it
-        # would read fewer pages than a fresh selection now. Kept entries stay candidates: pages only seal and the
-        # window only moves forward.
-        complete = (chosen >= 0).all(-1)  # [m, Hkv]
-        self.query[layer].index_put_(index, take(found.unit) * complete[..., None])
-        self.pages[layer].index_put_(index, chosen)
-        if window is not None:
-            self.window[layer].index_put_(index, take(window).long())
-        self.stamp[layer].index_put_(index, torch.where(complete, clock, -1))
+        n, clock = pending[0][0].entry.shape[0], self._clock
+        status = [[1 if r in f.hit_rows else 2 if r in f.miss_rows else 0 for r in range(n)] for f, _, _ in pending]
+        status = torch.tensor(status, device=self.device)[..., None]  # [L', n, 1]: 0 none, 1 hit, 2 scored
+        layers = torch.tensor([f.layer for f, _, _ in pending], device=self.device)
+        slots = pending[0][0].slots
+        stamp = self.stamp.index_select(0, layers).index_select(1, slots)  # [L', n, S, Hkv]
+        target = torch.where(status == 1, torch.stack([f.entry for f, _, _ in pending]), stamp.argmin(2))
+        grid = torch.meshgrid(layers, slots, self._heads, indexing="ij")  # 3 x [L', n, Hkv]
+        index = (grid[0], grid[1], target, grid[2])
+        hit, miss = (status == 1).expand_as(target), (status == 2).expand_as(target)
+        if bool(hit.any()):
+            self.stamp.index_put_(tuple(i[hit] for i in index), torch.tensor(clock, device=self.device))
+        if not bool(miss.any()):
+            return
+        at = tuple(i[miss] for i in index)
+        pages = torch.stack([p for _, p, _ in pending])  # [L', n, Hkv, k]
+        # An entry with fewer than k pages (chosen while fewer candidates existed) is stored empty: reusing it would
+        # read fewer pages than a fresh selection now. Kept entries stay candidates: pages only seal and the window
+        # only moves forward.
+        complete = (pages >= 0).all(-1)  # [L', n, Hkv]
+        unit = torch.stack([f.query / f.norm[..., None] for f, _, _ in pending]) * complete[..., None]
+        self.query.index_put_(at, unit[miss])
+        self.pages.index_put_(at, pages[miss])
+        if all(w is not None for _, _, w in pending):
+            self.window.index_put_(at, torch.stack([w for _, _, w in pending]).long()[miss])
+        self.stamp.index_put_(at, torch.where(complete[miss], clock, -1))
 
     # ---- the runtime's decode layer --------------------------------------------------------------------------
     @torch.inference_mode()

@@ -28,6 +28,7 @@ from oval_edge.tools.calibrate_run import CalibrationSettings, calibrate
 from oval_edge.tools.calibrate_scorer import ScorerTally, page_scores
 from oval_edge.tools.eval_fidelity import run_fidelity
 from oval_edge.tools.eval_policies import build_policies
+from oval_edge.tools.eval_report import fidelity_records, fidelity_table, write_plot
 from oval_edge.tools.eval_runtime import geometry_for
 
 
@@ -184,7 +185,7 @@ def test_calibrate_writes_a_loadable_module_and_eta_rank_into_a_config(tmp_path)
     assert (oval.window_module, oval.window_min, oval.window_max) == (path, 8, 48)
 
 
-def test_eval_window_policies_use_the_module_and_stay_exact_when_the_budget_covers_the_context():
+def test_eval_window_policies_use_the_module_and_stay_exact_when_the_budget_covers_the_context(tmp_path):
     loaded = tiny_loaded()
     ids = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(6)).tolist()
     module = calibrate(loaded, ids, tiny_settings(), show_progress=False).module
@@ -197,6 +198,11 @@ def test_eval_window_policies_use_the_module_and_stay_exact_when_the_budget_cove
         assert 4 <= row.window_mean <= 32 and row.tokens_attended is not None
     assert rows[1].window_mean == 16
     assert rows[2].window_mean != rows[3].window_mean  # two different window rules really ran
+    records = fidelity_records(rows)
+    table = fidelity_table(records)
+    assert "module W4-32" in table and f"{rows[3].tokens_attended:.0f}/{rows[3].window_mean:.0f}" in table
+    write_plot(str(tmp_path / "eval.png"), records, "tiny")  # window rows plotted at what they attended
+    assert records[3]["window_range"] == (4, 32) and records[3]["window_mean"] == rows[3].window_mean
     full = run_fidelity(loaded, ids, 260, dataclasses.replace(base, top_k=17), build_policies(
         ["module"], [17], [0.5], windows), [16], show_progress=False, window_module=module)
     assert full[1].kl <= 1e-6 and full[1].top1 == 1.0

@@ -128,11 +128,11 @@ def test_lru_keeps_the_most_recently_used_selections():
         reuse.record(found, torch.tensor([[picks[name]] * heads]), None)
     assert seen == [("A", False), ("B", False), ("A", True), ("C", False), ("A", True), ("B", False)]
     # An entry with fewer than k pages (chosen while fewer candidates existed) is never reused.
-    for length, pages in ((16, [[6, -1]] * heads), (17, None)):
+    for length, pages in ((16, [[6, -1]] * heads), (17, [[6, 7]] * heads)):
         reuse.bind(object(), ["s"], [length], sparse)
         found = reuse.lookup(0, basis[3].repeat(heads, 1)[None] * 2)  # a new query D, twice (scale is ignored)
         assert found.hit_rows == []
-        reuse.record(found, torch.tensor([pages]) if pages else None, None)
+        reuse.record(found, torch.tensor([pages]), None)
     # Short rows (dense) neither look up nor count.
     reuse.bind(object(), ["s"], [18], torch.ones(1, dtype=torch.bool))
     before = reuse.counts.lookups

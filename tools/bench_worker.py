@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     job_path, result_path = argv
     with open(job_path, encoding="utf-8") as handle:
         job = json.load(handle)
+    if job.get("engine") in ("oval", "dense"):  # as `oval-edge serve` runs (before bitsandbytes is imported)
+        from oval_edge.runtime.cli import prepare_runtime_process
+
+        prepare_runtime_process()
     try:
         result, status = run_job(job), 0
     except Exception as exc:  # noqa: BLE001 - the parent reports the failure in its table and carries on

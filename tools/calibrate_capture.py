@@ -88,7 +88,7 @@ def window_targets(queries: torch.Tensor, keys: torch.Tensor, positions: torch.T
     """
     n, kv_heads, _ = keys.shape
     sink = config.sink_pages * config.page_size
-    span, distance = torch.arange(n), torch.arange(reach)
+    distance = torch.arange(reach)
     targets = []
     for first in range(0, queries.shape[0], chunk):
         q = queries[first : first + chunk]

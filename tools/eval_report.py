@@ -128,6 +128,7 @@ def write_plot(path: str, records: list[dict], title: str) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     for ax, (task, recs) in zip(axes[0], panels):
         lines: dict[str, list[tuple[int, float]]] = {}
+        attended = any(r.get("window_range") for r in recs)
         for rec in recs:
             value = rec["kl"] if task == "fidelity" else rec["retention"]
             if value is None:
@@ -135,16 +136,16 @@ def write_plot(path: str, records: list[dict], title: str) -> None:
             suffix = f" P={rec['page_size']}" if len({r["page_size"] for r in recs}) > 1 else ""
             if task == "passkey" and len({r["context"] for r in recs}) > 1:
                 suffix += f" ctx={rec['context']}"
-            # Window policies gather more slots than they attend: place them at what they attend on average.
-            x = rec["tokens_attended"] if rec.get("window_range") and rec.get("tokens_attended") else rec[
-                "tokens_per_step"]
+            # Window policies gather more slots than they attend: with them, every row sits at what it attended.
+            x = rec["tokens_attended"] if attended and rec.get("tokens_attended") else rec["tokens_per_step"]
             lines.setdefault(_label(rec) + suffix, []).append((x, value))
         markers = "osD^vP*X"  # distinct markers: policies that tie (e.g. retention 1.0) stay visible
         for i, (name, points) in enumerate(sorted(lines.items())):
             points.sort()
             ax.plot([p[0] for p in points], [max(p[1], 1e-8) if task == "fidelity" else p[1] for p in points],
                     marker=markers[i % len(markers)], markersize=9 - (i % 4), alpha=0.8, label=name)
-        ax.set_xlabel("K/V tokens read per step (per KV head, sparse layers)")
+        ax.set_xlabel(("K/V tokens attended per step, measured mean" if attended else "K/V tokens read per step")
+                      + " (per KV head, sparse layers)")
         if task == "fidelity":
             ax.set_yscale("log")
             ax.set_ylabel("mean KL(dense || policy), nats")
