@@ -13,12 +13,12 @@ A hit becomes page scores (0 at the cached pages, -inf elsewhere), so DecodePlan
 candidates, window, validity and flat indices. A logical page always holds the same positions of its sequence and
 the window only moves forward, so a page chosen at an earlier step lies before the window now too.
 
-State is tensors with one slot per sequence ([layers, slots, entries, kv_heads, ...]): a batch looks every row up
-with a few ops per layer, and what the layers selected is written once per step, for all layers together, when the
-next step binds (on a CPU every tensor op costs microseconds of dispatch whatever its size, and a lookup that
-misses is pure overhead on top of the scoring it could not skip). A sequence's slot is freed by `drop` (the engine calls it when a request ends) or when
-the pool no longer owns it, and cleared when the sequence's length is not its last one plus one, so a sequence
-that takes over an id (or pages) never sees another sequence's selections.
+State is tensors with one slot per sequence ([layers, slots, entries, kv_heads, ...]): a batch looks up every row
+with a few ops per layer, and the layers' selections are written once per step, all layers together, when the next
+step binds (on a CPU each tensor op costs microseconds of dispatch whatever its size, and a missed lookup is pure
+overhead). A sequence's slot is freed by `drop` (the engine calls it when a request ends) or once the pool no
+longer owns it, and cleared when its length is not its last one plus one: a sequence that takes over an id (or
+pages) never sees another sequence's selections.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .attention import decode_attention, decode_plan
 from .config import OvalConfig

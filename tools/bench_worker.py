@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     job_path, result_path = argv
     with open(job_path, encoding="utf-8") as handle:
         job = json.load(handle)
-    if job.get("engine") in ("oval", "dense"):  # as `oval-edge serve` runs (before bitsandbytes is imported)
+    # the runtime's engines (oval, dense, oval+reuse@TAU) run as `oval-edge serve` does (before bitsandbytes loads)
+    if job.get("engine") in ("oval", "dense") or job.get("reuse_tau") is not None:
         from oval_edge.runtime.cli import prepare_runtime_process
 
         prepare_runtime_process()
