@@ -33,13 +33,3 @@ class StoredHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden.to(self.weight.dtype), self.weight).to(self.out_dtype)
-
-
-def store_embeddings(model: nn.Module, storage: torch.dtype, activations: torch.dtype) -> None:
-    """Swap embed_tokens / lm_head for 16-bit stored versions (tied heads keep sharing one tensor)."""
-    embed = model.model.embed_tokens
-    tied = model.lm_head.weight is embed.weight
-    new_embed = StoredEmbedding(embed.weight.data.to(storage), activations)
-    model.model.embed_tokens = new_embed
-    head_weight = new_embed.weight if tied else nn.Parameter(model.lm_head.weight.data.to(storage), requires_grad=False)
-    model.lm_head = StoredHead(head_weight, activations)

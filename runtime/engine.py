@@ -45,8 +45,8 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = "default", quant: str = "nf4", device: str | None = "auto",
-             oval: OvalConfig | None = None, config: EngineConfig | None = None, fuse: bool = True) -> "Engine":
-        return cls(load_model(model, quant, device, fuse=fuse), oval, config)
+             oval: OvalConfig | None = None, config: EngineConfig | None = None) -> "Engine":
+        return cls(load_model(model, quant, device), oval, config)
 
     # ---- admission -----------------------------------------------------------------------------------------
     def token_limit(self) -> int:

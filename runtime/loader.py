@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import gc
+import json
 import logging
 import os
 import time
@@ -10,14 +10,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .model_source import ModelSource, check_architecture, resolve_model
-from .embeddings import StoredEmbedding, StoredHead, store_embeddings
-from .quantize import QUANT_TYPES, quantize_decoder_linears, weight_bytes
+from .decoder_build import build_decoder
+from .decoder_config import DecoderConfig
+from .memory import return_freed_memory
+from .model_source import ModelSource, resolve_model
+from .quantize import QUANT_TYPES, weight_bytes
+from .weight_stream import GGUFWeights, SafetensorsWeights
 
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module  # transformers *ForCausalLM, decoder projections swapped for 4-bit layers
+    model: torch.nn.Module  # runtime.decoder_model.DecoderModel: fused 4-bit (or full-precision) projections
     tokenizer: object
     source: ModelSource
     quant: str
@@ -55,12 +58,12 @@ def compute_dtype_for(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.float16
 
 
-def load_model(model: str | None = "default", quant: str = "nf4", device: str | None = "auto",
-               fuse: bool = True) -> LoadedModel:
+def load_model(model: str | None = "default", quant: str = "nf4", device: str | None = "auto") -> LoadedModel:
     """Load, quantize and report. Raises ValueError naming the path for a missing/broken/unsupported model.
 
-    fuse=True fuses q/k/v and gate/up into single 4-bit layers for the runtime's forward (same numbers, fewer
-    kernel calls); fuse=False keeps transformers' module layout so its own forward/generate still runs.
+    Weights stream from the file one layer at a time into the runtime's own decoder (runtime/decoder_model.py):
+    q/k/v and gate/up are fused into single 4-bit layers (same numbers, fewer kernel calls), and transformers'
+    model classes are never imported (see runtime/decoder_config.py for why).
     """
     if quant not in QUANT_TYPES:
         raise ValueError(f"quant={quant!r} is unknown; allowed: {', '.join(QUANT_TYPES)}")
@@ -68,84 +71,85 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
     source = resolve_model(model)
     dev = pick_device(device)
     dtype = compute_dtype_for(dev)
-    # 4-bit: read the checkpoint in 16 bits (half the load-time peak of fp32); the 4-bit codes lose more anyway.
-    load_dtype = dtype if quant == "none" else (torch.bfloat16 if dev.type == "cpu" else torch.float16)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    # 4-bit: quantize from 16 bits and keep the embedding in 16 bits (the 4-bit codes lose more anyway).
+    storage = dtype if quant == "none" else (torch.bfloat16 if dev.type == "cpu" else torch.float16)
+    config = read_decoder_config(source)
+    tokenizer = load_tokenizer(source)
+    weights = _open_weights(source, config)
+    try:
+        decoder = build_decoder(weights, config, quant, dev, dtype, storage)
+    except ValueError:
+        raise
+    except Exception as exc:  # a tensor of the wrong shape or a short file: name the path
+        raise ValueError(f"model {source.path}: cannot load its weights ({type(exc).__name__}: {exc})") from exc
+    finally:
+        weights.close()
+    return_freed_memory()
+    logging.getLogger(__name__).info("loaded %s (%s) on %s", source.path, quant, dev)
+    return LoadedModel(
+        model=decoder,
+        tokenizer=tokenizer,
+        source=source,
+        quant=quant,
+        device=dev,
+        dtype=dtype,
+        weight_bytes=weight_bytes(decoder),
+        load_seconds=time.perf_counter() - start,
+    )
+
+
+def read_decoder_config(source: ModelSource) -> DecoderConfig:
+    """The decoder's shape from the GGUF header (parsed by transformers' GGUF reader) or config.json."""
+    if source.gguf_file:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        try:
+            values = load_gguf_checkpoint(source.path, return_tensors=False)["config"]
+        except Exception as exc:  # a truncated or foreign file raises anything from struct to numpy errors
+            raise ValueError(f"model {source.path}: cannot read its configuration ({type(exc).__name__}: "
+                             f"{exc})") from exc
+    else:
+        with open(os.path.join(source.directory, "config.json"), encoding="utf-8") as handle:
+            values = json.load(handle)  # resolve_model already checked that it parses
+    return DecoderConfig.from_dict(values, source.path)
+
+
+def load_tokenizer(source: ModelSource):
+    """The model's own tokenizer and chat template, as a tokenizers-backed transformers tokenizer.
+
+    AutoTokenizer would import the model's transformers config class (and with it ~80 MB of sympy and
+    torch.distributed); the fast tokenizer class reads tokenizer.json or the GGUF vocabulary directly. A folder
+    with only a slow (sentencepiece) tokenizer still loads, through AutoTokenizer.
+    """
+    from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        config = AutoConfig.from_pretrained(source.directory, **kwargs)
-    except Exception as exc:  # transformers raises many types for a broken file; name the path
-        raise ValueError(f"model {source.path}: cannot read its configuration ({type(exc).__name__}: {exc})") from exc
-    check_architecture(getattr(config, "model_type", None), source.path)
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
-        # Attention limited to the last `window` tokens is not implemented: refuse rather than attend wrongly.
-        raise ValueError(
-            f"model {source.path}: sliding-window attention ({window} tokens) is not supported; use a model "
-            "without it (e.g. Mistral v0.2+, where sliding_window is null)"
-        )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
-        hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=load_dtype, **kwargs)
+        if source.gguf_file or os.path.isfile(os.path.join(source.directory, "tokenizer.json")):
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(source.directory, **kwargs)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(source.directory)
     except Exception as exc:
-        raise ValueError(f"model {source.path}: cannot load its weights ({type(exc).__name__}: {exc})") from exc
-    hf_model.eval().requires_grad_(False)
-    if quant != "none":
-        quantize_decoder_linears(hf_model, quant, compute_dtype=load_dtype, device=dev, fuse=fuse)
-        store_embeddings(hf_model, storage=load_dtype, activations=dtype)
-        gc.collect()
-    # Norms (and, unquantized, everything) in the activation dtype; 4-bit layers and stored embeddings keep theirs.
-    kept = (StoredEmbedding, StoredHead, *_linear4bit_types(quant))
-    for module in hf_model.modules():
-        if isinstance(module, kept):
-            continue
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.dtype.is_floating_point and (param.dtype != dtype or param.device != dev):
-                param.data = param.data.to(device=dev, dtype=dtype)
-    for module in hf_model.modules():  # rotary inv_freq and other buffers follow the weights
-        for name, buf in list(module.named_buffers(recurse=False)):
-            module.register_buffer(name, buf.to(dev), persistent=name not in module._non_persistent_buffers_set)
-    return_freed_memory()
+        raise ValueError(f"model {source.path}: cannot load its tokenizer ({type(exc).__name__}: {exc})") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    logging.getLogger(__name__).info("loaded %s (%s) on %s", source.path, quant, dev)
-    return LoadedModel(
-        model=hf_model,
-        tokenizer=tokenizer,
-        source=source,
-        quant=quant,
-        device=dev,
-        dtype=dtype,
-        weight_bytes=weight_bytes(hf_model),
-        load_seconds=time.perf_counter() - start,
-    )
+    return tokenizer
 
 
-def _linear4bit_types(quant: str) -> tuple:
-    if quant == "none":
-        return ()
-    import bitsandbytes as bnb
-
-    return (bnb.nn.Linear4bit,)
-
-
-def return_freed_memory() -> None:
-    """Give the heap freed after loading (full-precision tensors, GGUF buffers) back to the OS.
-
-    glibc keeps freed arenas mapped; without this the process's RSS stays at the load-time peak, which would
-    both waste a Jetson's shared memory and inflate the reserve the pool is sized against.
-    """
-    gc.collect()
+def _open_weights(source: ModelSource, config: DecoderConfig):
     try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        pass
+        if source.gguf_file:
+            return GGUFWeights(source.path, config.model_type, config.num_attention_heads, config.num_key_value_heads)
+        return SafetensorsWeights(source.path)
+    except ValueError:
+        raise
+    except Exception as exc:  # gguf / safetensors raise many types for a broken file
+        raise ValueError(f"model {source.path}: cannot read its weights ({type(exc).__name__}: {exc})") from exc
 
 
 def describe(loaded: LoadedModel) -> str:

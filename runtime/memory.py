@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 
 import torch
@@ -60,3 +62,16 @@ def prefill_workspace_bytes(
     gathered = 2 * geometry.kv_heads * context * geometry.head_dim * 4
     scores = q_heads * chunk * context * 4
     return chunk * per_token + gathered + scores
+
+
+def return_freed_memory() -> None:
+    """Give the heap freed after loading (full-precision tensors, GGUF buffers) back to the OS.
+
+    glibc keeps freed arenas mapped; without this the process's RSS stays at the load-time peak, which would
+    both waste a Jetson's shared memory and inflate the reserve the pool is sized against.
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        pass

@@ -1,7 +1,8 @@
-"""Swap the decoder's nn.Linear layers for bitsandbytes 4-bit ones, one layer at a time (one weight copy).
+"""bitsandbytes 4-bit layers: importing bitsandbytes lean, building one layer, packing layers for the CPU
+kernel, and counting the bytes a model holds.
 
-Embeddings, norms and the output head stay in the compute dtype, as transformers' bitsandbytes integration
-keeps them: the head is tied to the embedding in small models, and quantizing it costs the most accuracy.
+Embeddings, norms and the output head stay in 16/32 bits, as transformers' bitsandbytes integration keeps them:
+the head is tied to the embedding in small models, and quantizing it costs the most accuracy.
 """
 
 from __future__ import annotations
@@ -12,59 +13,42 @@ import torch
 from torch import nn
 
 QUANT_TYPES = ("nf4", "fp4", "none")
-# Projections inside each decoder layer (Llama, Mistral, Qwen2 share these names).
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BLOCKSIZE = 64
 
 
-# Projections that read the same input and are fused into one 4-bit matmul (one kernel call instead of 3 / 2).
-FUSED_GROUPS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
 
+def import_bitsandbytes():
+    """bitsandbytes, imported so that neither importing nor calling it pulls in TorchDynamo.
 
-def quantize_decoder_linears(model: nn.Module, quant: str, compute_dtype: torch.dtype, device: torch.device,
-                             fuse: bool = False) -> int:
-    """Replace every decoder projection with bnb.nn.Linear4bit on `device`; returns how many 4-bit layers exist.
-
-    Each full-precision weight is dropped as soon as its 4-bit copy exists, so peak memory stays near one layer
-    above the quantized model. fuse=True stacks q/k/v (and gate/up) row-wise before quantizing: bitsandbytes
-    quantizes blocks of 64 consecutive weights and every row length here is a multiple of 64, so each row gets
-    exactly the codes and scales it would get alone; the fused layer computes the same numbers with fewer calls.
-    The model's own forward (transformers) then no longer runs; the runtime's forward does.
+    At import it wraps a few pure-PyTorch fallbacks in torch.compile, and torch.library wraps every kernel it
+    registers in torch._disable_dynamo, whose first call imports TorchDynamo, sympy and torch.distributed: +75 MB
+    resident (10% of an 8 GB Orin Nano's serving budget) for machinery this runtime never runs (nothing here is
+    compiled; runtime processes also set TORCHDYNAMO_DISABLE). While bitsandbytes imports, both are stood in for
+    by the identity: the same eager functions are registered and called. If bitsandbytes was already imported
+    (a user's process), it is left as it is.
     """
-    if quant not in ("nf4", "fp4"):
-        raise ValueError(f"quant={quant!r} is not a 4-bit type; allowed: nf4, fp4 (or 'none' to skip quantizing)")
+    import sys
+
+    if "bitsandbytes" in sys.modules:
+        return sys.modules["bitsandbytes"]
+    saved = torch.compile, torch._disable_dynamo
+
+    def identity(fn=None, *args, **kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    torch.compile, torch._disable_dynamo = identity, identity
+    try:
+        import bitsandbytes
+    finally:
+        torch.compile, torch._disable_dynamo = saved
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU backend warns about an optional hub kernel
-    replaced = 0
-    for layer in model.model.layers:
-        if fuse:
-            for parent_name, fused_name, names in FUSED_GROUPS:
-                parent = getattr(layer, parent_name)
-                parts = [getattr(parent, n) for n in names]
-                if all(isinstance(p, nn.Linear) and p.in_features % BLOCKSIZE == 0 for p in parts):
-                    weight = torch.cat([p.weight.data for p in parts])
-                    bias = torch.cat([p.bias.data for p in parts]) if parts[0].bias is not None else None
-                    for n in names:
-                        setattr(parent, n, None)
-                    del parts
-                    setattr(parent, fused_name, _linear4bit(weight, bias, quant, compute_dtype, device))
-                    replaced += 1
-        for parent in (layer.self_attn, layer.mlp):
-            for name in LINEAR_NAMES:
-                linear = getattr(parent, name, None)
-                if isinstance(linear, nn.Linear):
-                    bias = linear.bias.data if linear.bias is not None else None
-                    setattr(parent, name, _linear4bit(linear.weight.data, bias, quant, compute_dtype, device))
-                    del linear
-                    replaced += 1
-    if device.type == "cpu":
-        _pack_for_cpu(model)
-    return replaced
+    return bitsandbytes
 
 
-def _linear4bit(weight: torch.Tensor, bias: torch.Tensor | None, quant: str, compute_dtype: torch.dtype,
-                device: torch.device) -> nn.Module:
-    import bitsandbytes as bnb
-
+def linear4bit(weight: torch.Tensor, bias: torch.Tensor | None, quant: str, compute_dtype: torch.dtype,
+               device: torch.device) -> nn.Module:
+    """weight [out, in] -> bnb.nn.Linear4bit on `device` (double-quantized absmax, blocks of 64)."""
+    bnb = import_bitsandbytes()
     out_features, in_features = weight.shape
     q = bnb.nn.Linear4bit(in_features, out_features, bias=bias is not None, compute_dtype=compute_dtype,
                           compress_statistics=True,  # double quantization: absmax stored in 8 bits
@@ -77,14 +61,13 @@ def _linear4bit(weight: torch.Tensor, bias: torch.Tensor | None, quant: str, com
 
 
 @torch.no_grad()  # not inference_mode: bitsandbytes then fails on layers with a bias (Qwen2's q/k/v)
-def _pack_for_cpu(model: nn.Module) -> None:
+def pack_for_cpu(model: nn.Module) -> None:
     """Let bitsandbytes convert each 4-bit weight to its fused CPU layout now, not in the first request.
 
     On CPUs with AVX512-BF16 its first inference call repacks the weight (and un-nests absmax to bf16) for the
     fused 4-bit GEMV kernel; doing it at load makes the reported weight bytes the bytes really held.
     """
-    import bitsandbytes as bnb
-
+    bnb = import_bitsandbytes()
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.eval()

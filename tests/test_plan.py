@@ -84,23 +84,42 @@ def test_linear4bit_formula_matches_bitsandbytes_packed_cpu_layout():
         assert abs(codes + qstate - real) <= 0.03 * real, (n_out, n_in, codes + qstate, real)
 
 
+class StateDictWeights:
+    """A state dict served the way runtime.weight_stream serves a checkpoint (names, read, close)."""
+
+    def __init__(self, state: dict):
+        self.state, self.path = state, "state dict"
+
+    def names(self):
+        return list(self.state)
+
+    def read(self, name, dtype):
+        return self.state[name].to(dtype)
+
+    def close(self):
+        pass
+
+
 def test_whole_decoder_quantized_by_the_runtime_matches_the_planner():
-    """A small random Llama through runtime.quantize.quantize_decoder_linears (the loader's own path)."""
+    """A small random Llama through runtime.decoder_build.build_decoder (the loader's own path, fused layers)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    import bitsandbytes as bnb
     from bitsandbytes.functional import has_avx512bf16
 
-    from oval_edge.runtime.quantize import quantize_decoder_linears
+    from oval_edge.runtime.decoder_build import build_decoder
+    from oval_edge.runtime.decoder_config import DecoderConfig
+    from oval_edge.runtime.quantize import import_bitsandbytes
     from oval_edge.runtime.quantize import weight_bytes as runtime_weight_bytes
 
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=704, num_attention_heads=4,
                                       num_key_value_heads=2, num_hidden_layers=3, vocab_size=512,
                                       max_position_embeddings=256, tie_word_embeddings=True)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    quantize_decoder_linears(model, "nf4", torch.bfloat16, torch.device("cpu"))
-    linears = torch.nn.ModuleList([m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)])
+    model = transformers.LlamaForCausalLM(config).eval()
+    decoder = build_decoder(StateDictWeights(model.state_dict()), DecoderConfig.from_dict(config.to_dict(), "tiny"),
+                            "nf4", torch.device("cpu"), torch.float32, torch.bfloat16)
+    bnb = import_bitsandbytes()
+    linears = torch.nn.ModuleList([m for m in decoder.modules() if isinstance(m, bnb.nn.Linear4bit)])
+    assert len(linears) == 3 * 4  # fused q/k/v, o, fused gate/up, down per layer
     shape = ModelShape("tiny", "-", "llama", 3, 256, 704, 4, 2, 64, 512, 256, True, False, "test", 0)
     flags = frozenset({"avx512_bf16"}) if has_avx512bf16() else frozenset()
     planned = weight_bytes(shape, "nf4", "cpu", flags)

@@ -1,4 +1,8 @@
-"""The runtime against Hugging Face on the same weights, and the engine's sampling, stops and cancellation."""
+"""The runtime against Hugging Face on the same weights, and the engine's sampling, stops and cancellation.
+
+Hugging Face loads the GGUF with its own loader and model classes; the runtime with its streaming loader and its
+own decoder, so these comparisons also check the loader (tensor names, q/k row order, tied head, RoPE).
+"""
 
 from __future__ import annotations
 
@@ -25,14 +29,29 @@ def fp32_engine():
                        config=EngineConfig(max_batch=4, num_pages=96))
 
 
+def hugging_face_model(dtype=torch.float32):
+    """transformers' own model for the bundled GGUF (its loader dequantizes every tensor to fp32 first)."""
+    from transformers import AutoModelForCausalLM
+
+    from oval_edge.runtime.model_source import resolve_model
+
+    source = resolve_model("default")
+    return AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_fp32():
+    return hugging_face_model()
+
+
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(ids):].tolist()
 
 
-def test_greedy_matches_hugging_face_token_for_token(fp32_engine):
-    tok, model = fp32_engine.tokenizer, fp32_engine.loaded.model
+def test_greedy_matches_hugging_face_token_for_token(fp32_engine, hf_fp32):
+    tok, model = fp32_engine.tokenizer, hf_fp32
     for prompt in PROMPTS:
         ids = tok(prompt)["input_ids"]
         ours = fp32_engine.generate(ids, SamplingParams(max_tokens=64, ignore_eos=True)).output_ids
@@ -40,8 +59,8 @@ def test_greedy_matches_hugging_face_token_for_token(fp32_engine):
     assert fp32_engine.pool.num_free == fp32_engine.pool.num_pages
 
 
-def test_prefill_and_decode_logits_match_hugging_face(fp32_engine):
-    tok, model, pool, runner = fp32_engine.tokenizer, fp32_engine.loaded.model, fp32_engine.pool, fp32_engine.runner
+def test_prefill_and_decode_logits_match_hugging_face(fp32_engine, hf_fp32):
+    tok, model, pool, runner = fp32_engine.tokenizer, hf_fp32, fp32_engine.pool, fp32_engine.runner
     ids = tok(PROMPTS[0] + " was one of the largest empires of the ancient world")["input_ids"]
     with torch.no_grad():
         reference = model(torch.tensor([ids])).logits[0].float()  # [T, vocab]
@@ -72,22 +91,52 @@ def test_batched_decode_of_different_lengths_equals_one_at_a_time(fp32_engine):
     assert [r.output_ids for r in requests] == alone
 
 
+class OutputRows(torch.nn.Module):
+    """One of transformers' q/k/v (or gate/up) projections, computed by the runtime's fused 4-bit layer."""
+
+    def __init__(self, fused: torch.nn.Module, start: int, end: int):
+        super().__init__()
+        self.fused, self.start, self.end = fused, start, end
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start : self.end]
+
+
+def give_hugging_face_the_runtime_weights(model, runtime_model) -> None:
+    """Hugging Face's own forward (norms, RoPE, attention, MLP) over the runtime's very bnb 4-bit layers and
+    16-bit embedding/head: the projections it calls are rows of the runtime's fused layers."""
+    for hf_layer, ours in zip(model.model.layers, runtime_model.model.layers):
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        start = 0
+        for name in ("q_proj", "k_proj", "v_proj"):
+            end = start + getattr(attn, name).out_features
+            setattr(attn, name, OutputRows(ours.self_attn.qkv_proj, start, end))
+            start = end
+        attn.o_proj = ours.self_attn.o_proj
+        half = mlp.gate_proj.out_features
+        mlp.gate_proj = OutputRows(ours.mlp.gate_up_proj, 0, half)
+        mlp.up_proj = OutputRows(ours.mlp.gate_up_proj, half, 2 * half)
+        mlp.down_proj = ours.mlp.down_proj
+    model.model.embed_tokens = runtime_model.model.embed_tokens
+    model.lm_head = runtime_model.lm_head
+
+
 def test_nf4_runtime_follows_hugging_face_with_the_same_bitsandbytes_weights():
     """Same bnb NF4 layers in both. bitsandbytes' fused CPU kernel rounds activations to bf16, so even HF's own
     cached decode differs from its full forward by ~0.15 logits; tokens are compared where that noise cannot
     flip them (top-2 margin > 1), logits within 1.0 along HF's own greedy trajectory."""
-    # fuse=False keeps transformers' module layout, so its generate() runs on the very same 4-bit layers.
-    engine = Engine.load("default", quant="nf4", device="cpu", oval=COVERING, config=EngineConfig(num_pages=16),
-                         fuse=False)
-    import bitsandbytes as bnb
+    from oval_edge.runtime.quantize import import_bitsandbytes
 
-    model, pool, runner = engine.loaded.model, engine.pool, engine.runner
-    layer = model.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, bnb.nn.Linear4bit)
-    assert layer.self_attn.q_proj.weight.quant_state.quant_type == "nf4"
+    engine = Engine.load("default", quant="nf4", device="cpu", oval=COVERING, config=EngineConfig(num_pages=16))
+    bnb = import_bitsandbytes()
+    fused = engine.loaded.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(fused, bnb.nn.Linear4bit) and fused.weight.quant_state.quant_type == "nf4"
     # One weight copy: the 4-bit model is far smaller than the fp32 decoder would be.
-    n_params = sum(p.numel() for p in model.model.layers.parameters())
+    n_params = sum(p.numel() for p in engine.loaded.model.model.layers.parameters())
     assert engine.loaded.weight_bytes < 0.5 * (n_params * 2 * 4 + 49152 * 576 * 4)
+    model = hugging_face_model()
+    give_hugging_face_the_runtime_weights(model, engine.loaded.model)
+    pool, runner = engine.pool, engine.runner
     for prompt in PROMPTS[:2]:
         ids = engine.tokenizer(prompt)["input_ids"]
         with torch.no_grad():

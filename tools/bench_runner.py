@@ -22,16 +22,11 @@ WORKER_MODULE = "oval_edge.tools.bench_worker"
 
 
 def load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
+    """The tokenizer every engine's prompt is built with: the runtime's own (runtime.loader.load_tokenizer)."""
+    from oval_edge.runtime.loader import load_tokenizer as runtime_tokenizer
     from oval_edge.runtime.model_source import resolve_model
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    source = resolve_model(model)
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    return AutoTokenizer.from_pretrained(source.directory, **kwargs)
+    return runtime_tokenizer(resolve_model(model))
 
 
 def build_prompts(tokenizer, contexts: tuple[int, ...], gen: int, max_positions: int | None) -> dict[int, list[int]]:

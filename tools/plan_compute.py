@@ -12,7 +12,7 @@ from oval_edge.units import format_bytes
 from oval_edge.jetson.modules import ModuleSpec
 
 from .plan_memory import (
-    LOAD_BASELINE, RUNTIME_OVERHEAD, PagePlan, decode_reads, geometry_for, load_transient_bytes,
+    RUNTIME_OVERHEAD, PagePlan, decode_reads, geometry_for, load_peak_bytes,
     reserved_workspace_bytes, target_of, workspace_bytes,
 )
 from .plan_model import ModelShape
@@ -98,7 +98,7 @@ def plan_device(shape: ModelShape, device: ModuleSpec, request: PlanRequest,
         source = (f"DRAM {format_bytes(device.dram_bytes)} - OS reserve {format_bytes(reserve)} "
                   f"({'desktop' if request.desktop else 'headless'}: {device.reserve_note or 'none'})")
     bandwidth = request.bandwidth_gbps if request.bandwidth_gbps is not None else device.bandwidth_gbps
-    load_peak = LOAD_BASELINE[target] + load_transient_bytes(shape, weights, request.quant, target)
+    load_peak = load_peak_bytes(shape, weights, request.quant, target, overhead)
     rows = tuple(_page_plan(shape, request, p, target, weights, budget, overhead, bandwidth, load_peak)
                  for p in request.page_sizes)
     longest = max(((longest_context(shape, request, p, target, weights.total, budget, overhead, weights.layout), p)

@@ -15,18 +15,20 @@ from .plan_model import ModelShape
 from .plan_weights import ACTIVATION_BYTES, WeightBreakdown
 
 MiB = 2**20
-# Resident bytes of a loaded server besides its weights: interpreter, torch, transformers, bitsandbytes, the
-# tokenizer and what loading leaves in the heap. This is what runtime/engine_setup.build_pool measures as its
-# `reserve` on the CPU (process RSS - weight bytes). CPU: measured in this project after
-# runtime.loader.load_model('default', 'nf4', 'cpu') (which returns the load's freed heap with malloc_trim):
-# RSS 520 MiB with 108 MiB of weights -> 412 MiB (torch 2.13 CPU, Python 3.11, x86-64). CUDA: an estimate - host process ~400 MiB plus ~300 MiB of CUDA context with lazy
-# module loading (PyTorch maintainers, pytorch/pytorch#107667) plus cuBLAS workspaces; on a Jetson both live in
-# the same DRAM. Override with --runtime-overhead after measuring on the board.
-RUNTIME_OVERHEAD = {"cpu": 412 * MiB, "cuda": 800 * MiB}
-# Resident bytes before the checkpoint is read (imports done), the base of the load peak. CPU: measured peak RSS
-# of that load, 913 MiB, minus the load transient `load_transient_bytes` predicts for it (607 MiB). CUDA: the CPU
-# figure plus the CUDA context (estimate).
-LOAD_BASELINE = {"cpu": 300 * MiB, "cuda": 600 * MiB}
+# Resident bytes of a loaded server besides its weights: interpreter, torch, bitsandbytes, the tokenizer (with
+# transformers' tokenizer classes) and what loading leaves in the heap. This is what
+# runtime/engine_setup.build_pool measures as its `reserve` on the CPU (process RSS - weight bytes). CPU: measured
+# in this project after runtime.loader.load_model('default', 'nf4', 'cpu') (streaming loader, no transformers
+# model classes, malloc_trim after each layer): RSS 406 MiB with 108 MiB of weights -> 298 MiB (torch 2.13 CPU,
+# Python 3.11, x86-64). CUDA: an estimate - that host process plus ~300 MiB of CUDA context with lazy module
+# loading (PyTorch maintainers, pytorch/pytorch#107667) plus cuBLAS workspaces; on a Jetson both live in the same
+# DRAM. Override with --runtime-overhead after measuring on the board.
+RUNTIME_OVERHEAD = {"cpu": 298 * MiB, "cuda": 700 * MiB}
+# Loading's fixed transient above the loaded state: a GGUF's header parsed twice (configuration, tokenizer: 49k
+# vocabulary strings as Python objects) and the reader's tensor index. Measured: load peak 503 MiB - loaded
+# 406 MiB = 97 MiB, less 2 x 6.8 MiB (two 16-bit copies of a layer) and the 4 MiB chunk -> 80 MiB. Safetensors
+# folders parse only JSON: the same figure is kept as an upper bound.
+LOAD_FIXED_TRANSIENT = 80 * MiB
 ATTENTION_TILE = 512  # kv tokens per block of the fused (flash / memory-efficient) SDPA kernels
 
 
@@ -123,20 +125,17 @@ def workspace_bytes(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, t
     return {"prefill": prefill, "decode": decode, "seal": seal, "total": max(prefill, decode, seal)}
 
 
-def load_transient_bytes(shape: ModelShape, weights: WeightBreakdown, quant: str, target: str) -> int:
-    """Bytes held while loading, above the runtime overhead.
+def load_peak_bytes(shape: ModelShape, weights: WeightBreakdown, quant: str, target: str, overhead: int) -> int:
+    """Peak resident bytes while loading: the loaded state (overhead + weights) plus what loading holds on top.
 
-    GGUF: transformers dequantizes every tensor to a float32 numpy array and builds the dense model from them;
-    the mapped file is read once (its pages count while mapped). Safetensors: the dense model in the load dtype
-    (bf16 on CPU / fp16 on CUDA for 4-bit runs). Quantization then runs layer by layer, so the 4-bit copy never
-    coexists with the whole dense one. Bundled SmolLM2 GGUF: 134.5M params x 4 + 94 MiB file = 607 MiB; measured
-    here (runtime.loader.load_model on CPU): peak RSS 997 MiB over a 380 MiB import baseline = 617 MiB.
+    runtime/decoder_build streams the checkpoint one decoder layer at a time: a layer's projections are read in
+    16 bits (fp32 for quant none), stacked into the fused q/k/v and gate/up matrices (a second copy) and quantized,
+    then dropped; GGUF tensors are dequantized 4 MiB of fp32 at a time and their file pages released as they are
+    read. So the transient is two copies of the largest layer, one dequantization chunk and the fixed parse cost.
     """
-    params = shape.parameters
-    if shape.file_bytes:  # GGUF
-        return params * 4 + shape.file_bytes
     load = ACTIVATION_BYTES[target] if quant == "none" else 2
-    return params * load
+    layer = sum(n_out * n_in for _, n_out, n_in in shape.projections()) * load  # one decoder layer
+    return overhead + weights.total + 2 * layer + 4 * MiB + LOAD_FIXED_TRANSIENT
 
 
 @dataclass(frozen=True)

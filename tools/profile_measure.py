@@ -197,7 +197,7 @@ def _seal_times(pool, seq_id, prefill_chunk: int) -> tuple[float | None, float |
 
 def _release_memory() -> None:
     """Hand freed pools back to the OS, so that the next pool is sized from the same resident memory."""
-    from oval_edge.runtime.loader import return_freed_memory
+    from oval_edge.runtime.memory import return_freed_memory
 
     return_freed_memory()  # gc.collect() + malloc_trim
     if torch.cuda.is_available():
