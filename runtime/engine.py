@@ -17,6 +17,7 @@ from oval_edge.pool import PagePool
 
 from .engine_setup import EngineConfig, build_pool
 from .loader import LoadedModel, load_model
+from .memory import release_heap
 from .paged_llama import PagedLlama
 from .request import FINISHED, PREFILL, RUNNING, WAITING, QueueFull, Request, RequestRejected
 from .sampling import SamplingParams
@@ -136,6 +137,8 @@ class Engine:
         step = self.pool.prepare([request.request_id], [len(chunk)])
         logits, _ = self.runner.forward(step, torch.tensor(chunk, dtype=torch.long), decode=False)
         self.pool.commit(step)
+        if self.pool.device.type == "cpu":
+            release_heap()  # a chunk's transients (tens of MB at 8k) would stay mapped and fragment the heap
         request.prefilled += len(chunk)
         request.prefill_seconds += time.perf_counter() - began
         self.stats.prompt_tokens += len(chunk)

@@ -21,6 +21,7 @@ from oval_edge.selection import Selection
 from .projections import bind_norm, bind_projection
 
 ATTENTION_MODES = ("oval", "dense")
+MLP_ROW_BLOCK = 128  # prefill rows per MLP call: 128 x 2 x 1536 fp32 = 1.5 MB for SmolLM2 instead of 6 MB
 # (layer, q [B, Hq, D], step) -> page scores [B, Hkv, Np]; lets `eval` plug in the oracle scorer.
 ScoreOverride = Callable[[int, torch.Tensor, StepIndex], torch.Tensor]
 # (layer, normed hidden state x [N, hidden], step) -> window lengths [B, Hkv] or None; called for every layer of
@@ -182,6 +183,8 @@ class LayerOps:
         )
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MLP_ROW_BLOCK:  # prefill chunks: bound the [rows, 2 x intermediate] fp32 transients
+            return torch.cat([self.mlp(x[i : i + MLP_ROW_BLOCK]) for i in range(0, x.shape[0], MLP_ROW_BLOCK)])
         if self.gate_up is None:
             return self.mlp_module(x)
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # [n, intermediate] each
