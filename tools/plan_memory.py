@@ -16,18 +16,19 @@ from .plan_weights import ACTIVATION_BYTES, WeightBreakdown
 
 MiB = 2**20
 # Resident bytes of a loaded server besides its weights: interpreter, torch, bitsandbytes, the tokenizer (with
-# transformers' tokenizer classes) and what loading leaves in the heap. This is what
+# transformers' tokenizer classes), the HTTP stack and what loading leaves in the heap. This is what
 # runtime/engine_setup.build_pool measures as its `reserve` on the CPU (process RSS - weight bytes). CPU: measured
-# in this project after runtime.loader.load_model('default', 'nf4', 'cpu') (streaming loader, no transformers
-# model classes, malloc_trim after each layer): RSS 406 MiB with 108 MiB of weights -> 298 MiB (torch 2.13 CPU,
-# Python 3.11, x86-64). CUDA: an estimate - that host process plus ~300 MiB of CUDA context with lazy module
-# loading (PyTorch maintainers, pytorch/pytorch#107667) plus cuBLAS workspaces; on a Jetson both live in the same
-# DRAM. Override with --runtime-overhead after measuring on the board.
-RUNTIME_OVERHEAD = {"cpu": 298 * MiB, "cuda": 700 * MiB}
+# in this project as `oval-edge serve` prints it at startup (streaming loader, no transformers model classes):
+# reserve 405 MiB (a bare runtime.loader.load_model process holds 298 MiB; serve adds its HTTP stack, the load
+# running in a background thread, and the engine) with torch 2.13 CPU, Python 3.11, x86-64. CUDA: an estimate -
+# that host process plus ~300 MiB of CUDA context with lazy module loading (PyTorch maintainers,
+# pytorch/pytorch#107667) plus cuBLAS workspaces; on a Jetson both live in the same DRAM. Override with
+# --runtime-overhead after measuring on the board.
+RUNTIME_OVERHEAD = {"cpu": 405 * MiB, "cuda": 800 * MiB}
 # Loading's fixed transient above the loaded state: a GGUF's header parsed twice (configuration, tokenizer: 49k
-# vocabulary strings as Python objects) and the reader's tensor index. Measured: load peak 503 MiB - loaded
-# 406 MiB = 97 MiB, less 2 x 6.8 MiB (two 16-bit copies of a layer) and the 4 MiB chunk -> 80 MiB. Safetensors
-# folders parse only JSON: the same figure is kept as an upper bound.
+# vocabulary strings as Python objects) and the reader's tensor index. Measured in a bare load_model process:
+# load peak 503 MiB - loaded 406 MiB = 97 MiB, less 2 x 6.8 MiB (two 16-bit copies of a layer) and the 4 MiB
+# chunk -> 80 MiB. Safetensors folders parse only JSON: the same figure is kept as an upper bound.
 LOAD_FIXED_TRANSIENT = 80 * MiB
 ATTENTION_TILE = 512  # kv tokens per block of the fused (flash / memory-efficient) SDPA kernels
 
