@@ -16,7 +16,7 @@ from torch import nn
 from .decoder_config import DecoderConfig
 from .decoder_model import DecoderAttention, DecoderLayer, DecoderMLP, DecoderModel, DecoderStack, RMSNorm
 from .embeddings import StoredEmbedding, StoredHead
-from .memory import return_freed_memory
+from .memory import release_heap
 from .quantize import linear4bit, pack_for_cpu
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
@@ -69,7 +69,7 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
         layers.append(DecoderLayer(attention, mlp, *norms))
         if quant != "none" and device.type == "cpu":
             pack_for_cpu(layers[-1])  # repacking leaves the unpacked copies behind: trim them layer by layer
-        return_freed_memory()  # glibc would keep every layer's freed 16-bit copies mapped until the end
+        release_heap()  # glibc would keep every layer's freed 16-bit copies mapped until the end
     embed = StoredEmbedding(read("model.embed_tokens.weight").to(device), dtype)  # [vocab, hidden]
     if "lm_head.weight" in names and not config.tie_word_embeddings:
         head = StoredHead(nn.Parameter(read("lm_head.weight").to(device), requires_grad=False), dtype)
