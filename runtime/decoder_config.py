@@ -65,10 +65,6 @@ class DecoderConfig:
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")) if self.rope_scaling \
             else "default"
 
-    @property
-    def attention_bias(self) -> bool:
-        return self.model_type == "qwen2"  # Qwen2 always has q/k/v biases; the loader also takes any it finds
-
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "DecoderConfig":
         """From transformers-named keys: a config.json, or the dict transformers parses out of a GGUF header."""

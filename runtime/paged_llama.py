@@ -1,7 +1,7 @@
 """The Llama-family decoder forward written against the page pool (Llama, SmolLM2, Mistral, Qwen2).
 
-It uses the loaded transformers modules only as weight holders (projections, norms, MLP, rotary frequencies)
-and owns the attention: keys are rotated at their absolute positions and cached after RoPE, prefill is dense
+It uses the loaded model's modules (runtime/decoder_model.py, or a transformers model of the same layout) only as
+weight holders (projections, norms, MLP, rotary frequencies) and owns the attention: keys are rotated at their absolute positions and cached after RoPE, prefill is dense
 and writes pages, decode runs OVAL selection (or dense attention when asked).
 """
 
@@ -41,13 +41,15 @@ class StepStats:
 
 
 class PagedLlama:
-    def __init__(self, hf_model: torch.nn.Module, pool: PagePool, config: OvalConfig, attention: str = "oval"):
+    def __init__(self, model: torch.nn.Module, pool: PagePool, config: OvalConfig, attention: str = "oval"):
+        """model: a decoder in transformers' module layout (runtime.decoder_model.DecoderModel, or a transformers
+        Llama-family *ForCausalLM, whose unfused projections are called one by one)."""
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention={attention!r} is unknown; allowed: {', '.join(ATTENTION_MODES)}")
-        cfg = hf_model.config
-        self.model = hf_model
-        self.decoder = hf_model.model
-        self.layers = list(hf_model.model.layers)
+        cfg = model.config
+        self.model = model
+        self.decoder = model.model
+        self.layers = list(model.model.layers)
         self.pool = pool
         self.config = config
         self.attention = attention
