@@ -102,7 +102,9 @@ def test_serve_with_config_then_sigterm_drains_and_exits_zero(tmp_path):
         assert out.wait_for(r"limit per request 256 tokens", 5)  # max_context from the config file
         assert post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 401
 
-        body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
+        # Long enough to still be running when the refused request arrives 0.5 s after SIGTERM (24 tokens no
+        # longer were once decode got faster: the server had drained and closed before that request).
+        body = {"prompt": "Once upon a time", "max_tokens": 160, "temperature": 0, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth, timeout=300) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
@@ -116,7 +118,7 @@ def test_serve_with_config_then_sigterm_drains_and_exits_zero(tmp_path):
         chunks = [json.loads(first[6:])] + [json.loads(r) for r in rest[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # finished, not cut off
         assert child.wait(timeout=120) == 0
-        assert any(re.search(r"cmpl-\w+ completions prompt=\d+ completion=24 .* outcome=length", line)
+        assert any(re.search(r"cmpl-\w+ completions prompt=\d+ completion=160 .* outcome=length", line)
                    for line in out.lines), out.lines
     finally:
         if child.poll() is None:
