@@ -79,8 +79,30 @@ def decode_attention(
                 config.scorer, group_queries(q, g.kv_heads), pool.summaries, layer, step.page_table, scale
             )
         selection = plan.select(scores, window)
-    k, v = gather_slots(pool, layer, selection.flat)
-    return attend(q, k, v, selection.valid, scale), selection
+    return attend_selection(pool, layer, q, selection, scale), selection
+
+
+PER_HEAD_SLOTS = 2048  # from this many slots per KV head (dense layers at long context) gather one head at a time
+
+
+def attend_selection(pool: PagePool, layer: int, q: torch.Tensor, selection: Selection, scale: float) -> torch.Tensor:
+    """Gather the selection's K/V and attend. q [B, Hq, D] -> [B, Hq, D].
+
+    Long selections go one KV head at a time: the same numbers, but the bf16 -> fp32 copies of K and V live for one
+    head only (at 8k: 4 MB instead of 12 MB per dense layer, and fresh multi-MB buffers page-fault on every step).
+    """
+    if selection.slots < PER_HEAD_SLOTS:
+        k, v = gather_slots(pool, layer, selection.flat)
+        return attend(q, k, v, selection.valid, scale)
+    b, hq, d = q.shape
+    hkv = selection.flat.shape[1]
+    group = hq // hkv
+    out = torch.empty_like(q)
+    for head in range(hkv):
+        k, v = gather_slots(pool, layer, selection.flat[:, head : head + 1])  # [B, 1, T, D] each
+        heads = slice(head * group, (head + 1) * group)
+        out[:, heads] = attend(q[:, heads], k, v, selection.valid[:, head : head + 1], scale)
+    return out
 
 
 def decode_plan(pool: PagePool, step: StepIndex, config: OvalConfig) -> DecodePlan:

@@ -19,6 +19,11 @@ def _check_int(name: str, value, low: int, high: int, why: str = "") -> None:
         raise ValueError(f"{name}={value!r} is out of range: allowed [{low}, {high}]{why}")
 
 
+# Prompt tokens per prefill step (EngineConfig.prefill_chunk, serve, eval, calibrate, plan, profile). A chunk's
+# transients grow with it (its activations, and at long context its queries against the whole history): at 8k on
+# SmolLM2, 512 -> 256 lowers peak RSS by ~11 MB for ~3% of prefill speed (measured on the CPU runtime).
+DEFAULT_PREFILL_CHUNK = 256
+
 @dataclass(frozen=True)
 class OvalConfig:
     """How OVAL pages, selects and attends. All sizes are in tokens unless named ``*_bytes``.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oval_edge.config import OvalConfig
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.geometry import KVGeometry, size_pool
 from oval_edge.pool import PagePool
 from oval_edge.units import format_bytes
@@ -31,7 +31,7 @@ class EngineConfig:
 
     max_batch: int = 4
     max_queue: int = 64
-    prefill_chunk: int = 512
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     attention: str = "oval"
     num_pages: int | None = None
     max_model_len: int | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from oval_edge.config import OvalConfig
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 
 QUANTS = ("nf4", "fp4", "none")
 
@@ -112,7 +112,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         oval=oval,
         max_batch=_pick(args.max_batch, server_t, "max_batch", 4),
         max_queue=_pick(args.max_queue, server_t, "max_queue", 64),
-        prefill_chunk=_pick(args.prefill_chunk, server_t, "prefill_chunk", 512),
+        prefill_chunk=_pick(args.prefill_chunk, server_t, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
         max_context=_pick(args.max_context, server_t, "max_context", server_t.get("max_model_len")),
         attention=_pick(args.attention, server_t, "attention", "oval"),
         server=dict(server_t),

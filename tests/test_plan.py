@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from oval_edge.config import OvalConfig
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.runtime.cli import main
 from oval_edge.runtime.config_file import engine_kwargs, load_config_file, oval_config, validate_sections
 from oval_edge.tools.plan_memory import kv_dtype_for, reserved_workspace_bytes
@@ -262,7 +262,7 @@ def test_write_config_round_trips_through_the_serve_reader(capsys, tmp_path):
     # CUDA: serve counts neither the CUDA context nor the sealing transient; the written budget leaves them out.
     assert oval_config(sections).memory_budget == best["serve_memory_budget"] == (
         dev["budget_bytes"] - dev["runtime_overhead_bytes"] - (best["workspace_bytes"] - best["serve_workspace_bytes"]))
-    assert engine_kwargs(sections) == {"max_batch": 2, "max_model_len": 8192, "prefill_chunk": 512}
+    assert engine_kwargs(sections) == {"max_batch": 2, "max_model_len": 8192, "prefill_chunk": DEFAULT_PREFILL_CHUNK}
     assert sections["plan"]["predicted_peak_bytes"] == best["predicted_peak_bytes"] == dev["predicted_peak_bytes"]
     assert sections["plan"]["pages"] == best["pages"]
 
@@ -327,5 +327,5 @@ def test_written_config_is_what_serve_reads(tmp_path, capsys):
     sections = load_config_file(str(toml_path))
     assert (spec.model, spec.quant, spec.device) == ("default", "nf4", "cuda")
     assert spec.oval.memory_budget == sections["server"]["memory_budget"]
-    assert (spec.max_batch, spec.max_context, spec.prefill_chunk) == (2, 4096, 512)
+    assert (spec.max_batch, spec.max_context, spec.prefill_chunk) == (2, 4096, DEFAULT_PREFILL_CHUNK)
     assert spec.oval.page_size == sections["oval"]["page_size"]

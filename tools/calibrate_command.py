@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from oval_edge.config import OvalConfig
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 
 from .eval_policies import parse_float_list, parse_int_list
 
@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "`oval-edge eval` measures on, so that calibration and evaluation do not overlap)")
     run.add_argument("--length", type=int, default=4096, help="tokens of calibration text")
     run.add_argument("--seed", type=int, default=0, help="seed of the generated text and of the fit")
-    run.add_argument("--prefill-chunk", type=int, default=512, help="tokens per dense prefill chunk")
+    run.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                     help=f"tokens per dense prefill chunk (default {DEFAULT_PREFILL_CHUNK})")
     sel = parser.add_argument_group("selection geometry (as the runtime will decode)")
     sel.add_argument("--page-size", type=int, default=32)
     sel.add_argument("--top-k", type=int, default=4)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oval_edge.config import OvalConfig
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.output_module import ModuleCard, OutputAwareModule
 
 from .calibrate_capture import capture, collect
@@ -34,7 +34,7 @@ class CalibrationSettings:
     width: int = 16
     bins: int = 8
     fit: FitSettings = field(default_factory=FitSettings)
-    prefill_chunk: int = 512
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     text: str = ""  # where the calibration text came from (recorded in the module's card)
 
 

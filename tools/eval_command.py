@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from oval_edge.config import OvalConfig
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.units import format_bytes, parse_bytes
 
 from .eval_policies import (ALL_POLICIES, POLICY_NAMES, build_policies, parse_float_list, parse_int_list,
@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--policies", default=",".join(POLICY_NAMES[1:]),
                      help="compared with dense: window, quest, oval, oracle; and the window policies entropy "
                           "(window from the page-score entropy) and module (from --window-module)")
-    run.add_argument("--prefill-chunk", type=int, default=512, help="tokens per dense prefill chunk")
+    run.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                     help=f"tokens per dense prefill chunk (default {DEFAULT_PREFILL_CHUNK})")
     oval = parser.add_argument_group("budget (every policy reads the same tokens per step)")
     oval.add_argument("--page-size", default="32", help="comma-separated page sizes (one pass each)")
     oval.add_argument("--top-k", default="4", help="comma-separated pages selected per KV head")

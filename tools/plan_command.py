@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 
-from oval_edge.config import OvalConfig
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.jetson.modules import ORIN_MODULES, ModuleSpec, get_module, module_names
 from oval_edge.units import parse_bytes
 
@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes the server may use, e.g. 6GiB (default: the device's DRAM minus the OS reserve)")
     parser.add_argument("--page-size", default="16,32,64,128", help="comma-separated page sizes to compare")
     parser.add_argument("--top-k", type=int, default=OvalConfig.top_k, help="pages selected per KV head per step")
-    parser.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                        help=f"prefill chunk in tokens (default {DEFAULT_PREFILL_CHUNK})")
     parser.add_argument("--desktop", action="store_true", help="reserve memory for the desktop (default: headless)")
     parser.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (overrides the table)")
     parser.add_argument("--runtime-overhead", default=None,

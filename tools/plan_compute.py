@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from oval_edge.config import OvalConfig
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.geometry import size_pool
 from oval_edge.units import format_bytes
 
@@ -29,7 +29,7 @@ class PlanRequest:
     memory_budget: int | None = None  # the serving process's budget; None: device DRAM - OS reserve
     desktop: bool = False  # OS reserve with the desktop running
     runtime_overhead: int | None = None  # None: RUNTIME_OVERHEAD of the target
-    prefill_chunk: int = 512
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     bandwidth_gbps: float | None = None  # None: the device table's figure
 
     def __post_init__(self) -> None:

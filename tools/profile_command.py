@@ -16,7 +16,7 @@ import sys
 import textwrap
 import time
 
-from oval_edge.config import OvalConfig
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.units import format_bytes, parse_bytes
 
 from .eval_policies import parse_int_list
@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--calib-steps", type=int, default=None,
                      help="teacher-forced steps at the end of the calibration text, the rest being prefilled "
                           "densely" + _default("calib_steps"))
-    how.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step, as serve (512)")
+    how.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                     help=f"prompt tokens per prefill step, as serve ({DEFAULT_PREFILL_CHUNK})")
     how.add_argument("--threads", type=int, default=1,
                      help="CPU threads (default 1: decode is many small ops, and on a shared machine more threads "
                           "stall each other; pass the count your deployment uses)")
