@@ -12,6 +12,7 @@ import torch
 
 from .decoder_build import build_decoder
 from .decoder_config import DecoderConfig
+from .gguf_metadata import cached_metadata_folder
 from .memory import return_freed_memory
 from .model_source import ModelSource, resolve_model
 from .quantize import QUANT_TYPES, weight_bytes
@@ -73,8 +74,9 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
     dtype = compute_dtype_for(dev)
     # 4-bit: quantize from 16 bits and keep the embedding in 16 bits (the 4-bit codes lose more anyway).
     storage = dtype if quant == "none" else (torch.bfloat16 if dev.type == "cpu" else torch.float16)
-    config = read_decoder_config(source)
-    tokenizer = load_tokenizer(source)
+    metadata = cached_metadata_folder(source.path) if source.gguf_file else None
+    config = read_decoder_config(source, metadata)
+    tokenizer = load_tokenizer(source, metadata)
     weights = _open_weights(source, config)
     try:
         decoder = build_decoder(weights, config, quant, dev, dtype, storage)
@@ -98,24 +100,34 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
     )
 
 
-def read_decoder_config(source: ModelSource) -> DecoderConfig:
-    """The decoder's shape from the GGUF header (parsed by transformers' GGUF reader) or config.json."""
-    if source.gguf_file:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        try:
-            values = load_gguf_checkpoint(source.path, return_tensors=False)["config"]
-        except Exception as exc:  # a truncated or foreign file raises anything from struct to numpy errors
-            raise ValueError(f"model {source.path}: cannot read its configuration ({type(exc).__name__}: "
-                             f"{exc})") from exc
+def read_decoder_config(source: ModelSource, metadata: str | None = None) -> DecoderConfig:
+    """The decoder's shape from the GGUF header (or its converted copy in `metadata`, runtime/gguf_metadata.py)
+    or config.json."""
+    if metadata is not None:
+        with open(os.path.join(metadata, "config.json"), encoding="utf-8") as handle:
+            values = json.load(handle)
+    elif source.gguf_file:
+        values = gguf_config_values(source)
     else:
         with open(os.path.join(source.directory, "config.json"), encoding="utf-8") as handle:
             values = json.load(handle)  # resolve_model already checked that it parses
     return DecoderConfig.from_dict(values, source.path)
 
 
-def load_tokenizer(source: ModelSource):
+def gguf_config_values(source: ModelSource) -> dict:
+    """The GGUF header as Hugging Face config keys, read by transformers' GGUF reader."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        return load_gguf_checkpoint(source.path, return_tensors=False)["config"]
+    except Exception as exc:  # a truncated or foreign file raises anything from struct to numpy errors
+        raise ValueError(f"model {source.path}: cannot read its configuration ({type(exc).__name__}: {exc})") from exc
+
+
+def load_tokenizer(source: ModelSource, metadata: str | None = None):
     """The model's own tokenizer and chat template, as a tokenizers-backed transformers tokenizer.
+
+    metadata: the GGUF's converted tokenizer folder (runtime/gguf_metadata.py), read instead of the GGUF.
 
     AutoTokenizer would import the model's transformers config class (and with it ~80 MB of sympy and
     torch.distributed); the fast tokenizer class reads tokenizer.json or the GGUF vocabulary directly. A folder
@@ -128,7 +140,9 @@ def load_tokenizer(source: ModelSource):
     hf_logging.disable_progress_bar()
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        if source.gguf_file or os.path.isfile(os.path.join(source.directory, "tokenizer.json")):
+        if metadata is not None:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(metadata)
+        elif source.gguf_file or os.path.isfile(os.path.join(source.directory, "tokenizer.json")):
             tokenizer = PreTrainedTokenizerFast.from_pretrained(source.directory, **kwargs)
         else:
             from transformers import AutoTokenizer

@@ -1,0 +1,68 @@
+"""The GGUF's config and tokenizer converted once into a cache folder (runtime/gguf_metadata.py).
+
+What is read from the folder must be exactly what the GGUF gives in-process: the same DecoderConfig, the same
+token ids, special tokens and chat template. A cache that cannot be written, or a file the converter rejects,
+falls back to the in-process path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from oval_edge.runtime.gguf_metadata import CACHE_ENV, cached_metadata_folder, metadata_folder_for
+from oval_edge.runtime.loader import load_tokenizer, read_decoder_config
+from oval_edge.runtime.model_source import bundled_gguf_path, resolve_model
+
+TEXTS = ["Hello world, the capital of France is Paris.", "  spaces\tand\nnewlines  ", "émigré 東京 🙂 1234567"]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.mark.slow
+def test_converted_folder_gives_the_same_config_and_tokenizer(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    source = resolve_model("default")
+    folder = cached_metadata_folder(source.path)
+    assert folder == metadata_folder_for(source.path) and folder.startswith(str(tmp_path / "cache"))
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(folder))
+    assert not [name for name in os.listdir(os.path.dirname(folder)) if name.startswith(".staging-")]
+
+    assert read_decoder_config(source, folder) == read_decoder_config(source)
+    cached, direct = load_tokenizer(source, folder), load_tokenizer(source)
+    for text in TEXTS:
+        assert cached(text)["input_ids"] == direct(text)["input_ids"]
+        ids = direct(text)["input_ids"]
+        assert cached.decode(ids, skip_special_tokens=True) == direct.decode(ids, skip_special_tokens=True)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(cached, name) == getattr(direct, name), name
+    assert cached.all_special_tokens == direct.all_special_tokens
+    render = dict(tokenize=False, add_generation_prompt=True)
+    assert cached.apply_chat_template(CHAT, **render) == direct.apply_chat_template(CHAT, **render)
+    assert cached_metadata_folder(source.path) == folder  # second call: found, not converted again
+
+
+def test_a_changed_file_gets_a_new_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    copy = tmp_path / "model.gguf"
+    shutil.copyfile(bundled_gguf_path(), copy)
+    before = metadata_folder_for(str(copy))
+    os.utime(copy, ns=(1_000_000_000, 1_000_000_000))
+    assert metadata_folder_for(str(copy)) != before
+
+
+def test_an_unwritable_cache_falls_back_to_the_gguf(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache folder would go")
+    monkeypatch.setenv(CACHE_ENV, str(blocker))
+    assert cached_metadata_folder(bundled_gguf_path()) is None
+
+
+def test_a_file_the_converter_rejects_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    broken = tmp_path / "broken.gguf"
+    with open(bundled_gguf_path(), "rb") as handle:
+        broken.write_bytes(handle.read(4096))  # a header cut short
+    assert cached_metadata_folder(str(broken)) is None
+    assert not os.path.exists(metadata_folder_for(str(broken)))
