@@ -12,7 +12,7 @@ A logical page holds the same `page_size` token positions in every layer. Sequen
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import torch
@@ -47,6 +47,9 @@ class StepIndex:
     sealed: torch.Tensor
     lengths_list: list[int]
     write_slots: torch.Tensor | None = None  # [N * kv_heads] write_base + h * page_size, built once per step
+    # row -> [1, kv_heads, L] flat slots of the row's whole history (prefill over earlier pages), built by the first
+    # layer that reads them and shared by the others
+    history_slots: dict = field(default_factory=dict)
 
 
 class PagePool:

@@ -13,7 +13,7 @@ import torch
 from .decoder_build import build_decoder
 from .decoder_config import DecoderConfig
 from .gguf_metadata import cached_metadata_folder
-from .memory import return_freed_memory
+from .memory import compact_heap_while_loading, return_freed_memory
 from .model_source import ModelSource, resolve_model
 from .quantize import QUANT_TYPES, weight_bytes
 from .weight_stream import GGUFWeights, SafetensorsWeights
@@ -79,7 +79,8 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
     tokenizer = load_tokenizer(source, metadata)
     weights = _open_weights(source, config)
     try:
-        decoder = build_decoder(weights, config, quant, dev, dtype, storage)
+        with compact_heap_while_loading():
+            decoder = build_decoder(weights, config, quant, dev, dtype, storage)
     except ValueError:
         raise
     except Exception as exc:  # a tensor of the wrong shape or a short file: name the path
