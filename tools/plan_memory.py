@@ -18,17 +18,18 @@ MiB = 2**20
 # Resident bytes of a loaded server besides its weights: interpreter, torch, bitsandbytes, the tokenizer (with
 # transformers' tokenizer classes), the HTTP stack and what loading leaves in the heap. This is what
 # runtime/engine_setup.build_pool measures as its `reserve` on the CPU (process RSS - weight bytes). CPU: measured
-# in this project as `oval-edge serve` prints it at startup (streaming loader, no transformers model classes):
-# reserve 405 MiB (a bare runtime.loader.load_model process holds 298 MiB; serve adds its HTTP stack, the load
-# running in a background thread, and the engine) with torch 2.13 CPU, Python 3.11, x86-64. CUDA: an estimate -
+# in this project as `oval-edge serve` prints it at startup (streaming loader, no transformers model classes, the
+# GGUF's tokenizer read from its converted folder, the heap kept compact while loading): reserve 317 MiB, twice
+# (a bare runtime.loader.load_model process holds 289 MiB; serve adds its HTTP stack and the engine) with torch
+# 2.13 CPU, Python 3.11, x86-64. CUDA: an estimate -
 # that host process plus ~300 MiB of CUDA context with lazy module loading (PyTorch maintainers,
 # pytorch/pytorch#107667) plus cuBLAS workspaces; on a Jetson both live in the same DRAM. Override with
 # --runtime-overhead after measuring on the board.
-RUNTIME_OVERHEAD = {"cpu": 405 * MiB, "cuda": 800 * MiB}
-# Loading's fixed transient above the loaded state: a GGUF's header parsed twice (configuration, tokenizer: 49k
-# vocabulary strings as Python objects) and the reader's tensor index. Measured in a bare load_model process:
-# load peak 503 MiB - loaded 406 MiB = 97 MiB, less 2 x 6.8 MiB (two 16-bit copies of a layer) and the 4 MiB
-# chunk -> 80 MiB. Safetensors folders parse only JSON: the same figure is kept as an upper bound.
+RUNTIME_OVERHEAD = {"cpu": 317 * MiB, "cuda": 800 * MiB}
+# Loading's fixed transient above the loaded state: the GGUF reader's field objects and the header pages it
+# touches, and the tensor index. Measured in a bare load_model process (tokenizer from its converted folder):
+# load peak 492-496 MiB - loaded 397 MiB = 95-99 MiB, less 2 x 6.8 MiB (two 16-bit copies of a layer) and the
+# 4 MiB chunk -> 78-81 MiB; 80 MiB kept. Safetensors folders parse only JSON: the same figure is an upper bound.
 LOAD_FIXED_TRANSIENT = 80 * MiB
 ATTENTION_TILE = 512  # kv tokens per block of the fused (flash / memory-efficient) SDPA kernels
 
