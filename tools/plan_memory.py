@@ -19,13 +19,15 @@ MiB = 2**20
 # transformers' tokenizer classes), the HTTP stack and what loading leaves in the heap. This is what
 # runtime/engine_setup.build_pool measures as its `reserve` on the CPU (process RSS - weight bytes). CPU: measured
 # in this project as `oval-edge serve` prints it at startup (streaming loader, no transformers model classes, the
-# GGUF's tokenizer read from its converted folder, the heap kept compact while loading): reserve 317 MiB, twice
-# (a bare runtime.loader.load_model process holds 289 MiB; serve adds its HTTP stack and the engine) with torch
-# 2.13 CPU, Python 3.11, x86-64. CUDA: an estimate -
+# GGUF's tokenizer read from its converted folder, the heap kept compact while loading) with torch 2.13 CPU,
+# Python 3.11, x86-64: reserve 382-387 MiB in a just-installed virtual environment, 313-317 MiB in a long-used one.
+# The difference is libtorch_cpu.so's pages mapped into the process (95 vs 48 MB), which depends on how much of the
+# file is in the page cache; the planner takes the higher figure, so a fresh install is not over-committed.
+# (A bare runtime.loader.load_model process holds 289 MiB in the long-used environment.) CUDA: an estimate -
 # that host process plus ~300 MiB of CUDA context with lazy module loading (PyTorch maintainers,
 # pytorch/pytorch#107667) plus cuBLAS workspaces; on a Jetson both live in the same DRAM. Override with
 # --runtime-overhead after measuring on the board.
-RUNTIME_OVERHEAD = {"cpu": 317 * MiB, "cuda": 800 * MiB}
+RUNTIME_OVERHEAD = {"cpu": 385 * MiB, "cuda": 800 * MiB}
 # Loading's fixed transient above the loaded state: the GGUF reader's field objects and the header pages it
 # touches, and the tensor index. Measured in a bare load_model process (tokenizer from its converted folder):
 # load peak 492-496 MiB - loaded 397 MiB = 95-99 MiB, less 2 x 6.8 MiB (two 16-bit copies of a layer) and the
