@@ -178,7 +178,8 @@ def _attend_history(pool: PagePool, layer: int, flat: torch.Tensor, q: torch.Ten
     One KV head at a time: its keys and values are gathered (and converted to q's dtype) alone and only its G
     query heads attend to them, so at 8k this holds ~6 MB instead of ~38 MB (all heads at once). The heads share
     one pair of buffers: fresh multi-MB buffers per head land on different free heap pages each time, and a chunk's
-    30 layers then leave tens of MB resident until the chunk ends (measured: 8k peak RSS 670 -> ~635 MB).
+    30 layers then leave tens of MB resident until the chunk ends (with the compact heap of runtime/memory.py:
+    8k peak RSS ~660 -> ~635 MB).
     -> [1, Hq, n, D].
     """
     hkv = pool.geometry.kv_heads

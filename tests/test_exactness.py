@@ -82,13 +82,17 @@ def _step_kv(keys, values, layer, seq_starts, counts):
     return torch.cat(ks), torch.cat(vs)
 
 
+@pytest.mark.parametrize("history", ["split", "mask"])
 @pytest.mark.parametrize("page_size", [16, 32])
-def test_chunked_prefill_equals_dense_causal(page_size):
+def test_chunked_prefill_equals_dense_causal(page_size, history, monkeypatch):
     """First chunks attend to themselves; later chunks also read earlier pages from the pool (batched rows).
 
     Chunk sizes are not page multiples, one step mixes a first chunk with later chunks, and one row sits a step
-    out (0 new tokens), so page boundaries fall inside chunks and rows have different offsets.
+    out (0 new tokens), so page boundaries fall inside chunks and rows have different offsets. `split`: the CPU
+    path (history and chunk attended apart, merged by log-sum-exp); `mask`: the masked-SDPA path other devices take.
     """
+    if history == "mask":
+        monkeypatch.setattr("oval_edge.attention._split_attention_for_cpu", lambda: None)
     plan = [(50, 20, 0), (45, 70, 33), (0, 1, 61), (29, 16, 1)]  # new tokens per step for rows a, b, c
     totals = [sum(step[r] for step in plan) for r in range(3)]
     gen = torch.Generator().manual_seed(17)
