@@ -94,15 +94,33 @@ def attend_selection(pool: PagePool, layer: int, q: torch.Tensor, selection: Sel
     if selection.slots < PER_HEAD_SLOTS:
         k, v = gather_slots(pool, layer, selection.flat)
         return attend(q, k, v, selection.valid, scale)
-    b, hq, d = q.shape
     hkv = selection.flat.shape[1]
-    group = hq // hkv
+    group = q.shape[1] // hkv
     out = torch.empty_like(q)
-    for head in range(hkv):
-        k, v = gather_slots(pool, layer, selection.flat[:, head : head + 1])  # [B, 1, T, D] each
+    for head, (k, v) in enumerate(head_by_head_kv(pool, layer, selection.flat, q.dtype)):  # [B, 1, T, D] each
         heads = slice(head * group, (head + 1) * group)
         out[:, heads] = attend(q[:, heads], k, v, selection.valid[:, head : head + 1], scale)
     return out
+
+
+def head_by_head_kv(pool: PagePool, layer: int, flat: torch.Tensor, dtype: torch.dtype):
+    """Yield each KV head's gathered K, V [B, 1, T, D] in `dtype` for the flat slots [B, Hkv, T].
+
+    All heads share one pair of buffers (valid until the next head is yielded): fresh multi-MB buffers per head land
+    on different free heap pages each time, and a prefill chunk's 30 layers then left tens of MB resident until the
+    chunk ended (with the compact heap of runtime/memory.py: 8k peak RSS ~660 -> ~635 MB).
+    """
+    b, hkv, t = flat.shape
+    d = pool.geometry.head_dim
+    picked = torch.empty((2, b, 1, t, d), dtype=pool.k.dtype, device=flat.device)  # [K; V] as stored in the pool
+    wide = picked if pool.k.dtype == dtype else torch.empty((2, b, 1, t, d), dtype=dtype, device=flat.device)
+    for head in range(hkv):
+        idx = flat[:, head].reshape(-1)
+        torch.index_select(pool.k_rows[layer], 0, idx, out=picked[0].view(b * t, d))
+        torch.index_select(pool.v_rows[layer], 0, idx, out=picked[1].view(b * t, d))
+        if wide is not picked:
+            wide.copy_(picked)
+        yield wide[0], wide[1]
 
 
 def decode_plan(pool: PagePool, step: StepIndex, config: OvalConfig) -> DecodePlan:
@@ -175,29 +193,15 @@ def _attend_history(pool: PagePool, layer: int, flat: torch.Tensor, q: torch.Ten
     """A later chunk's queries q [1, Hq, n, D] (positions start..end-1) over the row's whole history in the pool,
     whose flat slots [1, Hkv, end] are `flat`.
 
-    One KV head at a time: its keys and values are gathered (and converted to q's dtype) alone and only its G
-    query heads attend to them, so at 8k this holds ~6 MB instead of ~38 MB (all heads at once). The heads share
-    one pair of buffers: fresh multi-MB buffers per head land on different free heap pages each time, and a chunk's
-    30 layers then leave tens of MB resident until the chunk ends (with the compact heap of runtime/memory.py:
-    8k peak RSS ~660 -> ~635 MB).
+    One KV head at a time (head_by_head_kv): its keys and values are gathered (and converted to q's dtype) alone
+    and only its G query heads attend to them, so at 8k this holds ~6 MB instead of ~38 MB (all heads at once).
     -> [1, Hq, n, D].
     """
     hkv = pool.geometry.kv_heads
     group = q.shape[1] // hkv
-    end = flat.shape[-1]
     split = _split_attention_for_cpu() if q.device.type == "cpu" else None
     out = torch.empty_like(q)
-    # [K; V] of one head, [2, 1, 1, end, D]: as stored in the pool, then in q's dtype (the same buffer if equal).
-    d = pool.geometry.head_dim
-    picked = torch.empty((2, 1, 1, end, d), dtype=pool.k.dtype, device=q.device)
-    wide = picked if pool.k.dtype == q.dtype else torch.empty((2, 1, 1, end, d), dtype=q.dtype, device=q.device)
-    for head in range(hkv):
-        idx = flat[:, head].reshape(-1)
-        torch.index_select(pool.k_rows[layer], 0, idx, out=picked[0].view(end, d))
-        torch.index_select(pool.v_rows[layer], 0, idx, out=picked[1].view(end, d))
-        if wide is not picked:
-            wide.copy_(picked)
-        k, v = wide[0], wide[1]
+    for head, (k, v) in enumerate(head_by_head_kv(pool, layer, flat, q.dtype)):  # [1, 1, end, D] each
         heads = slice(head * group, (head + 1) * group)
         if split is not None:
             out[:, heads] = _history_without_mask(split, q[:, heads], k, v, start, scale)

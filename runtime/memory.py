@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import os
 from contextlib import contextmanager
@@ -105,6 +106,7 @@ def compact_heap_while_loading():
         libc.mallopt(M_TRIM_THRESHOLD, SERVE_TRIM_THRESHOLD)
 
 
+@functools.cache  # one dlopen handle for the process: release_heap runs per prefill chunk and per loaded layer
 def _glibc():
     try:
         libc = ctypes.CDLL("libc.so.6")

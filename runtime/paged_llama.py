@@ -1,8 +1,9 @@
 """The Llama-family decoder forward written against the page pool (Llama, SmolLM2, Mistral, Qwen2).
 
 It uses the loaded model's modules (runtime/decoder_model.py, or a transformers model of the same layout) only as
-weight holders (projections, norms, MLP, rotary frequencies) and owns the attention: keys are rotated at their absolute positions and cached after RoPE, prefill is dense
-and writes pages, decode runs OVAL selection (or dense attention when asked).
+weight holders (projections, norms, MLP, rotary frequencies) and owns the attention: keys are rotated at their
+absolute positions and cached after RoPE, prefill is dense and writes pages, decode runs OVAL selection (or dense
+attention when asked).
 """
 
 from __future__ import annotations
