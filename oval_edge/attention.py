@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import OvalConfig
+from .native_kernels import cpu_kernels
 from .pool import PagePool, StepIndex
 from .scoring import group_queries, score_pages
 from .selection import DecodePlan, Selection
@@ -91,6 +92,11 @@ def attend_selection(pool: PagePool, layer: int, q: torch.Tensor, selection: Sel
     Long selections go one KV head at a time: the same numbers, but the bf16 -> fp32 copies of K and V live for one
     head only (at 8k: 4 MB instead of 12 MB per dense layer, and fresh multi-MB buffers page-fault on every step).
     """
+    kernels = cpu_kernels() if q.device.type == "cpu" else None
+    if kernels is not None:  # reads the selected rows in place: no gathered copy (native_kernels.py)
+        out = kernels.attend_slots(q, pool.k_rows[layer], pool.v_rows[layer], selection.flat, selection.valid, scale)
+        if out is not None:
+            return out
     if selection.slots < PER_HEAD_SLOTS:
         k, v = gather_slots(pool, layer, selection.flat)
         return attend(q, k, v, selection.valid, scale)

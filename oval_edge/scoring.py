@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from .native_kernels import cpu_kernels
+
 LOG2_E = 1.0 / math.log(2.0)
 LN_2 = math.log(2.0)
 
@@ -79,6 +81,11 @@ def score_pages(
         return picked.view(table.shape[0], *page_table.shape, *table.shape[2:]).movedim(0, 1)
 
     if scorer == "oval":
+        kernels = cpu_kernels() if q.device.type == "cpu" else None
+        if kernels is not None:  # one pass over the listed pages' summaries, read in place (native_kernels.py)
+            scores = kernels.oval_scores(q, summaries["basis"][layer], summaries["coords"][layer], page_table, scale)
+            if scores is not None:
+                return scores
         return oval_scores(q, gather_head_major("basis"), gather_head_major("coords"), scale)
     if scorer == "quest":
         return quest_scores(q, gather("kmin"), gather("kmax"), scale)

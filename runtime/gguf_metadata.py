@@ -24,19 +24,12 @@ import subprocess
 import sys
 import tempfile
 
-CACHE_ENV = "OVAL_EDGE_CACHE"
+from oval_edge.cache_dir import cache_root
+
 CONVERT_TIMEOUT_S = 600  # a large vocabulary converts in well under a minute; a hung child must not hang startup
 CONFIG_NAME = "config.json"
 
 log = logging.getLogger(__name__)
-
-
-def cache_root() -> str:
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return explicit
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "oval-edge")
 
 
 def metadata_folder_for(gguf_path: str) -> str:

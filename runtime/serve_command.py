@@ -58,6 +58,19 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def describe_kernels(device) -> str:
+    from oval_edge.native_kernels import NATIVE_ENV, cpu_kernels
+
+    if device.type != "cpu":
+        return "torch ops (the native kernels are CPU-only)"
+    kernels = cpu_kernels()
+    if kernels is not None:
+        return f"native CPU scoring + attention ({kernels.path})"
+    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+        return f"torch ops ({NATIVE_ENV}=0)"
+    return "torch ops (native kernels unavailable: the log says why)"
+
+
 def startup_report(engine, spec, url: str, api_key: bool) -> str:
     from .loader import describe
 
@@ -71,6 +84,7 @@ def startup_report(engine, spec, url: str, api_key: bool) -> str:
         f"  capacity  {pool.num_pages} pages x {pool.page_size} tokens = {pool.capacity_tokens} tokens; limit per "
         f"request {engine.token_limit()} tokens (prompt + max_tokens)",
         f"  engine    {describe_spec(spec)}",
+        f"  kernels   {describe_kernels(engine.loaded.device)}",
         f"  serving   {url}/v1 (OpenAI API), {url}/health, {url}/metrics, {url}/docs"
         + ("; API key required" if api_key else ""),
     ]

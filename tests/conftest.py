@@ -10,3 +10,19 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import pytest  # noqa: E402  (after the thread settings above)
+
+
+@pytest.fixture(params=["native", "torch"])
+def decode_kernels(request, monkeypatch):
+    """Run a test once through the native CPU kernels and once through the torch ops they replace."""
+    from oval_edge.native_kernels import NATIVE_ENV, cpu_kernels
+
+    if request.param == "torch":
+        monkeypatch.setenv(NATIVE_ENV, "0")
+    else:
+        monkeypatch.delenv(NATIVE_ENV, raising=False)
+        if cpu_kernels() is None:
+            pytest.skip("native CPU kernels unavailable here (no C compiler?); the torch run covers this test")
+    return request.param

@@ -32,7 +32,7 @@ def dense_causal(q, keys, values, position):
 
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("scorer", ["oval", "quest"])
-def test_decode_with_budget_covering_the_context_is_dense(page_size, scorer):
+def test_decode_with_budget_covering_the_context_is_dense(page_size, scorer, decode_kernels):
     lengths = (37, 300, 1000)
     gen = torch.Generator().manual_seed(99 + page_size)
     data = [structured_kv(gen, LAYERS, KV_HEADS, n, DIM) for n in lengths]
@@ -58,7 +58,7 @@ def test_decode_with_budget_covering_the_context_is_dense(page_size, scorer):
             torch.testing.assert_close(out_oracle[row].double(), expected, atol=TOL, rtol=0)
 
 
-def test_default_config_is_exact_below_its_token_budget():
+def test_default_config_is_exact_below_its_token_budget(decode_kernels):
     """The shipped defaults: a sequence shorter than the budget decodes exactly, in every layer."""
     config = OvalConfig()
     length = slots_per_step(config)  # exactly the budget: still dense

@@ -12,7 +12,8 @@ import shutil
 
 import pytest
 
-from oval_edge.runtime.gguf_metadata import CACHE_ENV, cached_metadata_folder, metadata_folder_for
+from oval_edge.cache_dir import CACHE_ENV
+from oval_edge.runtime.gguf_metadata import cached_metadata_folder, metadata_folder_for
 from oval_edge.runtime.loader import load_tokenizer, read_decoder_config
 from oval_edge.runtime.model_source import bundled_gguf_path, resolve_model
 

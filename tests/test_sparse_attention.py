@@ -79,7 +79,7 @@ def _check_topk(chosen: set, candidates: list, scores: dict, k: int) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_decode_matches_naive_reference(decode_step, case):
+def test_decode_matches_naive_reference(decode_step, case, decode_kernels):
     ctx = decode_step
     pool, step, q = ctx["pool"], ctx["step"], ctx["q"]
     P = pool.page_size
@@ -129,7 +129,7 @@ def _index_set(config, length, start, chosen):
     return index
 
 
-def test_dense_layer_reads_every_position(decode_step):
+def test_dense_layer_reads_every_position(decode_step, decode_kernels):
     ctx = decode_step
     pool, step, q = ctx["pool"], ctx["step"], ctx["q"]
     config = OvalConfig(page_size=pool.page_size, top_k=1, window_min=16, window_max=16)

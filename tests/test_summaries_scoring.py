@@ -116,7 +116,7 @@ def test_eta_zero_ignores_values_and_eta_changes_the_basis():
 
 
 @pytest.mark.parametrize("scorer", ["oval", "quest"])
-def test_scores_match_loop_reference(sealed_pool, scorer):
+def test_scores_match_loop_reference(sealed_pool, scorer, decode_kernels):
     pool, seq_ids, data, eta = sealed_pool
     P, scale = pool.page_size, DIM**-0.5
     gen = torch.Generator().manual_seed(11)

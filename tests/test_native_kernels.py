@@ -1,0 +1,153 @@
+"""The native CPU kernels (oval_edge/native/oval_kernels.c) against the torch code they replace, and how they
+are built, cached and turned off.
+
+Shapes cover the instantiations the C file specialises (head dim 64 and 128, page sizes 16..64) and the generic
+path (head dim 48, page size 128), several group sizes and ranks, bf16 and fp32 pools, and page tables that are
+neither sorted nor contiguous.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import pytest
+import torch
+
+from oval_edge import native_kernels
+from oval_edge.attention import attend
+from oval_edge.cache_dir import CACHE_ENV
+from oval_edge.native_kernels import NATIVE_ENV, cpu_kernels
+from oval_edge.scoring import oval_scores
+
+TOL = 2e-5  # fp32 with a different summation order and a 2^x polynomial good to ~1e-7
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+        pytest.skip(f"{NATIVE_ENV}=0")
+    loaded = cpu_kernels()
+    if loaded is None:
+        pytest.skip("native CPU kernels unavailable here (no C compiler?)")
+    return loaded
+
+
+def _near(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    error = float((actual.double() - expected.double()).abs().max())
+    assert error <= TOL * max(1.0, float(expected.abs().max())), f"max abs diff {error:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    "dim,page_size,group,rank",
+    [(64, 32, 3, 4), (64, 16, 1, 1), (64, 64, 7, 8), (128, 32, 4, 4), (128, 16, 2, 16), (48, 128, 5, 3)],
+)
+def test_page_scores_equal_the_torch_scorer(kernels, dtype, dim, page_size, group, rank):
+    gen = torch.Generator().manual_seed(dim + page_size + group + rank)
+    batch, kv_heads, pages, listed = 2, 3, 40, 17
+    q = torch.randn(batch, kv_heads, group, dim, generator=gen)
+    basis = torch.randn(kv_heads, pages, rank, dim, generator=gen).to(dtype)
+    coords = (3 * torch.randn(kv_heads, pages, rank, page_size, generator=gen)).to(dtype)
+    table = torch.stack([torch.randperm(pages, generator=gen)[:listed] for _ in range(batch)])
+    table[1, :3] = table[0, :3]  # two rows may list the same physical page
+    scale = dim**-0.5
+    expected = oval_scores(q, basis[:, table].movedim(0, 1), coords[:, table].movedim(0, 1), scale)
+    actual = kernels.oval_scores(q, basis, coords, table, scale)
+    assert actual.shape == (batch, kv_heads, listed) and actual.dtype == torch.float32
+    _near(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dim,group,slots", [(64, 3, 224), (64, 1, 5000), (128, 4, 300), (48, 6, 77)])
+def test_attention_over_slots_equals_gather_then_attend(kernels, dtype, dim, group, slots):
+    gen = torch.Generator().manual_seed(dim + group + slots)
+    batch, kv_heads, rows = 2, 2, 6000
+    k_rows = (2 * torch.randn(rows, dim, generator=gen)).to(dtype)
+    v_rows = torch.randn(rows, dim, generator=gen).to(dtype)
+    flat = torch.randint(0, rows, (batch, kv_heads, slots), generator=gen)
+    valid = torch.rand(batch, kv_heads, slots, generator=gen) < 0.8
+    valid[..., 0] = True  # every row attends to at least its own token
+    q = torch.randn(batch, kv_heads * group, dim, generator=gen)
+    shape = (batch, kv_heads, slots, dim)
+    k, v = k_rows[flat.reshape(-1)].view(shape), v_rows[flat.reshape(-1)].view(shape)
+    expected = attend(q, k, v, valid, dim**-0.5)
+    actual = kernels.attend_slots(q, k_rows, v_rows, flat, valid, dim**-0.5)
+    _near(actual, expected)
+
+
+def test_a_head_with_no_valid_slot_gets_zeros_and_invalid_slots_are_never_read(kernels):
+    q = torch.randn(1, 2, 64)
+    rows = torch.randn(10, 64).bfloat16()
+    flat = torch.tensor([[[3, 10_000], [4, -5]]])  # out-of-range indices sit only on invalid slots
+    valid = torch.tensor([[[True, False], [False, False]]])
+    out = kernels.attend_slots(q, rows, rows, flat, valid, 0.125)
+    torch.testing.assert_close(out[0, 0], rows[3].float())  # one slot: its value row exactly
+    assert torch.equal(out[0, 1], torch.zeros(64))
+
+
+def test_out_of_range_indices_are_errors_not_reads(kernels):
+    basis, coords = torch.zeros(1, 4, 2, 64).bfloat16(), torch.zeros(1, 4, 2, 32).bfloat16()
+    with pytest.raises(ValueError, match=r"page outside 0..3"):
+        kernels.oval_scores(torch.zeros(1, 1, 1, 64), basis, coords, torch.tensor([[1, 4]]), 1.0)
+    rows = torch.zeros(8, 64).bfloat16()
+    with pytest.raises(ValueError, match=r"outside the layer's 0..7 rows"):
+        kernels.attend_slots(torch.zeros(1, 1, 64), rows, rows, torch.tensor([[[8]]]), torch.tensor([[[True]]]), 1.0)
+
+
+def test_inputs_the_kernels_do_not_take_fall_back_to_torch(kernels):
+    fp16 = torch.zeros(1, 4, 2, 64, dtype=torch.float16)
+    assert kernels.oval_scores(torch.zeros(1, 1, 1, 64), fp16, fp16, torch.tensor([[0]]), 1.0) is None
+    wide = torch.zeros(1, 4, 2, 512).bfloat16()  # head dim above the C limit
+    coords = torch.zeros(1, 4, 2, 32).bfloat16()
+    assert kernels.oval_scores(torch.zeros(1, 1, 1, 512), wide, coords, torch.tensor([[0]]), 1.0) is None
+
+
+def test_loading_the_kernels_leaves_subnormal_floats_alone(kernels):
+    # -ffast-math would link crtfastmath.o, which sets flush-to-zero for the whole process when the library loads.
+    assert float(torch.tensor(1e-40) * 1.0) != 0.0
+
+
+def test_env_switch_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    assert cpu_kernels() is None
+
+
+def test_library_is_built_once_into_the_cache_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    first = native_kernels._built_library()
+    assert first.startswith(str(tmp_path / "kernels")) and os.path.isfile(first)
+    stamp = os.stat(first).st_mtime_ns
+    assert native_kernels._built_library() == first and os.stat(first).st_mtime_ns == stamp  # not rebuilt
+    assert not [p for p in os.listdir(tmp_path / "kernels") if p.startswith(".build-")]  # no staging left over
+    assert native_kernels._self_check(native_kernels.NativeKernels(ctypes.CDLL(first), first)) is None
+
+
+def test_missing_compiler_means_torch_ops_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.delenv(NATIVE_ENV, raising=False)
+    native_kernels._load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="oval_edge.native_kernels"):
+            assert cpu_kernels() is None
+        assert "native CPU kernels unavailable" in caplog.text and "decoding with torch ops" in caplog.text
+    finally:
+        native_kernels._load.cache_clear()  # the next caller loads the real library again
+
+
+def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp_path):
+    broken = tmp_path / "broken.c"
+    broken.write_text("int oval_scores_f32( {\n")
+    monkeypatch.setattr(native_kernels, "SOURCE", broken)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match=r"failed: .*error"):
+        native_kernels._built_library()
+    assert not os.path.exists(tmp_path / "cache" / "kernels") or not os.listdir(tmp_path / "cache" / "kernels")
+
+
+def test_self_check_rejects_a_kernel_that_disagrees_with_torch(kernels, monkeypatch):
+    wrong = kernels.oval_scores
+    monkeypatch.setattr(kernels, "oval_scores", lambda *args: wrong(*args) + 1e-2)
+    assert native_kernels._self_check(kernels) == "oval_scores torch.float32"
