@@ -93,7 +93,8 @@ class NativeKernels:
         b, hq, dim = q.shape
         hkv, slots = flat.shape[1], flat.shape[2]
         if (kernel is None or q.dtype != torch.float32 or v_rows.dtype != k_rows.dtype
-                or not _on_cpu(q, k_rows, v_rows, flat, valid) or not (k_rows.is_contiguous() and v_rows.is_contiguous())
+                or not _on_cpu(q, k_rows, v_rows, flat, valid)
+                or not (k_rows.is_contiguous() and v_rows.is_contiguous())
                 or dim > MAX_DIM or hq // hkv > MAX_GROUP):
             return None
         q = q.contiguous()

@@ -146,7 +146,13 @@ class DecodePlan:
         """Every cached position (dense layers, dense mode); shared by all layers of the step."""
         if self._full is None:
             self._full = dense_selection(self.lengths, self.kv_heads, self.num_pages * self.config.page_size)
-            self._full.flat = self._flat(self._full.positions)
+            if self.page_table is not None:
+                # Every slot of every listed page, in order: slot j of logical page n is at flat
+                # (page_table[b, n] * Hkv + h) * P + j -> [B, Hkv, Np * P]. One broadcast instead of _flat's
+                # divisions and gather over all positions (~0.2 ms per step at 8k). Slots past a row's length point
+                # into its own (or 0-padded) pages: in bounds, and `valid` is False there.
+                table = self.page_table[:, None, :, None] * self.kv_heads  # [B, 1, Np, 1]
+                self._full.flat = ((table + self.heads[..., None]) * self.config.page_size + self.offsets).flatten(2)
         return self._full
 
     def select(self, scores: torch.Tensor, window: torch.Tensor | None = None) -> Selection:

@@ -6,8 +6,9 @@
  * else stays in registers or L1. The arithmetic is the same (fp32 accumulation); only the summation order differs.
  *
  * Both kernels read the pool in its storage type, fp32 or bf16 (widened by a 16-bit shift): each is written once
- * and instantiated for both by the public wrappers at the end. They are single-threaded; each returns 0, or a nonzero code for arguments it refuses (the caller
- * then raises or falls back), never touching memory outside what the shapes describe.
+ * and instantiated for both by the public wrappers at the end. They are single-threaded. Each returns 0, or a
+ * nonzero code for arguments it refuses (the caller then raises or falls back); indices are checked before any
+ * memory is read, so they never touch memory outside what the shapes describe.
  */
 #include <stdint.h>
 #include <string.h>
@@ -31,14 +32,14 @@ static inline __attribute__((always_inline)) float load(const void *base, int64_
 }
 
 /* 2^x for x <= 0 without libm, so the compiler vectorises the loops that call it. x = n + f with n = round(x),
- * |f| <= 1/2, 2^f by its Taylor series to degree 7 (relative error < 2e-9, below fp32's 6e-8), 2^n from the
- * exponent bits. Below -126 the result is flushed to 0 (those terms are < 1e-38 of the largest one). */
+ * |f| <= 1/2, 2^f by its Taylor series to degree 6 (relative error < 1.3e-7, about fp32's rounding), 2^n from
+ * the exponent bits. x is clamped at -126, so terms below 2^-126 count as 2^-126 (~1e-38): next to the largest
+ * term, which is 1, that changes no sum, and unread slots are skipped by the caller, not weighted by this. */
 static inline float exp2_nonpositive(float x) {
     float clamped = x < -126.0f ? -126.0f : x;
     float n = floorf(clamped + 0.5f);
     float f = clamped - n;
-    float p = 1.5252734e-05f;                    /* ln2^7 / 7! */
-    p = p * f + 1.5403530e-04f;                  /* ln2^6 / 6! */
+    float p = 1.5403530e-04f;                    /* ln2^6 / 6! */
     p = p * f + 1.3333558e-03f;                  /* ln2^5 / 5! */
     p = p * f + 9.6181291e-03f;                  /* ln2^4 / 4! */
     p = p * f + 5.5504109e-02f;                  /* ln2^3 / 3! */
@@ -48,7 +49,7 @@ static inline float exp2_nonpositive(float x) {
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return x < -126.0f ? 0.0f : p * scale;
+    return p * scale;
 }
 
 /* Software prefetch of the K/V rows the attention reads PREFETCH_SLOTS slots ahead. Why: a KV head's rows in the
@@ -156,7 +157,8 @@ static inline __attribute__((always_inline)) int attend_slots(
             float *oh = out + (b * kv_heads + h) * group * dim;
             for (int64_t g = 0; g < group; g++) peak[g] = -3.0e38f;
             int64_t seen = 0;
-            for (int64_t t = 0; t < slots; t++) { /* logits in log2 units; unread slots get weight 0 below */
+            /* Logits in log2 units. Unread slots get -3e38: weight ~1e-38, and their values are never read. */
+            for (int64_t t = 0; t < slots; t++) {
                 if (!ok[t]) {
                     for (int64_t g = 0; g < group; g++) weights[g * slots + t] = -3.0e38f;
                     continue;
