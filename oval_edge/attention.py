@@ -87,9 +87,10 @@ PER_HEAD_SLOTS = 2048  # from this many slots per KV head (dense layers at long 
 
 
 def attend_selection(pool: PagePool, layer: int, q: torch.Tensor, selection: Selection, scale: float) -> torch.Tensor:
-    """Gather the selection's K/V and attend. q [B, Hq, D] -> [B, Hq, D].
+    """Attend over the selection's K/V. q [B, Hq, D] -> [B, Hq, D].
 
-    Long selections go one KV head at a time: the same numbers, but the bf16 -> fp32 copies of K and V live for one
+    On a CPU with the native kernels (native_kernels.py) the selected rows are read in place. Otherwise they are
+    gathered into a contiguous buffer first, and long selections go one KV head at a time: the same numbers, but the bf16 -> fp32 copies of K and V live for one
     head only (at 8k: 4 MB instead of 12 MB per dense layer, and fresh multi-MB buffers page-fault on every step).
     """
     kernels = cpu_kernels() if q.device.type == "cpu" else None
