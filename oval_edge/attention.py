@@ -90,8 +90,9 @@ def attend_selection(pool: PagePool, layer: int, q: torch.Tensor, selection: Sel
     """Attend over the selection's K/V. q [B, Hq, D] -> [B, Hq, D].
 
     On a CPU with the native kernels (native_kernels.py) the selected rows are read in place. Otherwise they are
-    gathered into a contiguous buffer first, and long selections go one KV head at a time: the same numbers, but the bf16 -> fp32 copies of K and V live for one
-    head only (at 8k: 4 MB instead of 12 MB per dense layer, and fresh multi-MB buffers page-fault on every step).
+    gathered into a contiguous buffer first, and long selections go one KV head at a time: the same numbers, but the
+    bf16 -> fp32 copies of K and V live for one head only (at 8k: 4 MB instead of 12 MB per dense layer, and fresh
+    multi-MB buffers page-fault on every step).
     """
     kernels = cpu_kernels() if q.device.type == "cpu" else None
     if kernels is not None:  # reads the selected rows in place: no gathered copy (native_kernels.py)
