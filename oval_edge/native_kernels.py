@@ -3,12 +3,13 @@
 Why: on a CPU, eager torch spends most of a long-context decode step on many small passes over the page summaries
 (scoring) and on copying selected K/V rows out of the pool (attention). The kernels do each in one pass, reading the
 pool in place. They are an optimisation only: `cpu_kernels()` is None (and callers keep their torch code) when
-they are turned off (OVAL_EDGE_NATIVE=0), when no C compiler is found, when the build fails, or when the loaded
-library disagrees with the torch reference on a small self-check. Nothing else in the process changes.
+they are turned off (OVAL_EDGE_NATIVE=0), when no C compiler is found, when the build fails, or when the built
+library disagrees with the torch reference on a small self-check (run once per build, in a child process).
+Nothing else in the process changes.
 
 The library is built with the system C compiler (`$CC`, else cc) for this CPU (-march=native, -mcpu=native on
 Arm) into <cache>/kernels/<key>/ (see cache_dir.py), keyed by the source, the compiler, the flags and the CPU's
-feature list, and published by an atomic rename, so one that exists is complete.
+feature list, checked, and published by an atomic rename, so one that exists is complete and checked.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -32,6 +34,7 @@ NATIVE_ENV = "OVAL_EDGE_NATIVE"  # "0": never use the kernels (A/B measurements,
 SOURCE = Path(__file__).with_name("native") / "oval_kernels.c"
 LIBRARY_NAME = "oval_kernels.so"
 COMPILE_TIMEOUT_S = 120
+CHECK_TIMEOUT_S = 300  # the check's child imports torch: seconds, but minutes on a cold, slow board
 # -ffast-math's parts that let the compiler vectorise the kernels' sums and maxima, without -ffast-math itself:
 # linked into a shared library it pulls in crtfastmath.o, which turns on flush-to-zero for the whole process at load
 # (torch's subnormals would silently become 0; hypothesis caught it). The kernels never produce inf or NaN.
@@ -119,18 +122,14 @@ def cpu_kernels() -> NativeKernels | None:
 def _load() -> NativeKernels | None:
     try:
         path = _built_library()
-        kernels = NativeKernels(ctypes.CDLL(path), path)
+        return NativeKernels(ctypes.CDLL(path), path)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         log.warning("native CPU kernels unavailable (%s); decoding with torch ops (slower at long context)", exc)
         return None
-    problem = _self_check(kernels)
-    if problem:
-        log.warning("native CPU kernels at %s disagree with torch (%s); decoding with torch ops", path, problem)
-        return None
-    return kernels
 
 
 def _built_library() -> str:
+    """The path of this machine's checked library, building and checking it first if the cache has none."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
@@ -150,8 +149,15 @@ def _built_library() -> str:
                               timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {(done.stderr or done.stdout).strip()[-500:]}")
+        # Checked in a child process: the torch reference touches code (einsum, softmax, ...) that decoding with the
+        # kernels never runs, and those library pages would stay resident in the server (~7 MiB measured).
+        check = subprocess.run([sys.executable, "-m", __name__, built], capture_output=True, text=True,
+                               timeout=CHECK_TIMEOUT_S)
+        if check.returncode != 0:
+            tail = (check.stdout + check.stderr).strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"the built library disagrees with torch or does not load: {tail[0]}")
         try:
-            os.rename(staging, folder)  # atomic: a folder that exists holds a complete library
+            os.rename(staging, folder)  # atomic: a folder that exists holds a complete, checked library
         except OSError:
             if not os.path.isfile(path):  # another process published first, or the cache is unusable
                 raise
@@ -221,3 +227,17 @@ def _self_check(kernels: NativeKernels) -> str | None:
         if got is None or not torch.allclose(got, want, rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE):
             return f"attend_slots {dtype}"
     return None
+
+
+def main(argv: list[str]) -> int:
+    """`python -m oval_edge.native_kernels LIBRARY`: exit 0 if the library agrees with torch (the build's check)."""
+    kernels = NativeKernels(ctypes.CDLL(argv[0]), argv[0])
+    problem = _self_check(kernels)
+    if problem:
+        print(f"disagrees with torch: {problem}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

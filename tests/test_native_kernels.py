@@ -8,7 +8,6 @@ neither sorted nor contiguous.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 
@@ -121,7 +120,7 @@ def test_library_is_built_once_into_the_cache_and_reused(monkeypatch, tmp_path):
     stamp = os.stat(first).st_mtime_ns
     assert native_kernels._built_library() == first and os.stat(first).st_mtime_ns == stamp  # not rebuilt
     assert not [p for p in os.listdir(tmp_path / "kernels") if p.startswith(".build-")]  # no staging left over
-    assert native_kernels._self_check(native_kernels.NativeKernels(ctypes.CDLL(first), first)) is None
+    assert native_kernels.main([first]) == 0  # the build's check, as its child process runs it
 
 
 def test_missing_compiler_means_torch_ops_with_a_warning(monkeypatch, tmp_path, caplog):
@@ -145,6 +144,18 @@ def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp
     with pytest.raises(RuntimeError, match=r"failed: .*error"):
         native_kernels._built_library()
     assert not os.path.exists(tmp_path / "cache" / "kernels") or not os.listdir(tmp_path / "cache" / "kernels")
+
+
+def test_a_library_that_disagrees_with_torch_is_not_published(monkeypatch, tmp_path):
+    source = native_kernels.SOURCE.read_text()
+    assert "return p * scale;" in source
+    skewed = tmp_path / "skewed.c"
+    skewed.write_text(source.replace("return p * scale;", "return p * scale * 1.01f;"))  # 1% off in every 2^x
+    monkeypatch.setattr(native_kernels, "SOURCE", skewed)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match=r"disagrees with torch: oval_scores"):
+        native_kernels._built_library()
+    assert not os.listdir(tmp_path / "cache" / "kernels")  # nothing published, staging removed
 
 
 def test_self_check_rejects_a_kernel_that_disagrees_with_torch(kernels, monkeypatch):
