@@ -41,8 +41,7 @@ CHECK_TIMEOUT_S = 300  # the check's child imports torch: seconds, but minutes o
 OPTIMISE_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
                   "-freciprocal-math", "-ffinite-math-only")
 SELF_CHECK_TOLERANCE = 1e-4
-# The C kernels' fixed limits (MAX_DIM, MAX_GROUP, MAX_RANK, MAX_PAGE): larger shapes stay on the torch path.
-MAX_DIM, MAX_GROUP, MAX_RANK, MAX_PAGE = 256, 32, 256, 256
+REFUSED, OUT_OF_RANGE = 1, 2  # the C kernels' return codes: shapes above their fixed limits, an index outside the pool
 ELEMENT_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 log = logging.getLogger(__name__)
@@ -55,7 +54,7 @@ _ATTEND_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64
 
 class NativeKernels:
     """Typed entry points of the loaded library. Each returns None for inputs it does not take (another device
-    or dtype, shapes above the C limits), so the caller runs its torch code instead."""
+    or dtype, shapes above the limits the C file defines), so the caller runs its torch code instead."""
 
     def __init__(self, library: ctypes.CDLL, path: str) -> None:
         self.path = path
@@ -77,16 +76,14 @@ class NativeKernels:
         b, hkv, group, dim = q.shape
         _, pages_total, rank, page_size = coords.shape
         if (kernel is None or coords.dtype != basis.dtype or not _on_cpu(q, basis, coords, page_table)
-                or not (basis.is_contiguous() and coords.is_contiguous())
-                or dim > MAX_DIM or group > MAX_GROUP or rank > MAX_RANK or page_size > MAX_PAGE):
+                or not (basis.is_contiguous() and coords.is_contiguous())):
             return None
         q = q.float().contiguous()
         table = page_table.to(torch.int64).contiguous()
         out = torch.empty((b, hkv, table.shape[1]), dtype=torch.float32)
         code = kernel(q.data_ptr(), basis.data_ptr(), coords.data_ptr(), table.data_ptr(), b, hkv, group, dim,
                       rank, page_size, table.shape[1], pages_total, float(scale), out.data_ptr())
-        _check(code, "oval_scores", f"page table holds a page outside 0..{pages_total - 1}")
-        return out
+        return _result(code, out, "oval_scores", "page table holds a page outside 0..{}", pages_total - 1)
 
     def attend_slots(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
                      valid: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -97,8 +94,7 @@ class NativeKernels:
         hkv, slots = flat.shape[1], flat.shape[2]
         if (kernel is None or q.dtype != torch.float32 or v_rows.dtype != k_rows.dtype
                 or not _on_cpu(q, k_rows, v_rows, flat, valid)
-                or not (k_rows.is_contiguous() and v_rows.is_contiguous())
-                or dim > MAX_DIM or hq // hkv > MAX_GROUP):
+                or not (k_rows.is_contiguous() and v_rows.is_contiguous())):
             return None
         q = q.contiguous()
         idx = flat.to(torch.int64).contiguous()
@@ -107,8 +103,20 @@ class NativeKernels:
         out = torch.empty_like(q)
         code = kernel(q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), k_rows.shape[0], idx.data_ptr(),
                       ok.data_ptr(), b, hkv, hq // hkv, dim, slots, float(scale), weights.data_ptr(), out.data_ptr())
-        _check(code, "attend_slots", f"a valid slot lies outside the layer's 0..{k_rows.shape[0] - 1} rows")
-        return out
+        return _result(code, out, "attend_slots", "a valid slot lies outside the layer's 0..{} rows",
+                       k_rows.shape[0] - 1)
+
+
+def describe_kernels(device: torch.device) -> str:
+    """Which decode path runs on `device`, for logs and serve's startup report."""
+    if device.type != "cpu":
+        return "torch ops (the native kernels are CPU-only)"
+    kernels = cpu_kernels()
+    if kernels is not None:
+        return f"native CPU scoring + attention ({kernels.path})"
+    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+        return f"torch ops ({NATIVE_ENV}=0)"
+    return "torch ops (native kernels unavailable: the log says why)"
 
 
 def cpu_kernels() -> NativeKernels | None:
@@ -192,11 +200,16 @@ def _on_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" for t in tensors)
 
 
-def _check(code: int, kernel: str, out_of_range: str) -> None:
-    if code == 2:
-        raise ValueError(f"{kernel}: {out_of_range}")
-    if code != 0:
-        raise RuntimeError(f"{kernel} refused its arguments (code {code})")
+def _result(code: int, out: torch.Tensor, kernel: str, out_of_range: str, last: int) -> torch.Tensor | None:
+    """`out` when the kernel ran; None when it refused the shapes (the caller falls back to torch). The error
+    message is formatted only on error: this runs for every layer of every decode step."""
+    if code == 0:
+        return out
+    if code == REFUSED:
+        return None
+    if code == OUT_OF_RANGE:
+        raise ValueError(f"{kernel}: {out_of_range.format(last)}")
+    raise RuntimeError(f"{kernel} returned unknown code {code}")
 
 
 def _self_check(kernels: NativeKernels) -> str | None:

@@ -9,7 +9,7 @@ import torch
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.geometry import KVGeometry, size_pool
-from oval_edge.native_kernels import cpu_kernels
+from oval_edge.native_kernels import describe_kernels
 from oval_edge.pool import PagePool
 from oval_edge.units import format_bytes
 
@@ -60,11 +60,9 @@ def kv_dtype_name(oval: OvalConfig, device: torch.device) -> str:
 
 def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_model_len: int) -> PagePool:
     c = loaded.config
-    if loaded.device.type == "cpu":
-        # Build (first run on this machine: under a second) and load the decode kernels now, not in the first request,
-        # and before the reserve below is measured.
-        kernels = cpu_kernels()
-        log.info("decode kernels: %s", f"native ({kernels.path})" if kernels else "torch ops")
+    # Build (first run on this machine: a few seconds) and load the decode kernels now, not in the first request, and
+    # before the reserve below is measured.
+    log.info("decode kernels: %s", describe_kernels(loaded.device))
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     geometry = KVGeometry(
         layers=c.num_hidden_layers,

@@ -58,20 +58,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def describe_kernels(device) -> str:
-    from oval_edge.native_kernels import NATIVE_ENV, cpu_kernels
-
-    if device.type != "cpu":
-        return "torch ops (the native kernels are CPU-only)"
-    kernels = cpu_kernels()
-    if kernels is not None:
-        return f"native CPU scoring + attention ({kernels.path})"
-    if os.environ.get(NATIVE_ENV, "").strip() == "0":
-        return f"torch ops ({NATIVE_ENV}=0)"
-    return "torch ops (native kernels unavailable: the log says why)"
-
-
 def startup_report(engine, spec, url: str, api_key: bool) -> str:
+    from oval_edge.native_kernels import describe_kernels
+
     from .loader import describe
 
     pool = engine.pool
