@@ -22,12 +22,16 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # PagePool / StepIndex need torch; import them on first use so torch-free users of oval_edge (the planner,
     # oval_edge.jetson, the config readers) do not pay for torch at import time.
-    if name in ("PagePool", "StepIndex"):
-        from . import pool
+    if name == "PagePool":
+        from .kv.pool import PagePool
 
-        return getattr(pool, name)
+        return PagePool
+    if name == "StepIndex":
+        from .kv.step_index import StepIndex
+
+        return StepIndex
     if name in ("apply_oval_to_model", "remove_oval"):  # imports transformers: only when asked for
-        from . import hf_integration
+        from .hf import integration
 
-        return getattr(hf_integration, name)
+        return getattr(integration, name)
     raise AttributeError(f"module 'oval_edge' has no attribute {name!r}")

@@ -39,7 +39,7 @@ class OvalConfig:
     kv_dtype      dtype of the page pool; 'auto' = float16 on CUDA, float32 on CPU.
     window_module path of a calibrated output-aware window module (`oval-edge calibrate`): it sets each KV
                   head's window within [window_min, window_max] from the layer's hidden state; None = off.
-    reuse_tau     selection reuse (oval_edge/reuse.py): a row keeps a recent selection of a layer instead of scoring
+    reuse_tau     selection reuse (sparse/reuse.py): a row keeps a recent selection of a layer instead of scoring
     reuse_slots   pages when every KV head's query has cosine >= reuse_tau with the one that chose it; reuse_slots
                   selections kept per sequence, layer and KV head (LRU). None = off (the default: see README).
     memory_budget total bytes the process may use for weights + workspace + KV pool (int or '1.5GiB');
@@ -57,7 +57,7 @@ class OvalConfig:
     eta: float = 0.5
     kv_dtype: str = "auto"
     memory_budget: int | str | None = None
-    # Reuse of a recent selection when the query barely moved (DESIGN §4.7, oval_edge/reuse.py); None = off.
+    # Reuse of a recent selection when the query barely moved (DESIGN §4.7, oval_edge/sparse/reuse.py); None = off.
     reuse_tau: float | None = None
     reuse_slots: int = 8  # recent selections kept per sequence, layer and KV head (the LRU's size)
     # The calibrated output-aware window module (DESIGN §5; `oval-edge calibrate` writes it); None = off, the
@@ -112,6 +112,13 @@ class OvalConfig:
     @property
     def token_budget(self) -> int:
         return (self.sink_pages + self.top_k) * self.page_size + max(self.window_max, self.page_size)
+
+    def pool_dtype(self, device_type: str) -> str:
+        """The page pool's dtype on a device type ('cpu', 'cuda'): kv_dtype, or for 'auto' float16 on CUDA and
+        bfloat16 on the CPU (it halves the pool; attention math still runs in fp32 on the gathered slots)."""
+        if self.kv_dtype != "auto":
+            return self.kv_dtype
+        return "float16" if device_type == "cuda" else "bfloat16"
 
     def replace(self, **changes) -> "OvalConfig":
         return dataclasses.replace(self, **changes)

@@ -38,6 +38,13 @@ class KVGeometry:
         if not 1 <= self.rank <= self.head_dim:
             raise ValueError(f"rank={self.rank} must be in [1, head_dim={self.head_dim}]")
 
+    @classmethod
+    def for_oval(cls, layers: int, kv_heads: int, head_dim: int, oval, dtype: str,
+                 summary_kinds: tuple[str, ...] | None = None) -> "KVGeometry":
+        """The geometry an OvalConfig asks for (its page size and rank; its scorer's summaries unless told)."""
+        return cls(layers, kv_heads, head_dim, oval.page_size, dtype, tuple(summary_kinds or (oval.scorer,)),
+                   oval.rank)
+
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
@@ -66,6 +73,17 @@ class KVGeometry:
         return self.page_size * self.kv_bytes_per_token + self.summary_bytes_per_page
 
 
+def head_dim_of(model_config) -> int:
+    """A transformers-style config's head dim: `head_dim` when it has one, else hidden_size / attention heads."""
+    return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+
+
+def kv_dims(model_config) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a transformers-style config (no num_key_value_heads: multi-head attention)."""
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    return model_config.num_hidden_layers, kv_heads, head_dim_of(model_config)
+
+
 # Transient bytes one seal batch may hold; the pages per batch follow from it (seal_chunk_pages).
 SEAL_WORKSPACE_BYTES = 32 * 2**20
 
@@ -85,6 +103,21 @@ def seal_workspace_bytes(geometry: KVGeometry) -> int:
     """Peak transient bytes of one seal batch (for the planner's workspace)."""
     g = geometry
     return seal_chunk_pages(g) * 6 * g.layers * g.kv_heads * (g.head_dim * g.head_dim + g.page_size * g.head_dim) * 4
+
+
+def prefill_workspace_bytes(
+    hidden: int, intermediate: int, q_heads: int, geometry: KVGeometry, chunk: int, context: int, act_bytes: int
+) -> int:
+    """Transient memory of one prefill chunk of `chunk` tokens against `context` cached tokens.
+
+    Largest live set in a layer: the residual + normed input + q/k/v/o (≈ 6 x hidden), the MLP's gate/up/act
+    (3 x intermediate), the K/V of the whole context gathered for the chunk (2 x kv_heads x context x D, fp32),
+    and the attention scores when the kernel materialises them (q_heads x chunk x context, fp32).
+    """
+    per_token = (6 * hidden + 3 * intermediate) * act_bytes
+    gathered = 2 * geometry.kv_heads * context * geometry.head_dim * 4
+    scores = q_heads * chunk * context * 4
+    return chunk * per_token + gathered + scores
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
               window_module path is taken relative to the config file's folder
     [server]  memory_budget (bytes or "1.5GiB": what the process may use for weights + workspace + KV pool),
               the EngineConfig settings max_batch, max_queue, prefill_chunk, max_model_len (or its alias
-              max_context, as runtime/server_options.py reads it), attention, and device ("auto", "cpu", "cuda",
+              max_context, as runtime/server/options.py reads it), attention, and device ("auto", "cpu", "cuda",
               "cuda:N"), host, port
     [plan]    what the planner predicted (numbers and strings; informational, serve does not act on it)
 
@@ -21,6 +21,7 @@ import os
 import sys
 
 from oval_edge.config import OvalConfig
+from oval_edge.runtime.model.source import QUANT_TYPES
 from oval_edge.units import parse_bytes
 
 if sys.version_info >= (3, 11):
@@ -28,7 +29,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-QUANTS = ("nf4", "fp4", "none")
 SECTIONS = ("model", "oval", "server", "plan")
 
 
@@ -58,8 +58,8 @@ def _device(value, where: str):
 
 
 def _quant(value, where: str):
-    if value not in QUANTS:
-        raise ValueError(f"{where}={value!r} is unknown; allowed: {', '.join(QUANTS)}")
+    if value not in QUANT_TYPES:
+        raise ValueError(f"{where}={value!r} is unknown; allowed: {', '.join(QUANT_TYPES)}")
     return value
 
 
@@ -70,12 +70,12 @@ def _attention(value, where: str):
 
 
 MODEL_KEYS = {"path": _str, "quant": _quant}
-# Ranges as runtime/engine_setup.EngineConfig checks them, so a file that loads also builds an engine.
+# Ranges as runtime/engine/setup.EngineConfig checks them, so a file that loads also builds an engine.
 ENGINE_KEYS = {
     "max_batch": _int(1, 1024), "max_queue": _int(0, 1_000_000), "prefill_chunk": _int(16, 65536),
     "max_model_len": _int(2, 1 << 24), "attention": _attention,
 }
-# runtime/server_options.py reads max_context (cap on prompt + max_tokens) and falls back to max_model_len.
+# runtime/server/options.py reads max_context (cap on prompt + max_tokens) and falls back to max_model_len.
 ENGINE_ALIASES = {"max_context": "max_model_len"}
 SERVER_KEYS = {"memory_budget": _size, "device": _device, "host": _str, "port": _int(1, 65535),
                "max_context": _int(2, 1 << 24), **ENGINE_KEYS}

@@ -17,7 +17,7 @@ import pytest  # noqa: E402  (after the thread settings above)
 @pytest.fixture(params=["native", "torch"])
 def decode_kernels(request, monkeypatch):
     """Run a test once through the native CPU kernels and once through the torch ops they replace."""
-    from oval_edge.native_kernels import NATIVE_ENV, cpu_kernels
+    from oval_edge.kernels.cpu import NATIVE_ENV, cpu_kernels
 
     if request.param == "torch":
         monkeypatch.setenv(NATIVE_ENV, "0")

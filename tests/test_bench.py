@@ -14,13 +14,13 @@ import sys
 
 import pytest
 
-from oval_edge.tools import bench_command
-from oval_edge.tools.bench_plan import BenchSettings, parse_engines, parse_int_list, prompt_length, schedule
-from oval_edge.tools.bench_report import aggregate, effective_gb_s, median, ratios, scaling
-from oval_edge.tools.bench_runner import run_worker
-from oval_edge.tools.bench_worker import MemoryMeter, TokenClock
-from oval_edge.tools.load_client import RequestResult, StreamCheck, run_clients
-from oval_edge.tools.load_report import kv_pages, pages_returned, parse_metrics, percentile, summarize, verdict
+from oval_edge.tools.bench import command as bench_command
+from oval_edge.tools.bench.meters import MemoryMeter, TokenClock
+from oval_edge.tools.bench.report import aggregate, effective_gb_s, median, ratios, scaling
+from oval_edge.tools.bench.runner import run_worker
+from oval_edge.tools.bench.settings import BenchSettings, parse_engines, parse_int_list, prompt_length, schedule
+from oval_edge.tools.load.client import RequestResult, StreamCheck, run_clients
+from oval_edge.tools.load.report import kv_pages, pages_returned, parse_metrics, percentile, summarize, verdict
 
 ROW_FIELDS = ("engine", "context", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "kv_bytes_per_step")
 
@@ -82,7 +82,7 @@ def test_failed_worker_becomes_an_error_row(tmp_path):
 
 def test_llamacpp_worker_modules_do_not_import_torch():
     # The llama.cpp run's peak RSS must be llama.cpp's own, not llama.cpp + torch.
-    code = ("import sys, oval_edge.tools.bench_worker, oval_edge.tools.bench_peers; "
+    code = ("import sys, oval_edge.tools.bench.worker, oval_edge.tools.bench.peer_engines; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -11,25 +11,25 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oval_edge import OvalConfig
+from oval_edge.cli import main
 from oval_edge.geometry import KVGeometry
-from oval_edge.output_module import ModuleCard, load_module, save_module
-from oval_edge.pool import PagePool
-from oval_edge.runtime.cli import main
+from oval_edge.kv.pool import PagePool
+from oval_edge.kv.summaries import oval_summary
 from oval_edge.runtime.config_file import load_config_file, oval_config
-from oval_edge.runtime.loader import LoadedModel
-from oval_edge.runtime.model_source import ModelSource
-from oval_edge.runtime.paged_llama import PagedLlama
-from oval_edge.scoring import score_pages
-from oval_edge.summaries import oval_summary
-from oval_edge.tools.calibrate_capture import capture, layer_queries, window_targets
-from oval_edge.tools.calibrate_fit import FitSettings, fit_module, fit_report, heldout_mask
-from oval_edge.tools.calibrate_report import update_config
-from oval_edge.tools.calibrate_run import CalibrationSettings, calibrate
-from oval_edge.tools.calibrate_scorer import ScorerTally, page_scores
-from oval_edge.tools.eval_fidelity import run_fidelity
-from oval_edge.tools.eval_policies import build_policies
-from oval_edge.tools.eval_report import fidelity_records, fidelity_table, write_plot
-from oval_edge.tools.eval_runtime import geometry_for
+from oval_edge.runtime.engine.paged_llama import PagedLlama
+from oval_edge.runtime.model.loader import LoadedModel
+from oval_edge.runtime.model.source import ModelSource
+from oval_edge.sparse.scoring import score_pages
+from oval_edge.sparse.window_module import ModuleCard, load_module, save_module
+from oval_edge.tools.calibrate.capture import capture, layer_queries, window_targets
+from oval_edge.tools.calibrate.fit import FitSettings, fit_module, fit_report, heldout_mask
+from oval_edge.tools.calibrate.report import update_config
+from oval_edge.tools.calibrate.run import CalibrationSettings, calibrate
+from oval_edge.tools.calibrate.scorer import ScorerTally, page_scores
+from oval_edge.tools.eval.fidelity import run_fidelity
+from oval_edge.tools.eval.policies import build_policies
+from oval_edge.tools.eval.report import fidelity_records, fidelity_table, write_plot
+from oval_edge.tools.eval.runtime import geometry_for
 
 
 def tiny_loaded() -> LoadedModel:
@@ -125,7 +125,7 @@ def test_recorded_states_rebuild_the_queries_the_runtime_decodes_with():
         seen[layer] = q.clone()
         return torch.zeros(1, 2, step.page_table.shape[1])
 
-    runner.score_override = record
+    runner.hooks.scores = record
     pool.allocate("s", 100)
     step = pool.prepare(["s"], [99])
     runner.forward(step, ids[:99], decode=False)

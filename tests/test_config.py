@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oval_edge import OvalConfig, format_bytes, parse_bytes
-from oval_edge.selection import slots_per_step
+from oval_edge.sparse.selection import slots_per_step
 
 
 def test_defaults_are_valid_and_round_trip():

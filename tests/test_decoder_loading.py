@@ -15,9 +15,10 @@ import torch
 
 from oval_edge import OvalConfig
 from oval_edge.runtime import Engine, EngineConfig
-from oval_edge.runtime.decoder_config import DecoderConfig
-from oval_edge.runtime.loader import load_model, load_tokenizer
-from oval_edge.runtime.model_source import resolve_model
+from oval_edge.runtime.model.config import DecoderConfig
+from oval_edge.runtime.model.loader import load_model
+from oval_edge.runtime.model.source import resolve_model
+from oval_edge.runtime.model.tokenizer import load_tokenizer
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
              num_hidden_layers=2, vocab_size=49152, max_position_embeddings=4096, rms_norm_eps=1e-5)
@@ -81,7 +82,7 @@ def test_loading_does_not_import_transformers_model_classes(tmp_path):
     """The point of the runtime's own decoder: no transformers modeling code (and no sympy) in a serving process."""
     import subprocess
 
-    code = ("import sys; from oval_edge.runtime.loader import load_model; load_model('default', 'nf4', 'cpu'); "
+    code = ("import sys; from oval_edge.runtime.model.loader import load_model; load_model('default', 'nf4', 'cpu'); "
             "bad = [m for m in sys.modules if m.startswith(('transformers.models.llama.modeling', 'sympy', "
             "'torch._dynamo'))]; print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

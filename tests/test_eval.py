@@ -15,14 +15,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oval_edge import OvalConfig
-from oval_edge.runtime.cli import main
-from oval_edge.runtime.loader import LoadedModel
-from oval_edge.runtime.paged_llama import PagedLlama
-from oval_edge.summaries import oval_summary, quest_summary
-from oval_edge.tools.eval_fidelity import run_fidelity
-from oval_edge.tools.eval_policies import POLICY_NAMES, Policy, build_policies
-from oval_edge.tools.eval_report import fidelity_records, passkey_records, passkey_table, write_json, write_plot
-from oval_edge.tools.eval_runtime import EvalPool, EvalRunner, geometry_for, load_kv, oracle_page_scores
+from oval_edge.cli import main
+from oval_edge.kv.summaries import oval_summary, quest_summary
+from oval_edge.runtime.engine.paged_llama import PagedLlama
+from oval_edge.runtime.model.loader import LoadedModel
+from oval_edge.tools.eval.fidelity import run_fidelity
+from oval_edge.tools.eval.policies import POLICY_NAMES, Policy, build_policies
+from oval_edge.tools.eval.report import fidelity_records, passkey_records, passkey_table, write_json, write_plot
+from oval_edge.tools.eval.runtime import EvalPool, EvalRunner, geometry_for, load_kv, oracle_page_scores
 
 TEXT = Path(__file__).resolve().parents[1] / "tools" / "data" / "botchan_ch1-2.txt"
 ALL = list(POLICY_NAMES[1:])
@@ -145,7 +145,7 @@ def test_policies_batched_as_rows_decode_exactly_as_each_policy_alone():
         mode = "dense" if policy.name == "dense" else "oval"
         runner = PagedLlama(loaded.model, alone_pool, policy.config(base), attention=mode)
         if policy.name == "oracle":
-            runner.score_override = lambda layer, q, step, r=runner: oracle_page_scores(
+            runner.hooks.scores = lambda layer, q, step, r=runner: oracle_page_scores(
                 alone_pool, layer, step.page_table, step.lengths, q, r.scale)
         for i, pos in enumerate(range(prefix, prefix + steps)):
             step = alone_pool.prepare([0], [1])
@@ -204,7 +204,7 @@ def test_bad_options_fail_before_the_model_loads(argv, message, capsys):
 @pytest.fixture(scope="module")
 def smollm():
     pytest.importorskip("gguf")
-    from oval_edge.runtime.loader import load_model
+    from oval_edge.runtime.model.loader import load_model
 
     try:
         return load_model("default", "none", "cpu")
@@ -214,7 +214,7 @@ def smollm():
 
 @pytest.mark.slow
 def test_budget_covering_the_context_gives_dense_for_every_policy_smollm(smollm):
-    from oval_edge.tools.eval_text import encode_text, read_text
+    from oval_edge.tools.eval.text import encode_text, read_text
 
     ids = encode_text(smollm.tokenizer, read_text(str(TEXT)), 256, str(TEXT))
     base = OvalConfig(page_size=32, top_k=6, window_min=64, window_max=64, kv_dtype="float32")
@@ -228,7 +228,7 @@ def test_budget_covering_the_context_gives_dense_for_every_policy_smollm(smollm)
 
 @pytest.mark.slow
 def test_passkey_cases_and_a_full_budget_passkey_run_smollm(smollm):
-    from oval_edge.tools.eval_passkey import build_cases, run_passkey
+    from oval_edge.tools.eval.passkey import build_cases, run_passkey
 
     tokenizer = smollm.tokenizer
     cases = build_cases(tokenizer, 320, [0.2, 0.8], 1, seed=7)

@@ -1,4 +1,4 @@
-"""The GGUF's config and tokenizer converted once into a cache folder (runtime/gguf_metadata.py).
+"""The GGUF's config and tokenizer converted once into a cache folder (runtime/model/gguf_metadata.py).
 
 What is read from the folder must be exactly what the GGUF gives in-process: the same DecoderConfig, the same
 token ids, special tokens and chat template. A cache that cannot be written, or a file the converter rejects,
@@ -13,9 +13,10 @@ import shutil
 import pytest
 
 from oval_edge.cache_dir import CACHE_ENV
-from oval_edge.runtime.gguf_metadata import cached_metadata_folder, metadata_folder_for
-from oval_edge.runtime.loader import load_tokenizer, read_decoder_config
-from oval_edge.runtime.model_source import bundled_gguf_path, resolve_model
+from oval_edge.runtime.model.gguf_metadata import cached_metadata_folder, metadata_folder_for
+from oval_edge.runtime.model.loader import read_decoder_config
+from oval_edge.runtime.model.source import bundled_gguf_path, resolve_model
+from oval_edge.runtime.model.tokenizer import load_tokenizer
 
 TEXTS = ["Hello world, the capital of France is Paris.", "  spaces\tand\nnewlines  ", "émigré 東京 🙂 1234567"]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from oval_edge import OvalConfig
-from oval_edge.hf_cache import OvalCache
-from oval_edge.hf_eval import teacher_forced_kl
-from oval_edge.hf_integration import apply_oval_to_model, cache_keyword, oval_active, oval_state, remove_oval
-from oval_edge.selection import slots_per_step
+from oval_edge.hf.cache import OvalCache
+from oval_edge.hf.eval_hook import teacher_forced_kl
+from oval_edge.hf.integration import apply_oval_to_model, cache_keyword, oval_active, oval_state, remove_oval
+from oval_edge.sparse.selection import slots_per_step
 
 slow = pytest.mark.slow  # the tests that use the bundled model
 

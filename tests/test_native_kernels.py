@@ -1,4 +1,4 @@
-"""The native CPU kernels (oval_edge/native/oval_kernels.c) against the torch code they replace, and how they
+"""The native CPU kernels (oval_edge/kernels/oval_kernels.c) against the torch code they replace, and how they
 are built, cached and turned off.
 
 Shapes cover the instantiations the C file specialises (head dim 64 and 128, page sizes 16..64) and the generic
@@ -14,11 +14,12 @@ import os
 import pytest
 import torch
 
-from oval_edge import native_kernels
-from oval_edge.attention import attend
 from oval_edge.cache_dir import CACHE_ENV
-from oval_edge.native_kernels import NATIVE_ENV, cpu_kernels
-from oval_edge.scoring import oval_scores
+from oval_edge.kernels import cpu as native_kernels
+from oval_edge.kernels import cpu_build, cpu_check
+from oval_edge.kernels.cpu import NATIVE_ENV, cpu_kernels
+from oval_edge.sparse.attention import attend
+from oval_edge.sparse.scoring import oval_scores
 
 TOL = 2e-5  # fp32 with a different summation order and a 2^x polynomial good to ~1e-7
 
@@ -115,12 +116,12 @@ def test_env_switch_turns_the_kernels_off(monkeypatch):
 
 def test_library_is_built_once_into_the_cache_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
-    first = native_kernels._built_library()
+    first = cpu_build.built_library()
     assert first.startswith(str(tmp_path / "kernels")) and os.path.isfile(first)
     stamp = os.stat(first).st_mtime_ns
-    assert native_kernels._built_library() == first and os.stat(first).st_mtime_ns == stamp  # not rebuilt
+    assert cpu_build.built_library() == first and os.stat(first).st_mtime_ns == stamp  # not rebuilt
     assert not [p for p in os.listdir(tmp_path / "kernels") if p.startswith(".build-")]  # no staging left over
-    assert native_kernels.main([first]) == 0  # the build's check, as its child process runs it
+    assert cpu_check.main([first]) == 0  # the build's check, as its child process runs it
 
 
 def test_missing_compiler_means_torch_ops_with_a_warning(monkeypatch, tmp_path, caplog):
@@ -129,7 +130,7 @@ def test_missing_compiler_means_torch_ops_with_a_warning(monkeypatch, tmp_path, 
     monkeypatch.delenv(NATIVE_ENV, raising=False)
     native_kernels._load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="oval_edge.native_kernels"):
+        with caplog.at_level(logging.WARNING, logger="oval_edge.kernels.cpu"):
             assert cpu_kernels() is None
         assert "native CPU kernels unavailable" in caplog.text and "decoding with torch ops" in caplog.text
     finally:
@@ -139,26 +140,26 @@ def test_missing_compiler_means_torch_ops_with_a_warning(monkeypatch, tmp_path, 
 def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp_path):
     broken = tmp_path / "broken.c"
     broken.write_text("int oval_scores_f32( {\n")
-    monkeypatch.setattr(native_kernels, "SOURCE", broken)
+    monkeypatch.setattr(cpu_build, "SOURCE", broken)
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match=r"failed: .*error"):
-        native_kernels._built_library()
+        cpu_build.built_library()
     assert not os.path.exists(tmp_path / "cache" / "kernels") or not os.listdir(tmp_path / "cache" / "kernels")
 
 
 def test_a_library_that_disagrees_with_torch_is_not_published(monkeypatch, tmp_path):
-    source = native_kernels.SOURCE.read_text()
+    source = cpu_build.SOURCE.read_text()
     assert "return p * scale;" in source
     skewed = tmp_path / "skewed.c"
     skewed.write_text(source.replace("return p * scale;", "return p * scale * 1.01f;"))  # 1% off in every 2^x
-    monkeypatch.setattr(native_kernels, "SOURCE", skewed)
+    monkeypatch.setattr(cpu_build, "SOURCE", skewed)
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match=r"disagrees with torch: oval_scores"):
-        native_kernels._built_library()
+        cpu_build.built_library()
     assert not os.listdir(tmp_path / "cache" / "kernels")  # nothing published, staging removed
 
 
 def test_self_check_rejects_a_kernel_that_disagrees_with_torch(kernels, monkeypatch):
     wrong = kernels.oval_scores
     monkeypatch.setattr(kernels, "oval_scores", lambda *args: wrong(*args) + 1e-2)
-    assert native_kernels._self_check(kernels) == "oval_scores torch.float32"
+    assert cpu_check.self_check(kernels) == "oval_scores torch.float32"

@@ -9,14 +9,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oval_edge import OvalConfig
-from oval_edge.output_module import (ModuleCard, OutputAwareModule, WindowHook, load_module, save_module,
-                                     window_hook, window_lengths)
-from oval_edge.pool import PagePool
-from oval_edge.runtime.cli import main
+from oval_edge.cli import main
+from oval_edge.kv.pool import PagePool
 from oval_edge.runtime.config_file import load_config_file
-from oval_edge.runtime.paged_llama import PagedLlama
-from oval_edge.tools.eval_runtime import geometry_for
-from oval_edge.tools.export_onnx_command import check_onnx, export_onnx
+from oval_edge.runtime.engine.paged_llama import PagedLlama
+from oval_edge.sparse.window_module import (ModuleCard, OutputAwareModule, WindowHook, load_module, save_module,
+                                            window_hook, window_lengths)
+from oval_edge.tools.eval.runtime import geometry_for
+from oval_edge.tools.export_onnx import check_onnx, export_onnx
 
 
 def tiny_model():
@@ -123,7 +123,7 @@ def _decode(model, config: OvalConfig, hook, ids: torch.Tensor, prefix: int, ste
     """Dense prefill of ids[:prefix], then `steps` decode steps; returns the logits and the selections."""
     pool = PagePool(geometry_for(model.config, config.page_size, config.rank, kinds=("oval",)), 16)
     runner = PagedLlama(model, pool, config, attention=attention)
-    runner.window_override = hook
+    runner.hooks.window = hook
     pool.allocate("s", prefix + steps)
     step = pool.prepare(["s"], [prefix])
     runner.forward(step, ids[:prefix], decode=False)

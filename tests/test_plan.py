@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from oval_edge.cli import main
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
-from oval_edge.runtime.cli import main
 from oval_edge.runtime.config_file import engine_kwargs, load_config_file, oval_config, validate_sections
-from oval_edge.tools.plan_memory import kv_dtype_for, reserved_workspace_bytes
-from oval_edge.tools.plan_model import ModelShape, read_model_shape
-from oval_edge.tools.plan_weights import cpu_layout, linear4bit_bytes, weight_bytes
+from oval_edge.tools.plan.memory import geometry_for, reserved_workspace_bytes
+from oval_edge.tools.plan.model import ModelShape, read_model_shape
+from oval_edge.tools.plan.weights import cpu_layout, linear4bit_bytes, weight_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LLAMA3 = str(FIXTURES / "llama3_8b_config.json")
@@ -33,7 +33,7 @@ def plan(capsys, *args: str) -> tuple[int, str, str]:
 def _real_linear4bit(n_out: int, n_in: int, quant: str):
     torch = pytest.importorskip("torch")
     bnb = pytest.importorskip("bitsandbytes")
-    from oval_edge.runtime.quantize import BLOCKSIZE
+    from oval_edge.runtime.model.quantize import BLOCKSIZE
 
     weight = torch.randn(n_out, n_in, dtype=torch.bfloat16)
     layer = bnb.nn.Linear4bit(n_in, n_out, bias=False, compute_dtype=torch.bfloat16, compress_statistics=True,
@@ -50,7 +50,7 @@ SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (1024, 4096), (96, 2
 def test_linear4bit_formula_matches_bitsandbytes_nested_layout(quant):
     """The layout CUDA/Jetson keep (double-quantized absmax): same tensors bitsandbytes builds on CPU."""
     torch = pytest.importorskip("torch")
-    from oval_edge.runtime.quantize import weight_bytes as runtime_weight_bytes
+    from oval_edge.runtime.model.quantize import weight_bytes as runtime_weight_bytes
 
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     for n_out, n_in in SHAPES:
@@ -67,7 +67,7 @@ def test_linear4bit_formula_matches_bitsandbytes_packed_cpu_layout():
     torch = pytest.importorskip("torch")
     from bitsandbytes.functional import has_avx512bf16
 
-    from oval_edge.runtime.quantize import weight_bytes as runtime_weight_bytes
+    from oval_edge.runtime.model.quantize import weight_bytes as runtime_weight_bytes
 
     if not has_avx512bf16():
         pytest.skip("this CPU has no AVX512-BF16: bitsandbytes keeps the nested layout here")
@@ -85,7 +85,7 @@ def test_linear4bit_formula_matches_bitsandbytes_packed_cpu_layout():
 
 
 class StateDictWeights:
-    """A state dict served the way runtime.weight_stream serves a checkpoint (names, read, close)."""
+    """A state dict served the way runtime.model.weight_stream serves a checkpoint (names, read, close)."""
 
     def __init__(self, state: dict):
         self.state, self.path = state, "state dict"
@@ -101,15 +101,15 @@ class StateDictWeights:
 
 
 def test_whole_decoder_quantized_by_the_runtime_matches_the_planner():
-    """A small random Llama through runtime.decoder_build.build_decoder (the loader's own path, fused layers)."""
+    """A small random Llama through runtime.model.decoder_build.build_decoder (the loader's own path, fused layers)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from bitsandbytes.functional import has_avx512bf16
 
-    from oval_edge.runtime.decoder_build import build_decoder
-    from oval_edge.runtime.decoder_config import DecoderConfig
-    from oval_edge.runtime.quantize import import_bitsandbytes
-    from oval_edge.runtime.quantize import weight_bytes as runtime_weight_bytes
+    from oval_edge.runtime.model.config import DecoderConfig
+    from oval_edge.runtime.model.decoder_build import build_decoder
+    from oval_edge.runtime.model.quantize import import_bitsandbytes
+    from oval_edge.runtime.model.quantize import weight_bytes as runtime_weight_bytes
 
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=704, num_attention_heads=4,
                                       num_key_value_heads=2, num_hidden_layers=3, vocab_size=512,
@@ -130,11 +130,11 @@ def test_whole_decoder_quantized_by_the_runtime_matches_the_planner():
 
 @pytest.mark.slow
 def test_weight_bytes_match_loaded_model():
-    """The bundled model loaded by the runtime: planner weight bytes within 3% of runtime.quantize.weight_bytes."""
+    """The bundled model loaded by the runtime: planner weight bytes within 3% of runtime's quantize.weight_bytes."""
     pytest.importorskip("torch")
     from bitsandbytes.functional import has_avx512bf16
 
-    from oval_edge.runtime.loader import load_model
+    from oval_edge.runtime.model.loader import load_model
 
     loaded = load_model("default", "nf4", "cpu")
     flags = frozenset({"avx512_bf16"}) if has_avx512bf16() else frozenset()
@@ -142,26 +142,27 @@ def test_weight_bytes_match_loaded_model():
     assert abs(planned - loaded.weight_bytes) <= 0.03 * loaded.weight_bytes, (planned, loaded.weight_bytes)
 
 
-# ---- arithmetic shared with the runtime (copies kept torch-free) -----------------------------------------------
+# ---- arithmetic shared with the runtime (one implementation, called by both) ------------------------------------
 
-def test_torch_free_copies_agree_with_the_runtime():
+def test_planner_and_runtime_share_their_arithmetic():
     torch = pytest.importorskip("torch")
-    from oval_edge.geometry import KVGeometry, seal_chunk_pages
-    from oval_edge.pool import PagePool
-    from oval_edge.runtime import model_source
-    from oval_edge.runtime.engine_setup import kv_dtype_name
-    from oval_edge.runtime.memory import prefill_workspace_bytes
-    from oval_edge.selection import slots_per_step as runtime_slots
-    from oval_edge.tools import plan_model
+    from oval_edge.geometry import KVGeometry, prefill_workspace_bytes, seal_chunk_pages
+    from oval_edge.kv.pool import PagePool
+    from oval_edge.runtime.engine.setup import EngineConfig, pool_geometry
+    from oval_edge.runtime.model.config import DecoderConfig
+    from oval_edge.sparse.selection import slots_per_step as runtime_slots
 
-    for cfg in (OvalConfig(), OvalConfig(page_size=16, top_k=8), OvalConfig(page_size=128, window_max=96)):
+    shape = read_model_shape(LLAMA3)
+    decoder = DecoderConfig.from_dict(json.loads(Path(LLAMA3).read_text()), LLAMA3)
+    for cfg in (OvalConfig(), OvalConfig(page_size=16, top_k=8), OvalConfig(page_size=128, window_max=96),
+                OvalConfig(kv_dtype="float32", scorer="quest")):
         assert cfg.token_budget == runtime_slots(cfg)
-        assert kv_dtype_for(cfg, "cpu") == kv_dtype_name(cfg, torch.device("cpu"))
+        for target in ("cpu", "cuda"):  # the pool serve builds is the one the planner predicts
+            assert geometry_for(shape, cfg, target) == pool_geometry(decoder, cfg, EngineConfig(),
+                                                                     torch.device(target))
+    assert OvalConfig().pool_dtype("cpu") == "bfloat16" and OvalConfig().pool_dtype("cuda") == "float16"
     geo_small = KVGeometry(30, 3, 64, 32, "bfloat16")
     assert PagePool(geo_small, 4).seal_chunk == seal_chunk_pages(geo_small)
-    assert plan_model.SUPPORTED_ARCHITECTURES == model_source.SUPPORTED_ARCHITECTURES
-    assert plan_model.bundled_gguf_path() == model_source.bundled_gguf_path()
-    shape = read_model_shape(LLAMA3)
     geo = KVGeometry(shape.layers, shape.kv_heads, shape.head_dim, 32, "float16")
     assert reserved_workspace_bytes(shape, geo, "cuda", 512, 4096) == prefill_workspace_bytes(
         shape.hidden, shape.intermediate, shape.heads, geo, 512, 4096, 2)
@@ -312,10 +313,10 @@ def test_cuda_device_without_cuda_says_so():
 
 
 def test_written_config_is_what_serve_reads(tmp_path, capsys):
-    """runtime/server_options.engine_spec (serve --config) takes the planner's file as it is."""
+    """runtime/server/options.engine_spec (serve --config) takes the planner's file as it is."""
     import argparse
 
-    from oval_edge.runtime.server_options import add_engine_arguments, engine_spec
+    from oval_edge.runtime.server.options import add_engine_arguments, engine_spec
 
     toml_path = tmp_path / "serve.toml"
     rc, _, _ = plan(capsys, "--device", "orin-nx-16gb", "--context", "4096", "--batch", "2",

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from oval_edge import KVGeometry, PagePool, size_pool
-from oval_edge.attention import gather_kv
+from oval_edge.sparse.attention import gather_kv
 
 LAYERS, HEADS, DIM, PAGE, PAGES = 2, 2, 8, 16, 12
 

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from oval_edge.cli import main
 from oval_edge.config import OvalConfig
-from oval_edge.runtime.cli import main
 from oval_edge.runtime.config_file import load_config_file, oval_config
-from oval_edge.tools.profile_choice import ROW_FIELDS, NoConfiguration, ProfileRow, choose, explain, top_k_for
-from oval_edge.tools.profile_report import config_sections, report_json, write_config
+from oval_edge.tools.profile.choice import ROW_FIELDS, NoConfiguration, ProfileRow, choose, explain, top_k_for
+from oval_edge.tools.profile.report import config_sections, report_json, write_config
 
 BASE = OvalConfig()
 
@@ -110,7 +110,7 @@ def test_written_config_is_what_serve_reads(tmp_path):
 
 
 def test_nothing_qualifies_exits_1_and_writes_no_config(tmp_path, capsys):
-    from oval_edge.tools.profile_command import _conclude
+    from oval_edge.tools.profile.command import _conclude
 
     args = SimpleNamespace(json_path=str(tmp_path / "p.json"), plot=None, write_config=str(tmp_path / "p.toml"),
                            model="default")
@@ -142,7 +142,7 @@ def test_bad_options_fail_before_the_model_loads(argv, message, capsys):
 @pytest.mark.slow
 def test_tiny_profile_of_the_bundled_model(tmp_path):
     pytest.importorskip("gguf")
-    from oval_edge.runtime.model_source import resolve_model
+    from oval_edge.runtime.model.source import resolve_model
 
     try:
         resolve_model("default")
@@ -202,7 +202,7 @@ class FakeProbe:
 
 @pytest.mark.parametrize("interleave", [True, False])
 def test_probes_are_stepped_in_turn_or_one_after_another(monkeypatch, interleave):
-    from oval_edge.tools import profile_measure
+    from oval_edge.tools.profile import measure as profile_measure
 
     log: list = []
     monkeypatch.setattr(profile_measure, "DecodeProbe",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oval_edge.runtime.projections import PackedCpu4bit, bind_norm, bind_projection
+from oval_edge.runtime.model.projections import PackedCpu4bit, bind_norm, bind_projection
 
 bnb = pytest.importorskip("bitsandbytes")
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig, LlamaForCausalLM
+from oval_reference import make_pool, prefill, structured_kv, write_tokens
 
 from oval_edge import OvalConfig
-from oval_edge.attention import decode_attention, decode_plan
-from oval_edge.reuse import SelectionReuse
-from oval_edge.runtime.loader import LoadedModel
-from oval_edge.runtime.paged_llama import PagedLlama
-from oval_reference import make_pool, prefill, structured_kv, write_tokens
+from oval_edge.runtime.engine.paged_llama import PagedLlama
+from oval_edge.runtime.model.loader import LoadedModel
+from oval_edge.sparse.attention import decode_attention, decode_plan
+from oval_edge.sparse.reuse import SelectionReuse
 
 LAYERS, KV_HEADS, Q_HEADS, DIM, P = 2, 3, 9, 64, 16
 LAYER = 1
@@ -181,7 +181,7 @@ TINY = dict(page_size=16, top_k=1, window_min=16, window_max=16, dense_layers=1,
 
 
 def _decode_logits(loaded, config: OvalConfig, prompt: list[int], steps: int):
-    from oval_edge.runtime.engine_setup import EngineConfig, build_pool
+    from oval_edge.runtime.engine.setup import EngineConfig, build_pool
 
     pool = build_pool(loaded, config, EngineConfig(num_pages=16), 1024)
     runner = PagedLlama(loaded.model, pool, config)
@@ -211,9 +211,9 @@ def test_reuse_that_never_hits_changes_no_logit():
 
 
 def test_engine_drops_finished_requests_and_exports_the_counts():
-    from oval_edge.runtime.engine import Engine, EngineConfig
-    from oval_edge.runtime.metrics import ServerMetrics
-    from oval_edge.runtime.sampling import SamplingParams
+    from oval_edge.runtime.engine.engine import Engine, EngineConfig
+    from oval_edge.runtime.engine.sampling import SamplingParams
+    from oval_edge.runtime.server.metrics import ServerMetrics
 
     loaded = tiny_loaded()
     engine = Engine(loaded, OvalConfig(**TINY, reuse_tau=0.05), EngineConfig(max_batch=2, num_pages=32))
@@ -246,9 +246,9 @@ def test_reuse_slots_is_validated(value, message):
 
 
 def test_eval_reuse_rows_report_hit_rates_and_equal_oval_when_nothing_hits():
-    from oval_edge.tools.eval_fidelity import run_fidelity
-    from oval_edge.tools.eval_policies import build_policies
-    from oval_edge.tools.eval_report import fidelity_records, fidelity_table
+    from oval_edge.tools.eval.fidelity import run_fidelity
+    from oval_edge.tools.eval.policies import build_policies
+    from oval_edge.tools.eval.report import fidelity_records, fidelity_table
 
     loaded = tiny_loaded()
     ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -267,7 +267,7 @@ def test_eval_reuse_rows_report_hit_rates_and_equal_oval_when_nothing_hits():
 
 
 def test_eval_command_rejects_bad_reuse_values():
-    from oval_edge.runtime.cli import main
+    from oval_edge.cli import main
 
     assert main(["eval", "--reuse-tau", "0,0.9"]) == 2
     assert main(["eval", "--reuse-tau", "0.9", "--policies", "quest"]) == 2
@@ -276,9 +276,9 @@ def test_eval_command_rejects_bad_reuse_values():
 def test_bench_adds_the_reuse_engine_next_to_oval():
     import argparse
 
-    from oval_edge.tools import bench_command
-    from oval_edge.tools.bench_plan import BenchSettings
-    from oval_edge.tools.bench_runner import job_spec
+    from oval_edge.tools.bench import command as bench_command
+    from oval_edge.tools.bench.runner import job_spec
+    from oval_edge.tools.bench.settings import BenchSettings
 
     parser = argparse.ArgumentParser()
     bench_command.add_arguments(parser)

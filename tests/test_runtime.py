@@ -33,7 +33,7 @@ def hugging_face_model(dtype=torch.float32):
     """transformers' own model for the bundled GGUF (its loader dequantizes every tensor to fp32 first)."""
     from transformers import AutoModelForCausalLM
 
-    from oval_edge.runtime.model_source import resolve_model
+    from oval_edge.runtime.model.source import resolve_model
 
     source = resolve_model("default")
     return AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=dtype).eval()
@@ -125,7 +125,7 @@ def test_nf4_runtime_follows_hugging_face_with_the_same_bitsandbytes_weights():
     """Same bnb NF4 layers in both. bitsandbytes' fused CPU kernel rounds activations to bf16, so even HF's own
     cached decode differs from its full forward by ~0.15 logits; tokens are compared where that noise cannot
     flip them (top-2 margin > 1), logits within 1.0 along HF's own greedy trajectory."""
-    from oval_edge.runtime.quantize import import_bitsandbytes
+    from oval_edge.runtime.model.quantize import import_bitsandbytes
 
     engine = Engine.load("default", quant="nf4", device="cpu", oval=COVERING, config=EngineConfig(num_pages=16))
     bnb = import_bitsandbytes()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from oval_edge import OvalConfig
 from oval_edge.runtime import Engine, EngineConfig, SamplingParams
-from oval_edge.runtime.memory import peak_rss_bytes
+from oval_edge.runtime.engine.memory import peak_rss_bytes
 
 TEXT = (
     "The river ran past the mill and under the old stone bridge, where the children of the village gathered "

@@ -14,9 +14,9 @@ import threading
 import httpx
 import openai
 import pytest
-
-from oval_edge.runtime.server_app import ServerSettings, create_app
 from test_server_support import ServerThread, assert_error_object, get, make_engine, metrics, post, wait_pages_free
+
+from oval_edge.runtime.server.app import ServerSettings, create_app
 
 pytestmark = pytest.mark.slow
 KEY = "test-key-123"
@@ -173,8 +173,8 @@ def test_new_request_joins_a_running_batch(server):
 def test_chat_command_loop_prints_answers(server):
     import io
 
-    from oval_edge.runtime.chat_command import chat_loop
-    from oval_edge.runtime.sampling import SamplingParams
+    from oval_edge.runtime.chat import chat_loop
+    from oval_edge.runtime.engine.sampling import SamplingParams
 
     engine = make_engine(num_pages=16, max_model_len=256, max_batch=1)
     out = io.StringIO()

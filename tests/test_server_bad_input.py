@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from oval_edge.runtime.server_app import ServerSettings, create_app
 from test_server_support import ServerThread, assert_error_object, get, make_engine, metrics, post, wait_pages_free
+
+from oval_edge.runtime.server.app import ServerSettings, create_app
 
 pytestmark = pytest.mark.slow
 BODY_LIMIT = 64 * 1024

@@ -18,7 +18,7 @@ import pytest
 from test_server_support import get, post
 
 pytestmark = pytest.mark.slow
-SERVE = [sys.executable, "-m", "oval_edge.runtime.cli", "serve"]
+SERVE = [sys.executable, "-m", "oval_edge.cli", "serve"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -131,7 +131,7 @@ def test_threads_flag_sets_torch_threads():
 
     import torch
 
-    from oval_edge.runtime.server_options import add_engine_arguments, engine_spec
+    from oval_edge.runtime.server.options import add_engine_arguments, engine_spec
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
-from oval_edge.runtime.server_app import ServerSettings, create_app
 from test_server_support import ServerThread, get, make_engine, wait_pages_free
+
+from oval_edge.runtime.server.app import ServerSettings, create_app
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402

@@ -8,9 +8,9 @@ import threading
 
 import httpx
 import pytest
-
-from oval_edge.runtime.server_app import ServerSettings, create_app
 from test_server_support import ServerThread, assert_error_object, get, make_engine, metrics, post, wait_pages_free
+
+from oval_edge.runtime.server.app import ServerSettings, create_app
 
 pytestmark = pytest.mark.slow
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 0}
@@ -105,7 +105,7 @@ def test_drain_finishes_running_stream_and_refuses_new_requests(one_slot_server)
     with httpx.stream("POST", url, json=body, timeout=120) as response:
         lines = response.iter_lines()
         _first_events(lines, 2)
-        state.begin_drain()  # what SIGTERM does first (serve_command's DrainingServer)
+        state.begin_drain()  # what SIGTERM does first (runtime/server/serve.py's DrainingServer)
         drainer = threading.Thread(target=lambda: result.setdefault("cancelled", state.loop.drain(60)))
         drainer.start()
         refused = post(url, json={**CHAT, "max_tokens": 2})

@@ -26,13 +26,13 @@ TEST_OVAL = OvalConfig(page_size=PAGE_SIZE, top_k=1, window_min=16, window_max=1
 
 @functools.cache
 def loaded_model():
-    from oval_edge.runtime.loader import load_model
+    from oval_edge.runtime.model.loader import load_model
 
     return load_model("default", "nf4", "cpu")
 
 
 def make_engine(num_pages: int = 48, max_model_len: int = 512, max_batch: int = 4, max_queue: int = 8):
-    from oval_edge.runtime.engine import Engine, EngineConfig
+    from oval_edge.runtime.engine.engine import Engine, EngineConfig
 
     config = EngineConfig(max_batch=max_batch, max_queue=max_queue, num_pages=num_pages, max_model_len=max_model_len,
                           prefill_chunk=256)

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from oval_edge import OvalConfig
-from oval_edge.attention import decode_attention
-from oval_edge.selection import select_positions, slots_per_step
 from oval_reference import (
     make_pool,
     prefill,
@@ -23,6 +19,10 @@ from oval_reference import (
     structured_kv,
     write_tokens,
 )
+
+from oval_edge import OvalConfig
+from oval_edge.sparse.attention import decode_attention
+from oval_edge.sparse.selection import select_positions, slots_per_step
 
 LAYERS, KV_HEADS, Q_HEADS, DIM, RANK, ETA = 2, 3, 9, 64, 4, 0.5
 LENGTHS = (37, 300, 1000)

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from oval_edge.scoring import group_queries, score_pages
-from oval_edge.summaries import oval_summary
 from oval_reference import (
     make_pool,
     prefill,
@@ -21,6 +18,9 @@ from oval_reference import (
     ref_quest_summary,
     structured_kv,
 )
+
+from oval_edge.kv.summaries import oval_summary
+from oval_edge.sparse.scoring import group_queries, score_pages
 
 LAYERS, KV_HEADS, Q_HEADS, DIM, RANK = 2, 3, 9, 64, 4
 LENGTHS = (100, 70, 45)  # not page multiples: every sequence also holds an open, unsealed page

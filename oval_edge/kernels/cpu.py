@@ -1,0 +1,132 @@
+"""The fused CPU kernels of oval_kernels.c, loaded with ctypes: typed entry points and the switch that picks them.
+
+Why: on a CPU, eager torch spends most of a long-context decode step on many small passes over the page summaries
+(scoring) and on copying selected K/V rows out of the pool (attention). The kernels do each in one pass, reading the
+pool in place. They are an optimisation only: `cpu_kernels()` is None (and callers keep their torch code) when
+they are turned off (OVAL_EDGE_NATIVE=0), when no C compiler is found, when the build fails, or when the built
+library disagrees with the torch reference on a small self-check (cpu_build.py builds, cpu_check.py checks).
+Nothing else in the process changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+
+import torch
+
+from .cpu_build import built_library
+
+NATIVE_ENV = "OVAL_EDGE_NATIVE"  # "0": never use the kernels (A/B measurements, debugging)
+REFUSED, OUT_OF_RANGE = 1, 2  # the C kernels' return codes: shapes above their fixed limits, an index outside the pool
+ELEMENT_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+log = logging.getLogger(__name__)
+
+_ptr = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_SCORE_ARGS = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr]
+_ATTEND_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr]
+
+
+class NativeKernels:
+    """Typed entry points of the loaded library. Each returns None for inputs it does not take (another device
+    or dtype, shapes above the limits the C file defines), so the caller runs its torch code instead."""
+
+    def __init__(self, library: ctypes.CDLL, path: str) -> None:
+        self.path = path
+        self._scores, self._attend = {}, {}
+        for dtype, suffix in ELEMENT_SUFFIX.items():
+            scores = getattr(library, f"oval_scores_{suffix}")
+            scores.argtypes, scores.restype = _SCORE_ARGS, ctypes.c_int
+            attend = getattr(library, f"attend_slots_{suffix}")
+            attend.argtypes, attend.restype = _ATTEND_ARGS, ctypes.c_int
+            self._scores[dtype], self._attend[dtype] = scores, attend
+
+    def oval_scores(self, q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, page_table: torch.Tensor,
+                    scale: float) -> torch.Tensor | None:
+        """scoring.oval_scores over the pages `page_table` [B, Np] lists, reading one layer's summaries in place.
+
+        q [B, Hkv, G, D]; basis U^T [Hkv, pages, r, D]; coords C^T [Hkv, pages, r, P] -> scores [B, Hkv, Np] fp32.
+        """
+        kernel = self._scores.get(basis.dtype)
+        b, hkv, group, dim = q.shape
+        _, pages_total, rank, page_size = coords.shape
+        if (kernel is None or coords.dtype != basis.dtype or not _on_cpu(q, basis, coords, page_table)
+                or not (basis.is_contiguous() and coords.is_contiguous())):
+            return None
+        q = q.float().contiguous()
+        table = page_table.to(torch.int64).contiguous()
+        out = torch.empty((b, hkv, table.shape[1]), dtype=torch.float32)
+        code = kernel(q.data_ptr(), basis.data_ptr(), coords.data_ptr(), table.data_ptr(), b, hkv, group, dim,
+                      rank, page_size, table.shape[1], pages_total, float(scale), out.data_ptr())
+        return _result(code, out, "oval_scores", "page table holds a page outside 0..{}", pages_total - 1)
+
+    def attend_slots(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
+                     valid: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """attention.attend over the valid slots of `flat` [B, Hkv, T] (rows of one layer's [rows, D] K and V
+        views), reading them in place instead of gathering. q [B, Hq, D] fp32 -> [B, Hq, D]."""
+        kernel = self._attend.get(k_rows.dtype)
+        b, hq, dim = q.shape
+        hkv, slots = flat.shape[1], flat.shape[2]
+        if (kernel is None or q.dtype != torch.float32 or v_rows.dtype != k_rows.dtype
+                or not _on_cpu(q, k_rows, v_rows, flat, valid)
+                or not (k_rows.is_contiguous() and v_rows.is_contiguous())):
+            return None
+        q = q.contiguous()
+        idx = flat.to(torch.int64).contiguous()
+        ok = valid.to(torch.bool).contiguous()
+        weights = torch.empty(hq // hkv * slots, dtype=torch.float32)  # scratch: one row of logits per query head
+        out = torch.empty_like(q)
+        code = kernel(q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), k_rows.shape[0], idx.data_ptr(),
+                      ok.data_ptr(), b, hkv, hq // hkv, dim, slots, float(scale), weights.data_ptr(), out.data_ptr())
+        return _result(code, out, "attend_slots", "a valid slot lies outside the layer's 0..{} rows",
+                       k_rows.shape[0] - 1)
+
+
+def describe_kernels(device: torch.device) -> str:
+    """Which decode path runs on `device`, for logs and serve's startup report."""
+    if device.type != "cpu":
+        return "torch ops (the native kernels are CPU-only)"
+    kernels = cpu_kernels()
+    if kernels is not None:
+        return f"native CPU scoring + attention ({kernels.path})"
+    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+        return f"torch ops ({NATIVE_ENV}=0)"
+    return "torch ops (native kernels unavailable: the log says why)"
+
+
+def cpu_kernels() -> NativeKernels | None:
+    """The kernels, or None when they are off or unavailable (the reason is logged once)."""
+    if os.environ.get(NATIVE_ENV, "1").strip() == "0":
+        return None
+    return _load()
+
+
+@functools.cache
+def _load() -> NativeKernels | None:
+    try:
+        path = built_library()
+        return NativeKernels(ctypes.CDLL(path), path)
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+        log.warning("native CPU kernels unavailable (%s); decoding with torch ops (slower at long context)", exc)
+        return None
+
+
+def _on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def _result(code: int, out: torch.Tensor, kernel: str, out_of_range: str, last: int) -> torch.Tensor | None:
+    """`out` when the kernel ran; None when it refused the shapes (the caller falls back to torch). The error
+    message is formatted only on error: this runs for every layer of every decode step."""
+    if code == 0:
+        return out
+    if code == REFUSED:
+        return None
+    if code == OUT_OF_RANGE:
+        raise ValueError(f"{kernel}: {out_of_range.format(last)}")
+    raise RuntimeError(f"{kernel} returned unknown code {code}")

@@ -1,0 +1,91 @@
+"""Build the CPU kernels once per machine: oval_kernels.c compiled for this CPU, checked, cached.
+
+The library is built with the system C compiler (`$CC`, else cc) for this CPU (-march=native, -mcpu=native on
+Arm) into <cache>/kernels/<key>/ (see oval_edge/cache_dir.py), keyed by the source, the compiler, the flags and the
+CPU's feature list, checked against torch in a child process (cpu_check.py), and published by an atomic rename, so
+one that exists is complete and checked. No torch here: the check imports it, in its own process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from oval_edge.cache_dir import cache_root
+
+SOURCE = Path(__file__).with_name("oval_kernels.c")
+LIBRARY_NAME = "oval_kernels.so"
+CHECK_MODULE = "oval_edge.kernels.cpu_check"  # run as `python -m`: exits 0 when the library agrees with torch
+COMPILE_TIMEOUT_S = 120
+CHECK_TIMEOUT_S = 300  # the check's child imports torch: seconds, but minutes on a cold, slow board
+# -ffast-math's parts that let the compiler vectorise the kernels' sums and maxima, without -ffast-math itself:
+# linked into a shared library it pulls in crtfastmath.o, which turns on flush-to-zero for the whole process at load
+# (torch's subnormals would silently become 0; hypothesis caught it). The kernels never produce inf or NaN.
+OPTIMISE_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+                  "-freciprocal-math", "-ffinite-math-only")
+
+
+def built_library() -> str:
+    """The path of this machine's checked library, building and checking it first if the cache has none."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler found (set CC or install gcc)")
+    flags = [*OPTIMISE_FLAGS, "-fPIC", "-shared", *_arch_flags()]
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"|".join([source, version.encode(), " ".join(flags).encode(), _cpu_features().encode()]))
+    folder = os.path.join(cache_root(), "kernels", key.hexdigest()[:24])
+    path = os.path.join(folder, LIBRARY_NAME)
+    if os.path.isfile(path):
+        return path
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(folder))
+    try:
+        built = os.path.join(staging, LIBRARY_NAME)
+        done = subprocess.run([compiler, *flags, "-o", built, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {(done.stderr or done.stdout).strip()[-500:]}")
+        # Checked in a child process: the torch reference touches code (einsum, softmax, ...) that decoding with the
+        # kernels never runs, and those library pages would stay resident in the server (~7 MiB measured).
+        check = subprocess.run([sys.executable, "-m", CHECK_MODULE, built], capture_output=True, text=True,
+                               timeout=CHECK_TIMEOUT_S)
+        if check.returncode != 0:
+            tail = (check.stdout + check.stderr).strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"the built library disagrees with torch or does not load: {tail[0]}")
+        try:
+            os.rename(staging, folder)  # atomic: a folder that exists holds a complete, checked library
+        except OSError:
+            if not os.path.isfile(path):  # another process published first, or the cache is unusable
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def _arch_flags() -> list[str]:
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        return ["-march=native"]
+    if machine in ("aarch64", "arm64"):
+        return ["-mcpu=native"]
+    return []
+
+
+def _cpu_features() -> str:
+    """The CPU's feature line (x86 `flags`, Arm `Features`): a library built for one CPU must not load on another
+    that shares the cache folder."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    return line.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

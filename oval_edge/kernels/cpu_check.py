@@ -1,0 +1,61 @@
+"""The CPU kernels' self-check: both kernels against the torch code they replace, in the build's child process.
+
+Run as `python -m oval_edge.kernels.cpu_check LIBRARY` by cpu_build.built_library: the torch reference touches
+code (einsum, softmax, ...) that decoding with the kernels never runs, and those library pages would stay resident
+in the server (~7 MiB measured), so the check never runs in the serving process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+from oval_edge.sparse.scoring import oval_scores
+
+from .cpu import ELEMENT_SUFFIX, NativeKernels
+
+SELF_CHECK_TOLERANCE = 1e-4
+
+
+def self_check(kernels: NativeKernels) -> str | None:
+    """Both kernels against the torch code they replace, on a small random case in each pool dtype."""
+    gen = torch.Generator().manual_seed(0)
+    hkv, group, dim, rank, page_size, pages = 2, 3, 64, 4, 16, 6
+    q = torch.randn(2, hkv, group, dim, generator=gen)
+    table = torch.tensor([[4, 1, 3], [0, 5, 2]])
+    flat = torch.randint(0, pages * hkv * page_size, (2, hkv, 40), generator=gen)
+    valid = torch.rand(2, hkv, 40, generator=gen) < 0.7
+    for dtype in ELEMENT_SUFFIX:
+        basis = torch.randn(hkv, pages, rank, dim, generator=gen).to(dtype)
+        coords = torch.randn(hkv, pages, rank, page_size, generator=gen).to(dtype)
+        picked = (basis[:, table].movedim(0, 1), coords[:, table].movedim(0, 1))  # [B, Hkv, Np, r, *]
+        want = oval_scores(q, *picked, 0.125)
+        got = kernels.oval_scores(q, basis, coords, table, 0.125)
+        if got is None or not torch.allclose(got, want, rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE):
+            return f"oval_scores {dtype}"
+        k_rows = torch.randn(pages * hkv * page_size, dim, generator=gen).to(dtype)
+        v_rows = torch.randn(pages * hkv * page_size, dim, generator=gen).to(dtype)
+        k, v = k_rows[flat].float(), v_rows[flat].float()  # [B, Hkv, T, D]
+        logits = torch.einsum("bhgd,bhtd->bhgt", q, k) * 0.125
+        weights = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1)
+        want = torch.einsum("bhgt,bhtd->bhgd", weights, v).reshape(2, hkv * group, dim)
+        got = kernels.attend_slots(q.reshape(2, hkv * group, dim), k_rows, v_rows, flat, valid, 0.125)
+        if got is None or not torch.allclose(got, want, rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE):
+            return f"attend_slots {dtype}"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    """`python -m oval_edge.kernels.cpu_check LIBRARY`: exit 0 if the library agrees with torch (the build's check)."""
+    kernels = NativeKernels(ctypes.CDLL(argv[0]), argv[0])
+    problem = self_check(kernels)
+    if problem:
+        print(f"disagrees with torch: {problem}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

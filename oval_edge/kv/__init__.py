@@ -1,0 +1,1 @@
+"""The KV cache: the page pool allocated once from the budget, the per-step index into it, page summaries."""

@@ -1,0 +1,274 @@
+"""Attention over the page pool: gather exactly the selected K/V, then one exact softmax (DESIGN §4.6).
+
+The decode path reads only the slots a `Selection` names (sink + top-k pages + window, or everything for dense
+layers and short rows) into a contiguous [B, kv_heads, T, head_dim] buffer and runs SDPA on it (GQA-aware).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from oval_edge.config import OvalConfig
+from oval_edge.kernels.cpu import cpu_kernels
+from oval_edge.kv.pool import PagePool
+from oval_edge.kv.step_index import StepIndex
+
+from .scoring import group_queries, score_pages
+from .selection import DecodePlan, Selection
+
+
+def flat_slots(page_table: torch.Tensor, positions: torch.Tensor, kv_heads: int, page_size: int) -> torch.Tensor:
+    """Positions [B, Hkv, T] -> indices into a layer's K viewed as [pages*kv_heads*page_size, D]."""
+    b = positions.shape[0]
+    logical = (positions // page_size).clamp(max=page_table.shape[1] - 1)
+    page = page_table.gather(1, logical.reshape(b, -1)).view_as(positions)
+    heads = torch.arange(kv_heads, device=positions.device)[None, :, None]
+    return (page * kv_heads + heads) * page_size + positions % page_size
+
+
+def gather_kv(pool: PagePool, layer: int, page_table: torch.Tensor, positions: torch.Tensor):
+    """Copy the named positions [B, Hkv, T] of one layer out of the pool: -> k, v [B, Hkv, T, D]."""
+    g = pool.geometry
+    return gather_slots(pool, layer, flat_slots(page_table, positions, g.kv_heads, g.page_size))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """One softmax over the gathered slots. q [B, Hq, D]; k, v [B, Hkv, T, D]; valid [B, Hkv, T] -> [B, Hq, D].
+
+    Written as two grouped matmuls around a masked softmax rather than SDPA: with one query per row, SDPA's CPU
+    kernel costs ~1.6x more at T = 8k (measured) and needs the mask repeated per query head; here the G query
+    heads of a KV head share its K/V rows and its mask. Every row has at least one valid slot (its own token).
+    """
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]: query head i reads KV head i // G
+    logits = torch.matmul(qg, k.to(q.dtype).transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, T]
+    logits.masked_fill_(~valid[:, :, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(logits, dim=-1), v.to(q.dtype)).view(b, hq, d)
+
+
+def decode_attention(
+    pool: PagePool,
+    layer: int,
+    step: StepIndex,
+    q: torch.Tensor,
+    config: OvalConfig,
+    scale: float,
+    dense: bool = False,
+    scores: torch.Tensor | None = None,
+    plan: DecodePlan | None = None,
+    window: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Selection]:
+    """Attention of one new token per row. q [B, Hq, D] (rotated) -> ([B, Hq, D], the selection used).
+
+    dense=True attends to every position (dense layers). Otherwise rows longer than the token budget select
+    pages with `config.scorer` (or with `scores` [B, Hkv, Np] given by the caller, e.g. the eval oracle).
+    window [B, Hkv]: window lengths chosen by the caller (the output-aware module) instead of the entropy rule.
+    """
+    g = pool.geometry
+    if plan is None:
+        plan = decode_plan(pool, step, config)
+    if dense:
+        selection = plan.full_dense()
+    elif scores is None and plan.all_dense:
+        # Every row fits the budget: attend densely over the page tables (at most T + page_size - 1 slots).
+        selection = plan.full_dense()
+    else:
+        if scores is None:
+            scores = score_pages(
+                config.scorer, group_queries(q, g.kv_heads), pool.summaries, layer, step.page_table, scale
+            )
+        selection = plan.select(scores, window)
+    return attend_selection(pool, layer, q, selection, scale), selection
+
+
+PER_HEAD_SLOTS = 2048  # from this many slots per KV head (dense layers at long context) gather one head at a time
+
+
+def attend_selection(pool: PagePool, layer: int, q: torch.Tensor, selection: Selection, scale: float) -> torch.Tensor:
+    """Attend over the selection's K/V. q [B, Hq, D] -> [B, Hq, D].
+
+    On a CPU with the native kernels (oval_edge/kernels/cpu.py) the selected rows are read in place. Otherwise they are
+    gathered into a contiguous buffer first, and long selections go one KV head at a time: the same numbers, but the
+    bf16 -> fp32 copies of K and V live for one head only (at 8k: 4 MB instead of 12 MB per dense layer, and fresh
+    multi-MB buffers page-fault on every step).
+    """
+    kernels = cpu_kernels() if q.device.type == "cpu" else None
+    if kernels is not None:  # reads the selected rows in place: no gathered copy (oval_edge/kernels/cpu.py)
+        out = kernels.attend_slots(q, pool.k_rows[layer], pool.v_rows[layer], selection.flat, selection.valid, scale)
+        if out is not None:
+            return out
+    if selection.slots < PER_HEAD_SLOTS:
+        k, v = gather_slots(pool, layer, selection.flat)
+        return attend(q, k, v, selection.valid, scale)
+    hkv = selection.flat.shape[1]
+    group = q.shape[1] // hkv
+    out = torch.empty_like(q)
+    for head, (k, v) in enumerate(head_by_head_kv(pool, layer, selection.flat, q.dtype)):  # [B, 1, T, D] each
+        heads = slice(head * group, (head + 1) * group)
+        out[:, heads] = attend(q[:, heads], k, v, selection.valid[:, head : head + 1], scale)
+    return out
+
+
+def head_by_head_kv(pool: PagePool, layer: int, flat: torch.Tensor, dtype: torch.dtype):
+    """Yield each KV head's gathered K, V [B, 1, T, D] in `dtype` for the flat slots [B, Hkv, T].
+
+    All heads share one pair of buffers (valid until the next head is yielded): fresh multi-MB buffers per head land
+    on different free heap pages each time, and a prefill chunk's 30 layers then left tens of MB resident until the
+    chunk ended (with the compact heap of runtime/model/heap.py: 8k peak RSS ~660 -> ~635 MB).
+    """
+    b, hkv, t = flat.shape
+    d = pool.geometry.head_dim
+    picked = torch.empty((2, b, 1, t, d), dtype=pool.k.dtype, device=flat.device)  # [K; V] as stored in the pool
+    wide = picked if pool.k.dtype == dtype else torch.empty((2, b, 1, t, d), dtype=dtype, device=flat.device)
+    for head in range(hkv):
+        idx = flat[:, head].reshape(-1)
+        torch.index_select(pool.k_rows[layer], 0, idx, out=picked[0].view(b * t, d))
+        torch.index_select(pool.v_rows[layer], 0, idx, out=picked[1].view(b * t, d))
+        if wide is not picked:
+            wide.copy_(picked)
+        yield wide[0], wide[1]
+
+
+def decode_plan(pool: PagePool, step: StepIndex, config: OvalConfig) -> DecodePlan:
+    """Build the per-step selection plan once; pass it to decode_attention for every layer of the step."""
+    if any(n > 1 for n in step.new_tokens):
+        # The window slots cover the open page only when a row adds one token per step (it has at most
+        # page_size unsealed positions); more would silently drop positions. Chunks go to prefill_attention.
+        raise ValueError(
+            f"decode_attention takes at most one new token per row, got new_tokens={step.new_tokens}; "
+            "use prefill_attention for chunks"
+        )
+    g = pool.geometry
+    return DecodePlan(config, step.lengths, step.sealed, step.page_table.shape[1], g.kv_heads, step.page_table)
+
+
+def gather_slots(pool: PagePool, layer: int, flat: torch.Tensor):
+    """Copy the slots `flat` [B, Hkv, T] (flat pool indices) of one layer: -> k, v [B, Hkv, T, D]."""
+    g = pool.geometry
+    idx = flat.reshape(-1)
+    shape = (*flat.shape, g.head_dim)
+    k = pool.k_rows[layer].index_select(0, idx).view(shape)
+    v = pool.v_rows[layer].index_select(0, idx).view(shape)
+    return k, v
+
+
+def prefill_attention(
+    pool: PagePool,
+    layer: int,
+    step: StepIndex,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Dense causal attention for chunks of new tokens (prefill), after they were written to the pool.
+
+    q [N, Hq, D]; k_new, v_new [N, Hkv, D] (this step's tokens, rows concatenated) -> [N, Hq, D].
+    A chunk that starts a sequence attends to itself; a later chunk also reads the row's earlier pages.
+    """
+    out = torch.empty_like(q)
+    offset = 0
+    for row, n in enumerate(step.new_tokens):
+        if n == 0:
+            continue
+        end = step.lengths_list[row]
+        start = end - n
+        qs = q[offset : offset + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+        if start == 0:
+            ks = k_new[offset : offset + n].transpose(0, 1)[None]  # [1, Hkv, n, D]
+            vs = v_new[offset : offset + n].transpose(0, 1)[None]
+            res = _causal(qs, ks.to(q.dtype), vs.to(q.dtype), scale)
+        else:
+            flat = step.history_slots.get(row)
+            if flat is None:  # the same for every layer of the step: built once
+                positions = torch.arange(end, device=q.device).expand(1, pool.geometry.kv_heads, end)
+                flat = flat_slots(step.page_table[row : row + 1], positions, pool.geometry.kv_heads,
+                                  pool.geometry.page_size)
+                step.history_slots[row] = flat
+            res = _attend_history(pool, layer, flat, qs, start, scale)
+        out[offset : offset + n] = res[0].transpose(0, 1)
+        offset += n
+    return out
+
+
+HISTORY_QUERY_BLOCK = 128  # queries per masked SDPA call over a long history: its float mask is 128 x context x 4 B
+
+
+def _attend_history(pool: PagePool, layer: int, flat: torch.Tensor, q: torch.Tensor, start: int,
+                    scale: float) -> torch.Tensor:
+    """A later chunk's queries q [1, Hq, n, D] (positions start..end-1) over the row's whole history in the pool,
+    whose flat slots [1, Hkv, end] are `flat`.
+
+    One KV head at a time (head_by_head_kv): its keys and values are gathered (and converted to q's dtype) alone
+    and only its G query heads attend to them, so at 8k this holds ~6 MB instead of ~38 MB (all heads at once).
+    -> [1, Hq, n, D].
+    """
+    hkv = pool.geometry.kv_heads
+    group = q.shape[1] // hkv
+    split = _split_attention_for_cpu() if q.device.type == "cpu" else None
+    out = torch.empty_like(q)
+    for head, (k, v) in enumerate(head_by_head_kv(pool, layer, flat, q.dtype)):  # [1, 1, end, D] each
+        heads = slice(head * group, (head + 1) * group)
+        if split is not None:
+            out[:, heads] = _history_without_mask(split, q[:, heads], k, v, start, scale)
+        else:
+            out[:, heads] = _history_with_mask(q[:, heads], k, v, start, scale)
+    return out
+
+
+def _history_without_mask(split, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                          scale: float) -> torch.Tensor:
+    """q [1, G, n, D] at positions start..start+n-1 over k, v [1, 1, start+n, D]: two mask-free attentions merged.
+
+    Every query sees all of [0, start), so that part needs no mask and the G heads' queries share one call
+    ([1, 1, G*n, D] against the head's keys); the chunk's own keys need a plain causal mask (query i sees keys
+    <= i). Each call also returns its log-sum-exp, which merges the two softmaxes exactly. No [n, context] mask is
+    built (SDPA would turn a bool one into a float copy per call: 4 MB per 128 queries at 8k, and 12% of prefill).
+    """
+    _, g, n, d = q.shape
+    past, past_lse = split(q.reshape(1, 1, g * n, d), k[:, :, :start], v[:, :, :start], 0.0, False, scale=scale)
+    own_k, own_v = k[:, :, start:].expand(1, g, n, d), v[:, :, start:].expand(1, g, n, d)
+    own, own_lse = split(q, own_k, own_v, 0.0, True, scale=scale)  # [1, G, n, D], [1, G, n]
+    past_lse = past_lse.view(1, g, n, 1)
+    own_lse = own_lse.view(1, g, n, 1)
+    peak = torch.maximum(past_lse, own_lse)
+    w_past, w_own = (past_lse - peak).exp_(), (own_lse - peak).exp_()  # [1, G, n, 1]
+    merged = past.view(1, g, n, d) * w_past + own * w_own
+    return merged.div_(w_past + w_own)
+
+
+def _history_with_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """The same attention as `_history_without_mask` through SDPA with a causal-with-offset mask, in blocks of
+    queries (devices without the CPU flash kernel's log-sum-exp output). q [1, G, n, D] -> [1, G, n, D]."""
+    n, end = q.shape[2], k.shape[2]
+    key_pos = torch.arange(end, device=q.device)
+    mask = key_pos[None, :] <= torch.arange(start, end, device=q.device)[:, None]  # [n, end]
+    out = torch.empty_like(q)
+    for first in range(0, n, HISTORY_QUERY_BLOCK):
+        rows = slice(first, first + HISTORY_QUERY_BLOCK)
+        out[:, :, rows] = F.scaled_dot_product_attention(q[:, :, rows], k, v, attn_mask=mask[rows], scale=scale,
+                                                         enable_gqa=True)
+    return out
+
+
+def _split_attention_for_cpu():
+    """torch's CPU flash-attention op, which also returns each query's log-sum-exp; None where it is absent."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of a fresh chunk; flash-attn on CUDA when it is installed, SDPA otherwise."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _has_flash_attn():
+        from flash_attn import flash_attn_func  # [batch, seq, heads, dim] layout, GQA native
+
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=True)
+        return out.transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+
+def _has_flash_attn() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None

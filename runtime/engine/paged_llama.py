@@ -1,0 +1,224 @@
+"""The Llama-family decoder forward written against the page pool (Llama, SmolLM2, Mistral, Qwen2).
+
+It uses the loaded model's modules (runtime/model/decoder.py, or a transformers model of the same layout) only as
+weight holders (projections, norms, MLP, rotary frequencies) and owns the attention: keys are rotated at their
+absolute positions and cached after RoPE, prefill is dense and writes pages, decode runs OVAL selection (or dense
+attention when asked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from oval_edge.config import OvalConfig
+from oval_edge.geometry import head_dim_of
+from oval_edge.kv.pool import PagePool
+from oval_edge.kv.step_index import StepIndex
+from oval_edge.runtime.model.projections import bind_norm, bind_projection
+from oval_edge.sparse.attention import decode_attention, decode_plan, prefill_attention
+from oval_edge.sparse.reuse import SelectionReuse
+from oval_edge.sparse.selection import DecodePlan, Selection
+
+ATTENTION_MODES = ("oval", "dense")
+MLP_ROW_BLOCK = 128  # prefill rows per MLP call: 128 x 2 x 1536 fp32 = 1.5 MB for SmolLM2 instead of 6 MB
+# (layer, q [B, Hq, D], step) -> page scores [B, Hkv, Np], or None for the config's scorer; called in sparse decode
+# layers (the eval's oracle scorer, tests that record the queries).
+ScoreOverride = Callable[[int, torch.Tensor, StepIndex], "torch.Tensor | None"]
+# (layer, normed hidden state x [N, hidden], step) -> window lengths [B, Hkv] or None; called for every layer of
+# every step (prefill too, where the result is unused): the output-aware window module (oval_edge/sparse/window_module).
+WindowOverride = Callable[[int, torch.Tensor, StepIndex], "torch.Tensor | None"]
+# (layer, step, q [B, Hq, D], plan, window [B, Hkv] | None, dense) -> (out [B, Hq, D], Selection), or None for the
+# default decode attention; called in every decode layer without override scores. `dense` is what the forward's own
+# config says for the layer. Selection reuse and the eval's per-row policies decide whole layers this way.
+LayerOverride = Callable[[int, StepIndex, torch.Tensor, DecodePlan, "torch.Tensor | None", bool],
+                         "tuple[torch.Tensor, Selection] | None"]
+
+
+@dataclass
+class DecodeHooks:
+    """The paged forward's public extension points, one per decision a layer makes (all optional)."""
+
+    scores: ScoreOverride | None = None  # which pages a sparse layer reads
+    window: WindowOverride | None = None  # how long each KV head's local window is
+    layer: LayerOverride | None = None  # the layer's whole decode attention
+
+
+@dataclass
+class StepStats:
+    """What one decode step read, summed over layers (for /metrics and the benchmark's KV bytes per step)."""
+
+    kv_tokens_read: int = 0  # gathered K/V slots x KV heads, all layers, all rows
+    attended_tokens: int = 0  # valid slots among them
+    sparse_layers: int = 0
+    windows: list[torch.Tensor] = field(default_factory=list)  # adaptive window lengths of sparse rows
+    window_mean: float = 0.0
+
+
+class PagedLlama:
+    def __init__(self, model: torch.nn.Module, pool: PagePool, config: OvalConfig, attention: str = "oval"):
+        """model: a decoder in transformers' module layout (runtime.model.decoder.DecoderModel, or a transformers
+        Llama-family *ForCausalLM, whose unfused projections are called one by one)."""
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={attention!r} is unknown; allowed: {', '.join(ATTENTION_MODES)}")
+        cfg = model.config
+        self.model = model
+        self.decoder = model.model
+        self.layers = list(model.model.layers)
+        self.pool = pool
+        self.config = config
+        self.attention = attention
+        self.num_heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        self.scale = self.head_dim**-0.5
+        self.qkv_split = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+        self.hooks = DecodeHooks()
+        # Selection reuse (DESIGN §4.7, oval_edge/sparse/reuse.py); None unless config.reuse_tau is set.
+        self.reuse = SelectionReuse.for_model(config, len(self.layers), self.num_heads, self.kv_heads,
+                                              self.head_dim, pool.device)
+        if self.reuse is not None:
+            self.hooks.layer = self._reuse_layer
+        self.last_selections: list[Selection | None] = []
+        self.ops = [LayerOps.bind(layer) for layer in self.layers]
+        self.final_norm = bind_norm(self.decoder.norm)
+
+    @torch.inference_mode()
+    def forward(self, step: StepIndex, input_ids: torch.Tensor, decode: bool, collect: bool = False):
+        """Run every layer for this step's new tokens and return the logits of each row's last token.
+
+        input_ids [N] (rows concatenated as in `step`). decode=True requires one new token per row.
+        Returns (logits [B, vocab] float32, StepStats). The caller commits the step to the pool afterwards.
+        """
+        dev = self.pool.device
+        hidden = self.decoder.embed_tokens(input_ids.to(dev))  # [N, hidden]
+        cos, sin = self.decoder.rotary_emb(hidden[None], step.positions[None])  # [1, N, D] each
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, D] broadcast over heads
+        sin = _signed_sin(sin)  # once per step, so each layer's RoPE is three ops (see _rope)
+        n = hidden.shape[0]
+        stats = StepStats()
+        self.last_selections = []
+        plan = decode_plan(self.pool, step, self.config) if decode else None
+        attended: list[torch.Tensor] = []  # summed once at the end: no per-layer reduction on the hot path
+        for index, (layer, ops) in enumerate(zip(self.layers, self.ops)):
+            x = ops.input_norm(hidden)
+            window = self.hooks.window(index, x, step) if self.hooks.window is not None else None
+            q, k, v = self._qkv(ops, x, n, cos, sin)
+            self.pool.write(index, step, k, v)
+            if decode:
+                out, selection = self.decode_layer(index, step, q, plan, window)
+                stats.kv_tokens_read += selection.valid.numel()
+                attended.append(selection.valid)
+                if selection.window is not None and plan.config.window_min != plan.config.window_max:
+                    stats.windows.append(selection.window[selection.sparse_rows])
+                stats.sparse_layers += selection.window is not None and not plan.all_dense
+                if collect:
+                    self.last_selections.append(selection)
+            else:
+                out = prefill_attention(self.pool, index, step, q, k, v, self.scale)
+            hidden = hidden + ops.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+            hidden = hidden + ops.mlp(ops.post_norm(hidden))
+        if attended:
+            stats.attended_tokens = int(torch.stack([v.sum() for v in attended]).sum())  # one device sync
+            stats.window_mean = float(torch.cat(stats.windows).float().mean()) if stats.windows else float(
+                self.config.window_min)
+        last = torch.cumsum(torch.tensor(step.new_tokens, device=dev), 0) - 1  # last token of each row
+        hidden = self.final_norm(hidden[last])
+        return self.model.lm_head(hidden).float(), stats
+
+    def _qkv(self, ops: "LayerOps", x: torch.Tensor, n: int, cos: torch.Tensor, sin: torch.Tensor):
+        """q [n, Hq, D] and k [n, Hkv, D] rotated at their positions, v [n, Hkv, D].
+
+        cos, sin [n, 1, D]. With fused q/k/v the query and key heads sit side by side in one output row, so they
+        are rotated together: one RoPE over Hq + Hkv heads instead of two.
+        """
+        hq, hkv, d = self.num_heads, self.kv_heads, self.head_dim
+        if ops.qkv is not None:
+            qkv = ops.qkv(x)  # [n, (Hq + 2 Hkv) * D]
+            qk = _rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)
+            return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+        q = _rope(ops.q(x).view(n, hq, d), cos, sin)
+        k = _rope(ops.k(x).view(n, hkv, d), cos, sin)
+        return q, k, ops.v(x).view(n, hkv, d)
+
+    def decode_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan: DecodePlan,
+                     window: torch.Tensor | None = None) -> tuple[torch.Tensor, Selection]:
+        """One layer's attention of a decode step: q [B, Hq, D] (rotated) -> (out [B, Hq, D], the selection read).
+
+        Override scores come first, then the layer override, then the config's own decode attention.
+        """
+        dense = self.attention == "dense" or index < self.config.dense_layers
+        hooks = self.hooks
+        scores = hooks.scores(index, q, step) if hooks.scores is not None and not dense else None
+        if scores is None and hooks.layer is not None:
+            decided = hooks.layer(index, step, q, plan, window, dense)
+            if decided is not None:
+                return decided
+        return decode_attention(self.pool, index, step, q, self.config, self.scale, dense=dense, scores=scores,
+                                plan=plan, window=window)
+
+    def _reuse_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan: DecodePlan,
+                     window: torch.Tensor | None, dense: bool):
+        """hooks.layer when reuse is on: a sparse layer reuses a recent selection where its queries barely moved."""
+        if dense:
+            return None
+        return self.reuse.decode(self.pool, index, step, q, plan, self.config, self.scale, window)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [.., D] -> [-sin[:D/2], sin[D/2:]]: folds rotate_half's negation into the table (see _rope)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in transformers' rotate_half convention: x [n, H, D]; cos, signed_sin [n, 1, D].
+
+    x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1] equals x*cos + [x2, x1] * [-sin1, sin2]; [x2, x1]
+    is x rolled by D/2. Three ops per call instead of seven: RoPE runs twice per layer per step.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+@dataclass
+class LayerOps:
+    """One decoder layer's weights bound for the runtime's forward (runtime/model/projections.py): the 4-bit projections
+    straight to their kernel, the norms to one fused op. The modules stay the owners of the weights."""
+
+    input_norm: Callable
+    post_norm: Callable
+    qkv: Callable | None  # fused q/k/v (the loader fuses 4-bit layers); else q, k, v separately
+    q: Callable | None
+    k: Callable | None
+    v: Callable | None
+    o_proj: Callable
+    gate_up: Callable | None
+    mlp_module: torch.nn.Module
+    down: Callable
+    act: Callable
+
+    @classmethod
+    def bind(cls, layer: torch.nn.Module) -> "LayerOps":
+        attn, mlp = layer.self_attn, layer.mlp
+        fused = getattr(attn, "qkv_proj", None)
+        gate_up = getattr(mlp, "gate_up_proj", None)
+        return cls(
+            input_norm=bind_norm(layer.input_layernorm), post_norm=bind_norm(layer.post_attention_layernorm),
+            qkv=bind_projection(fused) if fused is not None else None,
+            q=None if fused is not None else bind_projection(attn.q_proj),
+            k=None if fused is not None else bind_projection(attn.k_proj),
+            v=None if fused is not None else bind_projection(attn.v_proj),
+            o_proj=bind_projection(attn.o_proj),
+            gate_up=bind_projection(gate_up) if gate_up is not None else None,
+            mlp_module=mlp, down=bind_projection(mlp.down_proj), act=mlp.act_fn,
+        )
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MLP_ROW_BLOCK:  # prefill chunks: bound the [rows, 2 x intermediate] fp32 transients
+            return torch.cat([self.mlp(x[i : i + MLP_ROW_BLOCK]) for i in range(0, x.shape[0], MLP_ROW_BLOCK)])
+        if self.gate_up is None:
+            return self.mlp_module(x)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [n, intermediate] each
+        return self.down(self.act(gate) * up)

@@ -1,0 +1,87 @@
+"""Engine settings and the one-time sizing of the page pool from the memory budget (DESIGN §3)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
+from oval_edge.geometry import KVGeometry, kv_dims, prefill_workspace_bytes, size_pool
+from oval_edge.kernels.cpu import describe_kernels
+from oval_edge.kv.pool import PagePool
+from oval_edge.runtime.model.loader import LoadedModel
+from oval_edge.units import format_bytes
+
+from .memory import available_bytes, process_rss_bytes
+
+log = logging.getLogger("oval_edge.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """max_batch     sequences decoded together in one step
+    max_queue     requests that may wait for pages before new ones get 503
+    prefill_chunk prompt tokens per prefill step (bounds prefill memory; long prompts interleave with decode)
+    attention     'oval' or 'dense' (dense reads every cached token: the baseline in the same runtime)
+    num_pages     fix the pool size instead of deriving it from the budget (tests, eval)
+    max_model_len cap on prompt + max_tokens (default: the model's context length)
+    summary_kinds page summaries to keep (default: the configured scorer's); eval keeps both
+    """
+
+    max_batch: int = 4
+    max_queue: int = 64
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    attention: str = "oval"
+    num_pages: int | None = None
+    max_model_len: int | None = None
+    summary_kinds: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("max_batch", 1, 1024), ("max_queue", 0, 1_000_000), ("prefill_chunk", 16, 65536)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name}={value!r} is out of range: allowed integers in [{low}, {high}]")
+        if self.attention not in ("oval", "dense"):
+            raise ValueError(f"attention={self.attention!r} is unknown; allowed: oval, dense")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 1):
+            raise ValueError(f"num_pages={self.num_pages!r} must be a positive integer")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2")
+
+
+def pool_geometry(model_config, oval: OvalConfig, config: EngineConfig, device: torch.device) -> KVGeometry:
+    """The pool's shape for this model, config and device (the planner predicts the same one)."""
+    return KVGeometry.for_oval(*kv_dims(model_config), oval, oval.pool_dtype(device.type), config.summary_kinds)
+
+
+def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_model_len: int) -> PagePool:
+    c = loaded.config
+    # Build (first run on this machine: a few seconds) and load the decode kernels now, not in the first request, and
+    # before the reserve below is measured.
+    log.info("decode kernels: %s", describe_kernels(loaded.device))
+    geometry = pool_geometry(c, oval, config, loaded.device)
+    if config.num_pages is not None:
+        pool = PagePool(geometry, config.num_pages, loaded.device, eta=oval.eta)
+        log.info("KV pool: %d pages fixed by num_pages (%s)", config.num_pages, format_bytes(pool.nbytes()))
+        return pool
+    act_bytes = torch.finfo(loaded.dtype).bits // 8
+    workspace = prefill_workspace_bytes(
+        c.hidden_size, c.intermediate_size, c.num_attention_heads, geometry, config.prefill_chunk,
+        max_model_len, act_bytes,
+    )
+    if loaded.device.type == "cuda":
+        reserve = max(0, torch.cuda.memory_reserved(loaded.device) - loaded.weight_bytes)
+    else:  # interpreter, torch, tokenizer: what this process holds besides the weights, measured now
+        reserve = max(0, process_rss_bytes() - loaded.weight_bytes)
+    budget = oval.memory_budget
+    if budget is None:
+        # Enough for max_batch sequences at full context, but never more than the memory there is.
+        wanted = loaded.weight_bytes + workspace + reserve
+        wanted += config.max_batch * -(-max_model_len // oval.page_size) * geometry.bytes_per_page
+        held = loaded.weight_bytes + reserve  # already inside `available` accounting below
+        budget = min(wanted, held + int(0.8 * available_bytes(loaded.device)))
+    sizing = size_pool(budget, loaded.weight_bytes, geometry, workspace, reserve)
+    log.info("KV pool: %s", sizing.explain())
+    return PagePool(geometry, sizing.pages, loaded.device, eta=oval.eta, sizing=sizing)

@@ -1,0 +1,119 @@
+"""The shape of a Llama-family decoder, read from a GGUF's metadata or a Hugging Face config.json.
+
+Attribute names follow transformers' configs (hidden_size, num_key_value_heads, ...) because the rest of the
+runtime, the eval tools and `apply_oval_to_model` read models through those names. Building it does not import
+transformers' model classes: their import alone costs ~110 MB of resident memory (sympy, torch.distributed), a
+sixth of a small Jetson's budget for serving.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .source import check_architecture
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": "llama3", "factor": 8.0, ...}; {} = plain
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    where: str = ""  # the file or folder it came from, for error messages
+
+    def __post_init__(self) -> None:
+        check_architecture(self.model_type, self.where)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model {self.where}: {name}={value!r} must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"model {self.where}: num_attention_heads={self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"model {self.where}: head_dim={self.head_dim} must be even for rotary embeddings")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"model {self.where}: rope_theta={self.rope_theta!r} must be a positive number")
+        if self.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"model {self.where}: hidden_act={self.hidden_act!r} is not supported; Llama-family "
+                             "decoders use silu")
+        rope_type = self.rope_type
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"model {self.where}: rope scaling {rope_type!r} is not supported; supported: "
+                             f"{', '.join(ROPE_TYPES)}")
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")) if self.rope_scaling \
+            else "default"
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "DecoderConfig":
+        """From transformers-named keys: a config.json, or the dict transformers parses out of a GGUF header."""
+        check_architecture(d.get("model_type"), where)
+        window = d.get("sliding_window")
+        if window and d.get("use_sliding_window", True) and window < d.get("max_position_embeddings", 0):
+            # Attention limited to the last `window` tokens is not implemented: refuse rather than attend wrongly.
+            raise ValueError(f"model {where}: sliding-window attention ({window} tokens) is not supported; use a "
+                             "model without it (e.g. Mistral v0.2+, where sliding_window is null)")
+        try:
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+            theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+            if rope.get("rope_type", rope.get("type")) == "default":
+                rope = {}
+            return cls(
+                model_type=d["model_type"], vocab_size=int(d["vocab_size"]), hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=rope,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), hidden_act=d.get("hidden_act", "silu"),
+                bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), where=where,
+            )
+        except KeyError as exc:
+            raise ValueError(f"model {where}: its configuration lacks {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ValueError) and str(exc).startswith("model "):
+                raise
+            raise ValueError(f"model {where}: its configuration is broken ({exc})") from None
+
+
+def rotary_inv_freq(config: DecoderConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32) as transformers computes them for each supported rope type."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    kind, s = config.rope_type, config.rope_scaling
+    if kind == "linear":
+        return inv_freq / float(s["factor"])
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
+        factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old = float(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(medium, blended, scaled)
+    return inv_freq

@@ -1,0 +1,91 @@
+"""The runtime's own holder of a Llama-family decoder's weights, laid out as transformers lays them out.
+
+PagedLlama (runtime/engine/paged_llama.py) owns the forward; these modules only hold weights: a fused q/k/v projection,
+the output projection, a fused gate/up projection, the down projection, two RMSNorms per layer, the embedding,
+final norm and head, and the rotary frequencies. Attribute paths match transformers' (model.model.layers[i]
+.self_attn.qkv_proj, ...) so the runtime, the eval tools and the tests address both the same way.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DecoderConfig, rotary_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight in fp32, as Llama's; runtime/model/projections.bind_norm calls F.rms_norm."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [hidden]
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), (x.shape[-1],), None, self.variance_epsilon)
+        return self.weight * out.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos, sin [B, N, head_dim] for positions [B, N], in transformers' rotate_half layout (frequencies twice)."""
+
+    def __init__(self, config: DecoderConfig, freq_factors: torch.Tensor | None = None):
+        super().__init__()
+        inv_freq = rotary_inv_freq(config)  # [head_dim / 2] fp32
+        if freq_factors is not None:  # a Llama 3.1 GGUF's rope_freqs: llama.cpp divides each frequency by its factor
+            inv_freq = inv_freq / freq_factors.float()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor):
+        freqs = positions[..., None].float() * self.inv_freq.to(x.device)  # [B, N, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, qkv_proj: nn.Module, o_proj: nn.Module):
+        super().__init__()
+        self.qkv_proj = qkv_proj  # hidden -> (Hq + 2 Hkv) * D, rows q | k | v
+        self.o_proj = o_proj
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module):
+        super().__init__()
+        self.gate_up_proj = gate_up_proj  # hidden -> 2 * intermediate, rows gate | up
+        self.down_proj = down_proj
+        self.act_fn = F.silu
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attention: DecoderAttention, mlp: DecoderMLP, input_norm: RMSNorm, post_norm: RMSNorm):
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = input_norm
+        self.post_attention_layernorm = post_norm
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, config: DecoderConfig, embed_tokens: nn.Module, layers: list[DecoderLayer], norm: RMSNorm,
+                 freq_factors: torch.Tensor | None = None):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.rotary_emb = RotaryEmbedding(config, freq_factors)
+
+
+class DecoderModel(nn.Module):
+    """config, model (embed_tokens, layers, norm, rotary_emb), lm_head, generation_config.eos_token_id."""
+
+    def __init__(self, config: DecoderConfig, stack: DecoderStack, lm_head: nn.Module):
+        super().__init__()
+        self.config = config
+        self.model = stack
+        self.lm_head = lm_head
+        self.generation_config = SimpleNamespace(eos_token_id=config.eos_token_id, bos_token_id=config.bos_token_id)

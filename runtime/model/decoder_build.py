@@ -1,0 +1,94 @@
+"""Assemble a DecoderModel from a weight stream, quantizing each layer as soon as its tensors are read.
+
+Only one decoder layer is ever held in 16 bits: its q/k/v (and gate/up) rows are stacked and quantized as one
+4-bit layer (bitsandbytes quantizes blocks of 64 consecutive weights, so with rows a multiple of 64 long every
+row gets exactly the codes it would get alone), then dropped. The embedding is kept in 16 bits and shared with
+the head when the model ties them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from .config import DecoderConfig
+from .decoder import DecoderAttention, DecoderLayer, DecoderMLP, DecoderModel, DecoderStack, RMSNorm
+from .embeddings import StoredEmbedding, StoredHead
+from .heap import release_heap
+from .quantize import linear4bit, pack_for_cpu
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
+_REQUIRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+             "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+             "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.device, dtype: torch.dtype,
+                  storage: torch.dtype) -> DecoderModel:
+    """weights: runtime.model.weight_stream.GGUFWeights / SafetensorsWeights. dtype: activations and norms; storage:
+    what the 16-bit tensors are kept (and, for 4-bit, quantized) from."""
+    names = set(weights.names())
+    where = weights.path
+    per_layer: dict[int, set[str]] = {}
+    for name in names:
+        match = _LAYER.match(name)
+        if match:
+            per_layer.setdefault(int(match.group(1)), set()).add(match.group(2))
+    if sorted(per_layer) != list(range(config.num_hidden_layers)):
+        raise ValueError(f"model {where}: weights hold layers {sorted(per_layer)[:4]}..., its configuration says "
+                         f"{config.num_hidden_layers}")
+    for required in ("model.embed_tokens.weight", "model.norm.weight"):
+        if required not in names:
+            raise ValueError(f"model {where}: the weights lack {required}")
+
+    def read(name: str, as_dtype: torch.dtype = storage) -> torch.Tensor:
+        return weights.read(name, as_dtype)
+
+    def projection(parts: list[str], prefix: str) -> nn.Module:
+        weight = torch.cat([read(f"{prefix}{p}.weight") for p in parts])  # [sum of outs, in]
+        biases = [f"{prefix}{p}.bias" for p in parts]
+        bias = torch.cat([read(b) for b in biases]) if all(b in names for b in biases) else None
+        if any(b in names for b in biases) and bias is None:
+            raise ValueError(f"model {where}: {prefix}{parts} have biases on some projections only")
+        return _projection(weight, bias, quant, dtype, storage, device)
+
+    layers = []
+    for index in range(config.num_hidden_layers):
+        missing = [r for r in _REQUIRED if r not in per_layer[index]]
+        if missing:
+            raise ValueError(f"model {where}: layer {index} lacks {', '.join(missing)}")
+        prefix = f"model.layers.{index}."
+        attention = DecoderAttention(projection(["q_proj", "k_proj", "v_proj"], prefix + "self_attn."),
+                                     projection(["o_proj"], prefix + "self_attn."))
+        mlp = DecoderMLP(projection(["gate_proj", "up_proj"], prefix + "mlp."),
+                         projection(["down_proj"], prefix + "mlp."))
+        norms = [RMSNorm(read(prefix + n, dtype).to(device), config.rms_norm_eps)
+                 for n in ("input_layernorm.weight", "post_attention_layernorm.weight")]
+        layers.append(DecoderLayer(attention, mlp, *norms))
+        if quant != "none" and device.type == "cpu":
+            pack_for_cpu(layers[-1])  # repacking leaves the unpacked copies behind: trim them layer by layer
+        release_heap()  # glibc would keep every layer's freed 16-bit copies mapped until the end
+    embed = StoredEmbedding(read("model.embed_tokens.weight").to(device), dtype)  # [vocab, hidden]
+    if "lm_head.weight" in names and not config.tie_word_embeddings:
+        head = StoredHead(nn.Parameter(read("lm_head.weight").to(device), requires_grad=False), dtype)
+    else:
+        head = StoredHead(embed.weight, dtype)
+    factors = read("rope_freqs", torch.float32) if "rope_freqs" in names else None
+    stack = DecoderStack(config, embed, layers, RMSNorm(read("model.norm.weight", dtype).to(device),
+                                                        config.rms_norm_eps), factors)
+    stack.rotary_emb.to(device)  # everything else was created on `device`; .to() would touch the 4-bit params
+    return DecoderModel(config, stack, head).eval().requires_grad_(False)
+
+
+def _projection(weight: torch.Tensor, bias: torch.Tensor | None, quant: str, dtype: torch.dtype,
+                storage: torch.dtype, device: torch.device) -> nn.Module:
+    if quant != "none":
+        return linear4bit(weight, bias, quant, compute_dtype=storage, device=device)
+    out_features, in_features = weight.shape
+    linear = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
+    return linear

@@ -1,0 +1,104 @@
+"""A GGUF's configuration and tokenizer as a small Hugging Face-style folder, converted once per file.
+
+Why: read from the GGUF in Python, they cost the serving process memory it never gets back. transformers' GGUF
+header reader (for the config) and its GGUF -> tokenizers converter each build Python objects for every vocabulary
+entry (SmolLM2: 49k tokens and 48k merges); they are freed, but the heap they fragmented stays resident for as
+long as the process serves (~8 MB measured on SmolLM2). So the conversion runs once, in a child process, into a
+cache folder (config.json and the tokenizer's own files, written by `save_pretrained`), and every load reads that
+folder. The folder is keyed by the file's real path, size, mtime and the transformers version, and appears by an
+atomic rename, so a folder that exists is complete. If it cannot be written or the child fails, the loader parses
+the GGUF in-process as before (and that path reports what is wrong with the file).
+
+Cache location: $OVAL_EDGE_CACHE, else $XDG_CACHE_HOME/oval-edge, else ~/.cache/oval-edge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from oval_edge.cache_dir import cache_root
+
+from .source import ModelSource
+
+CONVERT_TIMEOUT_S = 600  # a large vocabulary converts in well under a minute; a hung child must not hang startup
+CONFIG_NAME = "config.json"
+
+log = logging.getLogger(__name__)
+
+
+def metadata_folder_for(gguf_path: str) -> str:
+    """Where this GGUF's converted metadata lives (it may not exist yet)."""
+    stat = os.stat(gguf_path)
+    try:
+        transformers_version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        transformers_version = "none"
+    key = f"{os.path.realpath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|transformers {transformers_version}"
+    return os.path.join(cache_root(), "gguf-metadata", hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def cached_metadata_folder(gguf_path: str) -> str | None:
+    """The folder with this GGUF's config.json and tokenizer, converting it in a child process if needed.
+
+    None when it is not there and could not be made (read-only cache, a file the converter rejects): the caller
+    then reads the GGUF itself.
+    """
+    folder = metadata_folder_for(gguf_path)
+    if os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+        return folder
+    command = [sys.executable, "-m", __name__, gguf_path, folder]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.info("could not convert the metadata of %s (%s); reading it in-process", gguf_path, exc)
+        return None
+    if done.returncode != 0 or not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+        tail = (done.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        log.info("could not convert the metadata of %s (%s); reading it in-process", gguf_path, tail[0])
+        return None
+    return folder
+
+
+def write_metadata_folder(gguf_path: str, folder: str) -> None:
+    """Convert (the child's job): parse the GGUF's config and tokenizer and publish them at `folder` atomically."""
+    from .source import resolve_model
+    from .tokenizer import load_tokenizer
+
+    source = resolve_model(gguf_path)
+    values = gguf_config_values(source)
+    tokenizer = load_tokenizer(source)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(folder))
+    try:
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, CONFIG_NAME), "w", encoding="utf-8") as handle:
+            json.dump(values, handle, indent=1)
+        try:
+            os.replace(staging, folder)
+        except OSError:
+            if not os.path.isfile(os.path.join(folder, CONFIG_NAME)):  # not another process's complete copy
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def gguf_config_values(source: ModelSource) -> dict:
+    """The GGUF header as Hugging Face config keys, read by transformers' GGUF reader."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        return load_gguf_checkpoint(source.path, return_tensors=False)["config"]
+    except Exception as exc:  # a truncated or foreign file raises anything from struct to numpy errors
+        raise ValueError(f"model {source.path}: cannot read its configuration ({type(exc).__name__}: {exc})") from exc
+
+
+if __name__ == "__main__":
+    write_metadata_folder(sys.argv[1], sys.argv[2])

@@ -1,0 +1,136 @@
+"""Load a Llama-family model with 4-bit weights and its own tokenizer and chat template."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import DecoderConfig
+from .decoder_build import build_decoder
+from .gguf_metadata import cached_metadata_folder, gguf_config_values
+from .heap import compact_heap_while_loading, return_freed_memory
+from .quantize import weight_bytes
+from .source import QUANT_TYPES, ModelSource, resolve_model
+from .tokenizer import load_tokenizer
+from .weight_stream import GGUFWeights, SafetensorsWeights
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # runtime.model.decoder.DecoderModel: fused 4-bit (or full-precision) projections
+    tokenizer: object
+    source: ModelSource
+    quant: str
+    device: torch.device
+    dtype: torch.dtype  # activations / embeddings / norms
+    weight_bytes: int
+    load_seconds: float
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is not supported; use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} asked for CUDA, but torch sees no CUDA device; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; use cpu, cuda, cuda:N or auto")
+    return dev
+
+
+def compute_dtype_for(device: torch.device) -> torch.dtype:
+    # CPU: fp32 activations (bf16 is only fast inside bitsandbytes' fused 4-bit kernel); CUDA: fp16 (Orin has
+    # no fast bf16 path on every module, fp16 is what its tensor cores and flash-attn take).
+    return torch.float32 if device.type == "cpu" else torch.float16
+
+
+def load_model(model: str | None = "default", quant: str = "nf4", device: str | None = "auto") -> LoadedModel:
+    """Load, quantize and report. Raises ValueError naming the path for a missing/broken/unsupported model.
+
+    Weights stream from the file one layer at a time into the runtime's own decoder (runtime/model/decoder.py):
+    q/k/v and gate/up are fused into single 4-bit layers (same numbers, fewer kernel calls), and transformers'
+    model classes are never imported (see runtime/model/config.py for why).
+    """
+    if quant not in QUANT_TYPES:
+        raise ValueError(f"quant={quant!r} is unknown; allowed: {', '.join(QUANT_TYPES)}")
+    start = time.perf_counter()
+    source = resolve_model(model)
+    dev = pick_device(device)
+    dtype = compute_dtype_for(dev)
+    # 4-bit: quantize from 16 bits and keep the embedding in 16 bits (the 4-bit codes lose more anyway).
+    storage = dtype if quant == "none" else (torch.bfloat16 if dev.type == "cpu" else torch.float16)
+    metadata = cached_metadata_folder(source.path) if source.gguf_file else None
+    config = read_decoder_config(source, metadata)
+    tokenizer = load_tokenizer(source, metadata)
+    weights = _open_weights(source, config)
+    try:
+        with compact_heap_while_loading():
+            decoder = build_decoder(weights, config, quant, dev, dtype, storage)
+    except ValueError:
+        raise
+    except Exception as exc:  # a tensor of the wrong shape or a short file: name the path
+        raise ValueError(f"model {source.path}: cannot load its weights ({type(exc).__name__}: {exc})") from exc
+    finally:
+        weights.close()
+    return_freed_memory()
+    logging.getLogger(__name__).info("loaded %s (%s) on %s", source.path, quant, dev)
+    return LoadedModel(
+        model=decoder,
+        tokenizer=tokenizer,
+        source=source,
+        quant=quant,
+        device=dev,
+        dtype=dtype,
+        weight_bytes=weight_bytes(decoder),
+        load_seconds=time.perf_counter() - start,
+    )
+
+
+def read_decoder_config(source: ModelSource, metadata: str | None = None) -> DecoderConfig:
+    """The decoder's shape from the GGUF header (or its converted copy in `metadata`, runtime/model/gguf_metadata.py)
+    or config.json."""
+    if metadata is not None:
+        with open(os.path.join(metadata, "config.json"), encoding="utf-8") as handle:
+            values = json.load(handle)
+    elif source.gguf_file:
+        values = gguf_config_values(source)
+    else:
+        with open(os.path.join(source.directory, "config.json"), encoding="utf-8") as handle:
+            values = json.load(handle)  # resolve_model already checked that it parses
+    return DecoderConfig.from_dict(values, source.path)
+
+
+def _open_weights(source: ModelSource, config: DecoderConfig):
+    try:
+        if source.gguf_file:
+            return GGUFWeights(source.path, config.model_type, config.num_attention_heads, config.num_key_value_heads)
+        return SafetensorsWeights(source.path)
+    except ValueError:
+        raise
+    except Exception as exc:  # gguf / safetensors raise many types for a broken file
+        raise ValueError(f"model {source.path}: cannot read its weights ({type(exc).__name__}: {exc})") from exc
+
+
+def describe(loaded: LoadedModel) -> str:
+    c = loaded.config
+    return (
+        f"{loaded.name} ({c.model_type}, {c.num_hidden_layers} layers, {c.num_attention_heads} q / "
+        f"{c.num_key_value_heads} kv heads) from {os.path.basename(loaded.source.path)}, quant {loaded.quant}, "
+        f"weights {loaded.weight_bytes / 2**20:.1f} MiB on {loaded.device}, loaded in {loaded.load_seconds:.1f} s"
+    )

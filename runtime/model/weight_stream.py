@@ -1,0 +1,140 @@
+"""Read a checkpoint one tensor at a time, under transformers' parameter names, in the dtype asked for.
+
+The loader quantizes each decoder layer as soon as its tensors are read, so the process never holds the whole
+model in 16 or 32 bits: a GGUF is dequantized tensor by tensor (large ones a slice of rows at a time) straight
+from its memory map, safetensors shards are read through safetensors' own memory map.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+
+import numpy as np
+import torch
+
+# GGUF tensor names (llama.cpp's convert_hf_to_gguf) -> transformers' names for Llama-family decoders.
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",  # Llama 3.1 frequency factors (see config.rotary_inv_freq)
+}
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_CHUNK_BYTES = 4 << 20  # fp32 bytes dequantized at once: bounds the load peak whatever the tensor size
+
+
+class GGUFWeights:
+    """Tensors of a GGUF file. llama.cpp stores Llama's q/k rows interleaved for its rotary layout; they are put
+    back in transformers' rotate_half order here, as transformers' own GGUF loader does (Qwen2 is stored as is)."""
+
+    def __init__(self, path: str, architecture: str, heads: int, kv_heads: int):
+        from gguf import GGUFReader
+
+        self.path = path
+        self._reader = GGUFReader(path)
+        self._permute = {"self_attn.q_proj.weight": heads, "self_attn.k_proj.weight": kv_heads} \
+            if architecture in ("llama", "mistral") else {}
+        self._tensors = {_hf_name(tensor.name, path): tensor for tensor in self._reader.tensors}
+        # The parsed header (49k vocabulary strings as numpy views: ~100 MB of Python objects) is not needed here;
+        # the configuration and tokenizer are read elsewhere. The tensors keep their views into the file's map.
+        self._reader.fields.clear()
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        from gguf import dequantize
+
+        tensor = self._tensors[name]
+        data = tensor.data  # [rows, bytes per row] quantized, or [rows, cols] float; a view into the file's mmap
+        if data.ndim == 1:
+            return torch.from_numpy(np.array(dequantize(data, tensor.tensor_type), dtype=np.float32)).to(dtype)
+        first = dequantize(data[:1], tensor.tensor_type)  # one row tells the row width in weights
+        rows, cols = data.shape[0], first.shape[-1]
+        out = torch.empty((rows, cols), dtype=dtype)
+        step = max(1, _CHUNK_BYTES // (4 * cols))
+        for start in range(0, rows, step):
+            block = dequantize(data[start : start + step], tensor.tensor_type)  # [<=step, cols] float32
+            out[start : start + step] = torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32))
+        self._drop_pages(tensor.data_offset, data.nbytes)
+        suffix = name.split(".", 3)[-1]
+        if suffix in self._permute:
+            out = _unpermute_rotary_rows(out, self._permute[suffix])
+        return out
+
+    def _drop_pages(self, offset: int, length: int) -> None:
+        """Let the kernel drop the file pages just read from this process's resident set (they are read again
+        from the file if touched): otherwise the whole file (~100 MB here) sits on top of the loading peak."""
+        handle = getattr(self._reader.data, "_mmap", None)  # numpy.memmap's mmap.mmap
+        start = offset - offset % mmap.PAGESIZE
+        try:
+            handle.madvise(mmap.MADV_DONTNEED, start, offset + length - start)
+        except (AttributeError, OSError, ValueError):  # no madvise here (non-Linux) or no map: nothing to drop
+            pass
+
+    def close(self) -> None:
+        """Drop the memory map: its pages would otherwise stay in the process's resident set."""
+        self._tensors.clear()
+        self._reader = None
+
+
+class SafetensorsWeights:
+    """Tensors of a Hugging Face folder: every *.safetensors shard (or, failing those, *.bin files)."""
+
+    def __init__(self, directory: str):
+        from safetensors import safe_open
+
+        self.path = directory
+        self._files = {}
+        self._where: dict[str, object] = {}
+        shards = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        for shard in shards:
+            handle = safe_open(os.path.join(directory, shard), framework="pt")
+            self._files[shard] = handle
+            for key in handle.keys():
+                if not key.endswith("rotary_emb.inv_freq"):  # recomputed from the config
+                    self._where[key] = handle
+        if not shards:
+            for shard in sorted(f for f in os.listdir(directory) if f.endswith(".bin")):
+                state = torch.load(os.path.join(directory, shard), map_location="cpu", mmap=True, weights_only=True)
+                self._files[shard] = state
+                for key in state:
+                    if not key.endswith("rotary_emb.inv_freq"):
+                        self._where[key] = state
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        source = self._where[name]
+        tensor = source[name] if isinstance(source, dict) else source.get_tensor(name)
+        return tensor.to(dtype).contiguous()
+
+    def close(self) -> None:
+        self._where.clear()
+        self._files.clear()
+
+
+def _hf_name(gguf_name: str, path: str) -> str:
+    if gguf_name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[gguf_name]
+    match = _GGUF_LAYER_NAME.match(gguf_name)
+    if match is None or match.group(2) not in _GGUF_LAYER:
+        raise ValueError(f"model {path}: tensor {gguf_name!r} is not part of a Llama-family decoder; oval-edge "
+                         "runs Llama, SmolLM2, Mistral and Qwen2 GGUF files")
+    return f"model.layers.{match.group(1)}.{_GGUF_LAYER[match.group(2)]}.{match.group(3)}"
+
+
+def _unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """[heads * D, in] with each head's rows ordered (pairs interleaved) -> halves order: row 2i+j -> j*D/2 + i."""
+    rows = weight.shape[0]
+    half = rows // heads // 2
+    return weight.reshape(heads, half, 2, -1).transpose(1, 2).reshape(rows, -1).contiguous()

@@ -1,0 +1,228 @@
+"""The OpenAI-compatible HTTP app: `create_app(settings, load_engine)` -> a FastAPI app with its own state.
+
+The app answers at once and loads the model in a background thread, so `/health` says 503 "loading" until the
+engine is ready (then 200 {"status": "ok"}), and 503 "draining" after SIGTERM. Routes:
+GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics.
+
+Model names: a request may omit `model` or name the served model (its id in /v1/models, or "default"); any other
+name is 404 `model_not_found`, as OpenAI and vLLM answer, so a client pointed at the wrong server finds out.
+"""
+
+# (no `from __future__ import annotations`: FastAPI and pydantic read these annotations at runtime)
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from .engine_loop import EngineLoop
+from .errors import ApiError, ApiKeyGuard, BodyGuard, error_body, install_error_handlers
+from .generate import Job, respond, sampling_params, stream, submit
+from .metrics import ServerMetrics
+from .protocol import request_models
+
+log = logging.getLogger("oval_edge.server")
+LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
+ERROR_RESPONSES = {code: {"description": text, "content": {"application/json": {"example": error_body(text)}}}
+                   for code, text in ((400, "invalid request"), (401, "missing or wrong API key"),
+                                      (404, "unknown model"), (413, "body over the size limit"),
+                                      (503, "loading, draining or queue full (see Retry-After)"))}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """model_name        the id /v1/models lists and responses carry
+    api_key           bearer token required on every route but /health (None = open)
+    max_body_bytes    larger request bodies get 413
+    max_tokens_limit  the largest max_tokens a request may ask for (published in the OpenAPI schema)
+    default_max_tokens chat default when max_tokens is omitted (shrunk to fit the token limit);
+                      completions default to 16 as in the OpenAI API
+    retry_after_s     Retry-After on 503 answers
+    """
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 8192
+    default_max_tokens: int = 512
+    retry_after_s: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError(f"model_name={self.model_name!r} must be a non-empty string")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ValueError("api_key must be a non-empty string (or omitted for an open server)")
+        for name, low, high in (("max_body_bytes", 1024, 1 << 30), ("max_tokens_limit", 1, 1 << 24),
+                                ("default_max_tokens", 1, 1 << 24), ("retry_after_s", 1, 3600)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name}={value!r} is out of range: allowed integers in [{low}, {high}]")
+
+
+class ServerState:
+    """Everything one app holds: settings, the engine once loaded, its loop thread and the metrics."""
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.status = LOADING
+        self.engine = None
+        self.loop: EngineLoop | None = None
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(lambda: (self.status, self.engine))
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new requests from now on; running ones keep going (EngineLoop.drain ends them)."""
+        if self.status == READY:
+            self.status = DRAINING
+
+    def require_ready(self, endpoint: str):
+        if self.status == READY:
+            return self.engine
+        self.metrics.observe(endpoint, "unavailable")
+        retry = {"Retry-After": str(self.settings.retry_after_s)}
+        if self.status == LOADING:
+            raise ApiError(503, "the model is still loading; retry shortly (GET /health says 200 when ready)",
+                           code="loading", headers=retry)
+        if self.status == DRAINING:
+            raise ApiError(503, "the server is shutting down and takes no new requests", code="shutting_down",
+                           headers=retry)
+        raise ApiError(503, f"the model failed to load: {self.load_error}", code="load_failed")
+
+    def check_model(self, name: str | None) -> None:
+        if name is None or name in (self.settings.model_name, "default"):
+            return
+        raise ApiError(404, f"the model {name!r} does not exist here; this server serves "
+                       f"{self.settings.model_name!r} (see GET /v1/models)", "model", "model_not_found")
+
+
+def _load(state: ServerState, load_engine: Callable, on_ready: Callable | None, on_error: Callable | None) -> None:
+    try:
+        engine = load_engine()
+        state.loop = EngineLoop(engine).start()
+        state.engine = engine
+        state.status = READY
+    except Exception as exc:  # noqa: BLE001 - reported on /health and to the command, which exits non-zero
+        state.load_error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        state.status = FAILED
+        log.error("model load failed: %s", state.load_error)
+        if on_error is not None:
+            on_error(state.load_error)
+        return
+    if on_ready is not None:
+        on_ready(engine)
+
+
+def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_ready: Callable | None = None,
+               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+    """load_engine() -> Engine runs in a background thread at startup; on_ready(engine) / on_load_error(message)
+    are called from that thread when it is done."""
+    state = ServerState(settings)
+    ChatCompletionRequest, CompletionRequest = request_models(settings.max_tokens_limit)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = threading.Thread(target=_load, args=(state, load_engine, on_ready, on_load_error),
+                                  name="oval-edge-load", daemon=True)
+        loader.start()
+        yield
+        if state.loop is not None:
+            state.loop.stop()
+
+    app = FastAPI(title="oval-edge", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API over a KV page pool with OVAL sparse decode.")
+    app.state.server = state
+    install_error_handlers(app)
+    # Outermost first: the key is checked before any byte of the body is read.
+    app.add_middleware(BodyGuard, limit=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
+
+    @app.get("/health", summary="200 when ready, 503 while loading or draining")
+    async def health() -> Response:
+        if state.status == READY:
+            return JSONResponse({"status": "ok"})
+        body = {"status": state.status}
+        if state.load_error:
+            body["message"] = state.load_error
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(settings.retry_after_s)})
+
+    @app.get("/v1/models", summary="the served model", responses={401: ERROR_RESPONSES[401]})
+    async def models() -> dict:
+        entry = {"id": settings.model_name, "object": "model", "created": state.created, "owned_by": "oval-edge"}
+        if state.engine is not None:
+            entry["max_model_len"] = state.engine.token_limit()
+        return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/chat/completions", summary="chat completion (stream: true for SSE)", responses=ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
+        job = Job("chat", settings.model_name, include_usage=body.include_usage)
+        try:
+            engine = state.require_ready(job.endpoint)
+            state.check_model(body.model)
+            try:
+                prompt_ids = engine.encode_chat([m.for_template() for m in body.messages])
+            except Exception as exc:  # noqa: BLE001 - a template error is about these messages (jinja raises many)
+                raise ApiError(400, f"the model's chat template rejected these messages: {exc}", "messages") from exc
+            return await _generate(job, prompt_ids, body, http)
+        except ApiError as exc:
+            _log_refusal(job, exc)
+            raise
+
+    @app.post("/v1/completions", summary="text completion (stream: true for SSE)", responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, http: Request) -> Response:
+        job = Job("completion", settings.model_name, include_usage=body.include_usage)
+        try:
+            engine = state.require_ready(job.endpoint)
+            state.check_model(body.model)
+            prompt = body.prompt
+            if isinstance(prompt, list) and isinstance(prompt[0], str):  # a list of exactly one text
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                prompt_ids = list(engine.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            else:
+                vocab = engine.loaded.config.vocab_size
+                bad = [t for t in prompt if t >= vocab]
+                if bad:
+                    raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (ids 0..{vocab - 1})",
+                                   "prompt", "invalid_value")
+                prompt_ids = list(prompt)
+            if not prompt_ids:
+                raise ApiError(400, "prompt: the prompt is empty; send at least one token of text", "prompt")
+            return await _generate(job, prompt_ids, body, http, default_max_tokens=16)
+        except ApiError as exc:
+            _log_refusal(job, exc)
+            raise
+
+    async def _generate(job: Job, prompt_ids: list[int], body, http: Request, default_max_tokens: int | None = None):
+        job.prompt_tokens = len(prompt_ids)
+        default = min(default_max_tokens or settings.default_max_tokens, settings.max_tokens_limit)
+        params = sampling_params(body, len(prompt_ids), state.engine.token_limit(), default)
+        ticket = await submit(state, job, prompt_ids, params)
+        if body.stream:
+            return stream(state, job, ticket)
+        return await respond(state, job, ticket, http)
+
+    def _log_refusal(job: Job, exc: ApiError) -> None:
+        if exc.code in ("queue_full",):
+            outcome = "busy"
+        elif exc.status == 503:
+            outcome = "unavailable"
+        else:
+            outcome = "rejected"
+        if outcome != "unavailable":  # require_ready already counted it
+            state.metrics.observe(job.endpoint, outcome)
+        log.info("%s %s prompt=%d completion=0 ttft=- total=%.3fs outcome=%s(%d): %s", job.id, job.endpoint,
+                 job.prompt_tokens, time.perf_counter() - job.arrival, outcome, exc.status, exc.message)
+
+    @app.get("/metrics", summary="Prometheus metrics", responses={401: ERROR_RESPONSES[401]})
+    async def metrics() -> Response:
+        payload, content_type = state.metrics.render()
+        return Response(payload, media_type=content_type)
+
+    return app

@@ -1,0 +1,118 @@
+"""Prometheus metrics of one server: its own CollectorRegistry (no global registry, so apps never collide).
+
+Engine figures (pages, queue, tokens, decode speed, what OVAL read) are read from the engine at scrape time by a
+custom collector, so /metrics is never stale and the engine keeps no second copy of them. Request timings that
+only the HTTP layer sees (time to first token, duration, outcome) are ordinary histograms and counters.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "oval_edge"
+# Seconds; CPU decode of a small model and Orin decode of a 7B model both land inside this range.
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _EngineCollector:
+    """Yields the engine's gauges and counters when asked; `status()` -> (status string, engine or None)."""
+
+    def __init__(self, status: Callable[[], tuple[str, object]]):
+        self._status = status
+
+    def collect(self):
+        status, engine = self._status()
+        yield _gauge("ready", "1 when the model is loaded and requests are admitted", 1.0 if status == "ready" else 0.0)
+        yield _gauge("draining", "1 after SIGTERM: no new requests, running ones finish", float(status == "draining"))
+        if engine is None:
+            return
+        pool, stats = engine.pool, engine.stats
+        total, free = pool.num_pages, pool.num_free  # read the pool itself: a cancel frees pages between steps
+        yield _gauge("kv_pages_total", "KV pages in the pool (allocated once at startup)", total)
+        yield _gauge("kv_pages_used", "KV pages held by requests", total - free)
+        yield _gauge("kv_pages_free", "KV pages on the free list", free)
+        yield _gauge("kv_usage_ratio", "used / total KV pages", (total - free) / total if total else 0.0)
+        yield _gauge("kv_page_size_tokens", "tokens per KV page", pool.page_size)
+        yield _gauge("kv_pool_bytes", "bytes of the KV pool (K, V and page summaries)", pool.nbytes())
+        yield _gauge("token_limit", "longest prompt + max_tokens one request may have", engine.token_limit())
+        sizing = pool.sizing
+        if sizing is not None:
+            yield _gauge("memory_budget_bytes", "the budget the pool was sized from", sizing.budget_bytes)
+        yield _gauge("weight_bytes", "bytes of model weights as loaded (4-bit codes + scales + the rest)",
+                     engine.loaded.weight_bytes)
+        yield _gauge("requests_running", "requests in prefill or decode", stats.running)
+        yield _gauge("requests_waiting", "requests queued for pages or a batch slot", stats.waiting)
+        yield _counter("requests_refused", "requests the engine refused (too long, or the queue was full)",
+                       stats.refused)
+        yield _counter("requests_cancelled", "requests cancelled (client disconnect, shutdown)", stats.cancelled)
+        yield _counter("engine_errors", "engine steps that failed (their requests got an error)", stats.errors)
+        yield _counter("prompt_tokens", "prompt tokens prefilled", stats.prompt_tokens)
+        yield _counter("generation_tokens", "tokens generated", stats.generated_tokens)
+        yield _counter("decode_steps", "batched decode steps run", stats.decode_steps)
+        yield _gauge("decode_tokens_per_second", "tokens per second over the last 64 decode steps",
+                     stats.decode_tokens_per_second)
+        yield _gauge("attended_tokens_per_layer", "mean tokens attended per row, layer and KV head (last step)",
+                     stats.attended_per_row_layer)
+        yield _gauge("window_tokens_mean", "mean local window length in sparse layers (last step)", stats.window_mean)
+        yield _gauge("kv_bytes_read_last_step", "bytes of K and V gathered by the last decode step, all layers",
+                     stats.kv_bytes_last_step)
+        yield _counter("sparse_layer_steps", "layer-steps decoded with OVAL page selection", stats.sparse_layer_steps)
+        yield from _reuse_metrics(getattr(getattr(engine, "runner", None), "reuse", None))
+
+
+def _reuse_metrics(reuse):
+    """Selection reuse (oval_edge/sparse/reuse.py): always exported, zero when reuse is off, so series never vanish."""
+    counts = reuse.counts if reuse is not None else None
+    yield _gauge("selection_reuse_tau", "query cosine needed to reuse a recent page selection (0: reuse is off)",
+                 reuse.tau if reuse is not None else 0.0)
+    yield _counter("selection_reuse_lookups", "sparse row-layer decode steps that looked for a reusable selection",
+                   counts.lookups if counts else 0)
+    yield _counter("selection_reuse_hits", "row-layer decode steps that reused a recent selection (not scored)",
+                   counts.hits if counts else 0)
+    yield _counter("selection_reuse_head_lookups", "KV heads looked up (lookups x KV heads)",
+                   counts.head_lookups if counts else 0)
+    yield _counter("selection_reuse_head_hits", "KV heads whose query matched a recent selection on their own",
+                   counts.head_hits if counts else 0)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", documentation, value=float(value))
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"{PREFIX}_{name}", documentation, value=float(value))
+
+
+class ServerMetrics:
+    """One app's metrics. `status` returns (status, engine-or-None) each scrape."""
+
+    def __init__(self, status: Callable[[], tuple[str, object]]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(status))
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "from request arrival to the first generated token",
+            buckets=TTFT_BUCKETS, registry=self.registry,
+        )
+        self.request_duration = Histogram(
+            f"{PREFIX}_request_duration_seconds", "from request arrival to its last byte of output",
+            buckets=DURATION_BUCKETS, registry=self.registry,
+        )
+        self.requests = Counter(
+            f"{PREFIX}_http_requests", "generation requests by endpoint and outcome "
+            "(stop, length, disconnected, cancelled, error, rejected, busy, unavailable)",
+            ["endpoint", "outcome"], registry=self.registry,
+        )
+
+    def observe(self, endpoint: str, outcome: str, ttft_s: float | None = None, total_s: float | None = None) -> None:
+        self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+        if ttft_s is not None:
+            self.time_to_first_token.observe(ttft_s)
+        if total_s is not None:
+            self.request_duration.observe(total_s)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

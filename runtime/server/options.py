@@ -1,0 +1,133 @@
+"""The model and engine flags `serve` and `chat` share, merged with `--config FILE.toml`: flags win over the file,
+the file wins over the defaults. Everything is validated before the model is loaded, so a bad value fails in a
+second with a message naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
+from oval_edge.runtime.model.source import QUANT_TYPES
+
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str
+    quant: str
+    device: str
+    oval: OvalConfig
+    max_batch: int
+    max_queue: int
+    prefill_chunk: int
+    max_context: int | None
+    attention: str
+    server: dict  # the config file's [server] table (host, port, ...), for the command to read
+
+    def engine_config(self):
+        from oval_edge.runtime.engine.setup import EngineConfig
+
+        return EngineConfig(max_batch=self.max_batch, max_queue=self.max_queue, prefill_chunk=self.prefill_chunk,
+                            attention=self.attention, max_model_len=self.max_context)
+
+    def load(self):
+        """Load the model and build the engine (seconds to minutes; call it off the event loop)."""
+        from oval_edge.runtime.engine.engine import Engine
+
+        return Engine.load(self.model, self.quant, self.device, oval=self.oval, config=self.engine_config())
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model and engine (flags override --config)")
+    group.add_argument("--config", metavar="FILE.toml",
+                       help="TOML written by `oval-edge plan --write-config`: [model], [oval], [server] tables")
+    group.add_argument("--model", help="'default' (the bundled SmolLM2-135M-Instruct GGUF), a .gguf file, or a "
+                       "Hugging Face folder (default: default)")
+    group.add_argument("--quant", choices=QUANT_TYPES, help="weight quantization (default: nf4)")
+    group.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
+    group.add_argument("--memory-budget", metavar="BYTES",
+                       help="bytes for weights + workspace + KV pool, e.g. 1.5GiB (default: enough for --max-batch "
+                       "sequences at full context, within the memory there is)")
+    group.add_argument("--page-size", type=int, help="tokens per KV page: 16, 32, 64, 128 or 256 (default: 32)")
+    group.add_argument("--top-k", type=int, help="pages selected per KV head at each decode step (default: 4)")
+    group.add_argument("--max-batch", type=int, help="sequences decoded together in one step (default: 4)")
+    group.add_argument("--max-queue", type=int, help="requests that may wait for pages; more get 503 (default: 64)")
+    group.add_argument("--max-context", type=int, metavar="TOKENS",
+                       help="cap on prompt + max_tokens per request (default: the model's context length)")
+    group.add_argument("--prefill-chunk", type=int, metavar="TOKENS", help="prompt tokens per prefill step (512)")
+    group.add_argument("--window-module", metavar="FILE.safetensors",
+                       help="a window module fitted by `oval-edge calibrate` (sets each head's window; off by default)"
+                       "; without a window range in --config, the range it was calibrated with is used")
+    group.add_argument("--threads", type=int, metavar="N",
+                       help="CPU threads for the model's math (default: torch's, one per core). On a CPU host shared "
+                            "with other busy processes, 1 thread avoids threads waiting on each other")
+    group.add_argument("--attention", choices=("oval", "dense"),
+                       help="oval (sparse decode, the default) or dense (reads every cached token: the baseline)")
+
+
+def _pick(flag, table: dict, key: str, default):
+    if flag is not None:
+        return flag
+    return table.get(key, default)
+
+
+def engine_spec(args: argparse.Namespace) -> EngineSpec:
+    """Merge flags over the config file over the defaults; raises ValueError naming a bad value.
+
+    --threads is applied here (torch.set_num_threads is process-wide), so serve and chat share it.
+    """
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads {threads} must be >= 1")
+        import torch
+
+        torch.set_num_threads(threads)
+    sections = {"model": {}, "oval": {}, "server": {}}
+    if args.config:
+        from oval_edge.runtime.config_file import load_config_file
+
+        sections.update(load_config_file(args.config))
+    model_t, server_t = sections["model"], sections["server"]
+    oval_values = dict(sections.get("oval") or {})
+    for flag, key in ((args.page_size, "page_size"), (args.top_k, "top_k")):
+        if flag is not None:
+            oval_values[key] = flag
+    if getattr(args, "window_module", None):
+        oval_values["window_module"] = args.window_module
+    if oval_values.get("window_module") and oval_values.get("window_min") == oval_values.get("window_max"):
+        from oval_edge.sparse.window_module import calibrated_window_range  # the range the module was fitted for
+
+        oval_values["window_min"], oval_values["window_max"] = calibrated_window_range(oval_values["window_module"])
+    budget = _pick(args.memory_budget, server_t, "memory_budget", oval_values.get("memory_budget"))
+    if budget is not None:
+        oval_values["memory_budget"] = budget
+    oval = OvalConfig.from_dict(oval_values)
+    spec = EngineSpec(
+        model=_pick(args.model, model_t, "path", "default"),
+        quant=_pick(args.quant, model_t, "quant", "nf4"),
+        device=_pick(args.device, server_t, "device", "auto"),
+        oval=oval,
+        max_batch=_pick(args.max_batch, server_t, "max_batch", 4),
+        max_queue=_pick(args.max_queue, server_t, "max_queue", 64),
+        prefill_chunk=_pick(args.prefill_chunk, server_t, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
+        max_context=_pick(args.max_context, server_t, "max_context", server_t.get("max_model_len")),
+        attention=_pick(args.attention, server_t, "attention", "oval"),
+        server=dict(server_t),
+    )
+    device = spec.device
+    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ValueError(f"device={device!r} is not a device; use auto, cpu, cuda or cuda:N")
+    if spec.quant not in QUANT_TYPES:
+        raise ValueError(f"quant={spec.quant!r} is unknown; allowed: {', '.join(QUANT_TYPES)}")
+    spec.engine_config()  # validates max_batch, max_queue, prefill_chunk, max_context now, before any loading
+    return spec
+
+
+def describe_spec(spec: EngineSpec) -> str:
+    o = spec.oval
+    return (f"page_size {o.page_size}, top_k {o.top_k}, sink {o.sink_pages}, window {o.window_min}..{o.window_max}, "
+            f"dense_layers {o.dense_layers}, scorer {o.scorer}, attention {spec.attention}, max_batch "
+            f"{spec.max_batch}, max_queue {spec.max_queue}")

@@ -1,0 +1,153 @@
+"""`oval-edge serve`: the OpenAI-compatible HTTP server over the engine.
+
+It binds the port first and answers at once (GET /health: 503 while the model loads in a background thread, 200
+when ready), prints the startup report when the model is in (model, weight bytes, the pool arithmetic), and on
+SIGTERM/SIGINT stops admitting (503), lets running requests finish for --shutdown-grace seconds, cancels the
+rest, and exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+
+import uvicorn
+
+from .options import add_engine_arguments, describe_spec, engine_spec
+
+log = logging.getLogger("oval_edge.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    group = parser.add_argument_group("HTTP server")
+    group.add_argument("--host", help="address to bind (default: 127.0.0.1; 0.0.0.0 exposes it to the network)")
+    group.add_argument("--port", type=int, help="TCP port (default: 8000; 0 picks a free one and prints it)")
+    group.add_argument("--api-key", default=os.environ.get("OVAL_EDGE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every route but /health "
+                       "(default: $OVAL_EDGE_API_KEY, else open)")
+    group.add_argument("--max-tokens-limit", type=int, default=8192,
+                       help="largest max_tokens a request may ask for (default: 8192)")
+    group.add_argument("--max-body", type=int, default=1 << 20, metavar="BYTES",
+                       help="largest request body; larger ones get 413 (default: 1048576)")
+    group.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM, how long running requests may finish before they are cancelled (30)")
+    group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} cannot be resolved: {exc.strerror}") from exc
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port or stop the "
+                         "process that holds it") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def startup_report(engine, spec, url: str, api_key: bool) -> str:
+    from oval_edge.kernels.cpu import describe_kernels
+
+    from oval_edge.runtime.model.loader import describe
+
+    pool = engine.pool
+    sizing = pool.sizing.explain() if pool.sizing is not None else f"{pool.num_pages} pages fixed by num_pages"
+    lines = [
+        "oval-edge serve: ready",
+        f"  model     {describe(engine.loaded)}",
+        f"  weights   {engine.loaded.weight_bytes} bytes",
+        f"  KV pool   {sizing}",
+        f"  capacity  {pool.num_pages} pages x {pool.page_size} tokens = {pool.capacity_tokens} tokens; limit per "
+        f"request {engine.token_limit()} tokens (prompt + max_tokens)",
+        f"  engine    {describe_spec(spec)}",
+        f"  kernels   {describe_kernels(engine.loaded.device)}",
+        f"  serving   {url}/v1 (OpenAI API), {url}/health, {url}/metrics, {url}/docs"
+        + ("; API key required" if api_key else ""),
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from oval_edge.runtime.model.source import resolve_model
+
+    from .app import ServerSettings, create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = engine_spec(args)
+    source = resolve_model(spec.model)  # a missing or wrong file fails here, naming its path, before binding
+    host = args.host or spec.server.get("host", "127.0.0.1")
+    port = args.port if args.port is not None else spec.server.get("port", 8000)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"--port {port!r} is out of range: allowed 0..65535")
+    if args.shutdown_grace < 0:
+        raise ValueError(f"--shutdown-grace {args.shutdown_grace} must be >= 0 seconds")
+    settings = ServerSettings(model_name=source.name, api_key=args.api_key or None,
+                              max_body_bytes=args.max_body, max_tokens_limit=args.max_tokens_limit)
+    sock = _bind(host, port)
+    bound = sock.getsockname()[1]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
+    outcome = {"rc": 0}
+    server_ref: dict = {}
+
+    def on_ready(engine) -> None:
+        print(startup_report(engine, spec, url, bool(settings.api_key)), flush=True)
+
+    def on_load_error(message: str) -> None:
+        print(f"oval-edge serve: error: {message}", file=sys.stderr, flush=True)
+        outcome["rc"] = 1
+        server_ref["server"].should_exit = True
+
+    app = create_app(settings, spec.load, on_ready=on_ready, on_load_error=on_load_error)
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=10,
+                            lifespan="on")
+    server = DrainingServer(config, app.state.server, args.shutdown_grace)
+    server_ref["server"] = server
+    print(f"oval-edge serve: listening on {url} (loading {source.path}, quant {spec.quant}, device {spec.device}; "
+          "GET /health answers 503 until the model is ready)", flush=True)
+    server.run(sockets=[sock])
+    if not server.started:
+        return 1
+    return outcome["rc"]
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first SIGTERM/SIGINT drains instead of stopping, and which then exits 0.
+
+    (uvicorn re-raises a captured signal after its shutdown, which would end the process with -SIGTERM; this
+    handler records none, so a drained server returns normally.) A second signal stops at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, state, grace_s: float):
+        super().__init__(config)
+        self.state, self.grace_s = state, grace_s
+        self.draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.draining:  # second signal: stop now (uvicorn cancels what still runs)
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self.draining = True
+        self.state.begin_drain()
+        log.info("signal %s: draining (no new requests; up to %.0f s for running ones)", sig, self.grace_s)
+        threading.Thread(target=self._drain, name="oval-edge-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        if self.state.loop is not None:
+            cancelled = self.state.loop.drain(self.grace_s)
+            if cancelled:
+                log.info("drain: cancelled %d request(s) still running after %.0f s", cancelled, self.grace_s)
+        self.should_exit = True

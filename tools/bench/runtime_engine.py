@@ -1,0 +1,71 @@
+"""The project's own runtime in a bench worker: OVAL or dense attention over the same page pool and weights.
+
+The pool is sized for what this run holds — one sequence of prompt + generated tokens, plus one page of slack —
+the way a user would size it for that context, so the peak RSS is that of a deployment at this context and not
+of a pool sized for the model's full 8k positions.
+"""
+
+from __future__ import annotations
+
+from .meters import MemoryMeter, TokenClock
+from .settings import WARMUP_GEN_TOKENS
+
+SLACK_PAGES = 1
+
+
+def pool_pages(prompt_tokens: int, gen: int, page_size: int) -> int:
+    return -(-(prompt_tokens + gen) // page_size) + SLACK_PAGES
+
+
+def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
+    import torch
+
+    from oval_edge.config import OvalConfig
+    from oval_edge.runtime import Engine, EngineConfig, SamplingParams
+
+    torch.set_num_threads(int(job["threads"]))
+    prompt, gen = list(job["prompt_ids"]), int(job["gen"])
+    tau = job.get("reuse_tau")  # oval+reuse@TAU engines: oval with selection reuse at that cosine
+    oval = OvalConfig(page_size=int(job["page_size"]), top_k=int(job["top_k"]),
+                      reuse_tau=float(tau) if tau is not None else None)
+    pages = pool_pages(len(prompt), gen, oval.page_size)
+    engine = Engine.load(
+        model=job["model"], quant=job["quant"], device=job["device"], oval=oval,
+        config=EngineConfig(max_batch=1, max_queue=1, attention="dense" if job["engine"] == "dense" else "oval",
+                            num_pages=pages),
+    )
+    engine.generate(list(job["warmup_ids"]), SamplingParams(max_tokens=WARMUP_GEN_TOKENS, ignore_eos=True))
+    meter.after_load()
+
+    def on_token(_request, token_id: int, _text: str) -> None:
+        if token_id >= 0:  # -1 marks the detokenizer's final text flush, not a token
+            clock.tick(token_id)
+
+    clock.begin()  # greedy sampling reads each token back to the host (int(argmax)), so ticks follow the device
+    request = engine.generate(prompt, SamplingParams(max_tokens=gen, ignore_eos=True), on_token=on_token)
+    if request.finish_reason not in ("length", "stop"):
+        raise RuntimeError(f"the {job['engine']} engine ended the request with {request.finish_reason}: {request.error}")
+    geometry = engine.pool.geometry
+    # Selection reuse counts (the 32-token warm-up fits the token budget: dense, so it looks nothing up).
+    counts = engine.runner.reuse.counts if engine.runner.reuse is not None else None
+    label = f"{job['engine']} ({engine.loaded.quant})"
+    if counts is not None:
+        label = f"oval + selection reuse at tau={oval.reuse_tau:g} ({engine.loaded.quant}), " \
+                f"{counts.hit_rate:.1%} of row-layer steps reused"
+    return {
+        "label": label,
+        "reuse_hit_rate": counts.hit_rate if counts is not None else None,
+        "reuse_lookups": counts.lookups if counts is not None else None,
+        "kv_bytes_per_step": engine.stats.kv_bytes_last_step,
+        "kv_bytes_source": "measured: K/V gathered at the last decode step, all layers (engine stats)",
+        "kv_dtype": geometry.dtype,
+        "weight_bytes": engine.loaded.weight_bytes,
+        "pool_pages": pages,
+        "pool_bytes": engine.pool.nbytes(),
+        "tokens_attended_per_layer": engine.stats.attended_per_row_layer,
+        # The engine's own timers (forward passes only, no sampling or callbacks) as a cross-check.
+        "engine_prefill_s": request.prefill_seconds,
+        "engine_decode_s": request.decode_seconds,
+        "oval": {"page_size": oval.page_size, "top_k": oval.top_k, "window_max": oval.window_max,
+                 "sink_pages": oval.sink_pages, "dense_layers": oval.dense_layers, "scorer": oval.scorer},
+    }

@@ -1,0 +1,187 @@
+"""What `oval-edge bench` runs: validated settings, the prompt, and the alternating order of the runs.
+
+Each (engine, context, run) is one job in its own child process. Jobs alternate engine by engine inside a
+context (oval dense hf llama.cpp oval dense …) so that machine noise — another process waking up, the CPU
+clocking down — lands on every engine alike instead of on whichever ran last (DESIGN §8).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+RUNTIME_ENGINES = ("oval", "dense")  # this project's runtime, OVAL and dense attention on the same page pool
+REUSE_PREFIX = "oval+reuse@"  # OVAL with selection reuse at a query cosine (--reuse-tau 0.95 -> oval+reuse@0.95)
+PEER_ENGINES = ("hf", "llama.cpp")  # what a user would pick instead (Hugging Face generate(), llama-cpp-python)
+ENGINES = RUNTIME_ENGINES + PEER_ENGINES
+ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "huggingface": "hf", "transformers": "hf"}
+HF_DTYPES = ("float32", "bfloat16", "float16")
+WARMUP_PROMPT_TOKENS = 32
+WARMUP_GEN_TOKENS = 4
+
+# A plain English passage, repeated and tokenized with the model's own tokenizer to make a prompt of exactly
+# `context` tokens. Prose (not random ids) so that attention looks like it does on real input: OVAL's page
+# selection and the softmax behave differently on noise.
+PASSAGE = (
+    "The ferry to the island leaves twice a day, once at dawn and once in the late afternoon, and the people "
+    "who live on the far shore plan their lives around it. In winter the crossing is rough; the captain, who "
+    "has made the trip for thirty years, reads the colour of the water and the shape of the clouds before he "
+    "decides whether to sail. The harbour master keeps a notebook of every crossing: the time of departure, "
+    "the number of passengers, the cargo, and a short remark about the weather. Some of the older entries "
+    "mention storms that closed the harbour for a week, when bread and letters had to wait on the mainland. "
+    "Children from the island go to school in the town, so the morning boat is full of backpacks and "
+    "half-finished homework, while the afternoon boat carries tired workers, crates of vegetables and, "
+    "now and then, a visitor who has read about the lighthouse and wants to see it for herself. "
+    "The lighthouse stands on a rock at the northern tip. Its lamp was electrified long ago, but a keeper "
+    "still climbs the stairs every evening to check the lens, wipe the salt from the glass and write the "
+    "hour in a logbook that nobody else reads. He says the light is not only for ships: on a clear night "
+    "the farmers inland can see it sweep across the fields, and they know the day is over. "
+    "When the new bridge was proposed, the island argued about it for two years. A bridge would bring "
+    "doctors and deliveries faster, but it would also bring traffic, and the quiet that made the place "
+    "what it was might not survive. In the end the plan was shelved, not because of a vote but because the "
+    "money ran out, and the ferry kept running as it always had. "
+)
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    contexts: tuple[int, ...]
+    engines: tuple[str, ...]
+    gen: int = 64
+    runs: int = 3
+    model: str = "default"
+    # The model as resolved once by the parent (runtime.model.source.resolve_model): the peers' workers load it
+    # from these paths, so the llama.cpp worker never imports oval_edge.runtime (and with it torch).
+    model_dir: str = ""
+    gguf_file: str | None = None
+    quant: str = "nf4"
+    device: str = "cpu"
+    threads: int = 1
+    page_size: int = 32
+    top_k: int = 4
+    hf_dtype: str = "float32"
+    timeout_s: float = 3600.0
+    skipped: dict = field(default_factory=dict)  # engine -> why it does not run (printed, kept in the JSON)
+
+    def __post_init__(self) -> None:
+        if not self.contexts:
+            raise ValueError("--contexts names no context; give e.g. 512,2048,4096,8192")
+        for c in self.contexts:
+            if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 1_048_576:
+                raise ValueError(f"--contexts value {c!r} is out of range: allowed integers in [1, 1048576]")
+        if not self.engines:
+            raise ValueError("no engine to run; give --engines oval,dense and/or --peers")
+        unknown = [e for e in self.engines if e not in ENGINES and not e.startswith(REUSE_PREFIX)]
+        if unknown:
+            raise ValueError(f"--engines {unknown} unknown; allowed: {', '.join(ENGINES)}")
+        for engine in self.engines:
+            try:
+                tau = reuse_tau_of(engine)
+            except ValueError:
+                tau = float("nan")
+            if tau is not None and not 0.0 < tau <= 1.0:
+                raise ValueError(f"engine {engine!r}: the reuse cosine must be in (0, 1], e.g. {REUSE_PREFIX}0.95")
+        for name, low, high in (("gen", 2, 1_000_000), ("runs", 1, 1000), ("threads", 1, 4096)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"--{name}={value!r} is out of range: allowed integers in [{low}, {high}]"
+                                 + (" (decode speed needs at least 2 generated tokens)" if name == "gen" else ""))
+        if self.hf_dtype not in HF_DTYPES:
+            raise ValueError(f"--hf-dtype={self.hf_dtype!r} is unknown; allowed: {', '.join(HF_DTYPES)}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout={self.timeout_s!r} must be a positive number of seconds per run")
+
+
+def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
+    """'512,2k,4096' -> (512, 2048, 4096); a 'k' suffix means x1024."""
+    values = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        scale = 1024 if part.endswith("k") else 1
+        try:
+            values.append(int(part[:-1] if scale > 1 else part) * scale)
+        except ValueError as exc:
+            raise ValueError(f"{flag}={text!r}: {part!r} is not an integer; give e.g. 512,2048,4096,8192") from exc
+    if not values:
+        raise ValueError(f"{flag}={text!r} names no value; give e.g. 512,2048,4096,8192")
+    return tuple(dict.fromkeys(values))  # keep the order, drop repeats
+
+
+def reuse_tau_of(engine: str) -> float | None:
+    """The cosine threshold of an oval+reuse@TAU engine (None for any other engine)."""
+    return float(engine[len(REUSE_PREFIX):]) if engine.startswith(REUSE_PREFIX) else None
+
+
+def with_reuse(engines: tuple[str, ...], text: str | None) -> tuple[str, ...]:
+    """--reuse-tau 0.9,0.95: one oval+reuse@TAU engine per value, right after oval (so they alternate A B A B)."""
+    if text is None:
+        return engines
+    try:
+        taus = [float(part) for part in str(text).split(",") if part.strip()]
+    except ValueError as exc:
+        raise ValueError(f"--reuse-tau={text!r} must be comma-separated cosines, e.g. 0.9,0.95,0.99") from exc
+    bad = [t for t in taus if not 0.0 < t <= 1.0]
+    if bad or not taus:
+        raise ValueError(f"--reuse-tau={text!r}: {bad or 'no value'} out of range; allowed (0, 1]")
+    added = tuple(dict.fromkeys(f"{REUSE_PREFIX}{t:g}" for t in taus))
+    at = engines.index("oval") + 1 if "oval" in engines else 0
+    return engines[:at] + added + engines[at:]
+
+
+def parse_engines(text: str, peers: bool) -> tuple[str, ...]:
+    names = [ENGINE_ALIASES.get(p.strip().lower(), p.strip().lower()) for p in str(text).split(",") if p.strip()]
+    if peers:
+        names += list(PEER_ENGINES)
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown:
+        raise ValueError(f"--engines: {unknown} unknown; allowed: {', '.join(ENGINES)} (--peers adds hf, llama.cpp)")
+    return tuple(dict.fromkeys(names))
+
+
+def default_threads() -> int:
+    """CPUs this process may run on (respects taskset/cgroup affinity), the same for every engine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def schedule(contexts: tuple[int, ...], engines: tuple[str, ...], runs: int) -> list[tuple[str, int, int]]:
+    """(engine, context, run) in execution order: per context, run by run, every engine once (A B A B …)."""
+    return [(engine, context, run) for context in contexts for run in range(runs) for engine in engines]
+
+
+def prompt_length(context: int, gen: int, max_positions: int | None) -> int:
+    """Prompt tokens for a context: all of it, unless prompt + generated would pass the model's positions.
+
+    A model trained on 8192 positions cannot be asked for 8192 prompt tokens and 64 more; there the prompt is
+    shortened so that the last decode step runs at the model's full context (the row keeps its label).
+    """
+    if max_positions is None or context + gen <= max_positions:
+        return context
+    length = max_positions - gen
+    if length < 1:
+        raise ValueError(f"--gen={gen} leaves no room for a prompt in the model's {max_positions} positions")
+    return length
+
+
+def passage_ids(tokenizer, length: int) -> list[int]:
+    """The first `length` token ids of PASSAGE repeated (no special tokens, so every engine sees the same ids)."""
+    def encode(text: str) -> list[int]:
+        out = tokenizer(text, add_special_tokens=False)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    one = encode(PASSAGE)
+    if not one:
+        raise ValueError("the model's tokenizer turned the benchmark passage into no tokens")
+    repeats = length // len(one) + 2
+    ids = encode(PASSAGE * repeats)  # tokenized as one text so the joins between repeats are natural
+    return ids[:length]
+
+
+def warmup_ids(prompt: list[int]) -> list[int]:
+    """A short prompt for the untimed warm-up (first calls allocate buffers and pick kernels). The workers reset
+    every cache before the timed run, so it may overlap the timed prompt."""
+    return list(prompt[:WARMUP_PROMPT_TOKENS])

@@ -1,0 +1,144 @@
+"""Freeze the `oval` scorer's eta and rank r on the calibration split (DESIGN §4.3: "until the calibrate tool
+freezes them").
+
+For each candidate (eta, r) the pages of the calibration text are summarised exactly as the pool seals them
+(`oval_summary`), every sampled query scores the candidate pages of its decode step (the runtime's DecodePlan)
+with the runtime's scorer (scoring.oval_scores) and takes the top-k, and the attention output it would get is
+compared with dense attention's:
+
+    error = Σ ‖o_sparse − o_dense‖² / Σ ‖o_dense‖²   over samples, query heads and sparse layers
+
+where o_sparse is the exact softmax over sink ∪ chosen pages ∪ the fixed window (what the runtime computes). The
+output, not the attention mass, is what the next layer sees, and it is what eta trades for: a page of keys that
+draw mass but carry values near the mean moves the output little. The recall of the oracle's top-k page mass is
+reported too. The lowest calibration error wins; a smaller rank wins when its error is within `tolerance`
+(relative) of the best (rank costs summary bytes per page: D·r + P·r).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oval_edge.config import OvalConfig
+from oval_edge.kv.summaries import oval_summary
+from oval_edge.sparse.scoring import oval_scores
+from oval_edge.sparse.selection import DecodePlan
+
+from .capture import log_attention
+
+
+@dataclass
+class ScorerFit:
+    eta: float
+    rank: int
+    table: list[dict]  # one row per (eta, rank) and one for the oracle: error and recall on both splits
+
+
+def page_scores(q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, scale: float) -> torch.Tensor:
+    """The runtime's oval score (scoring.oval_scores) for pages shared by every query, without gathering them
+    per row: q [S, Hkv, G, D]; basis U [Np, Hkv, D, r]; coords C [Np, Hkv, P, r] -> [S, Hkv, Np].
+
+    The S queries are scored as S sets of one batch row, so the pages' summaries are laid out once.
+    """
+    s, kv_heads, group, d = q.shape
+    grouped = q.transpose(0, 1).reshape(1, kv_heads, s * group, d)  # [1, Hkv, S*G, D], query set s first
+    basis_t = basis.permute(1, 0, 3, 2)[None]  # U^T [1, Hkv, Np, r, D]
+    coords_t = coords.permute(1, 0, 3, 2)[None]  # C^T [1, Hkv, Np, r, P]
+    return oval_scores(grouped, basis_t, coords_t, scale, sets=s)[0].permute(2, 0, 1)  # [S, Hkv, Np]
+
+
+class ScorerTally:
+    """Accumulates, per (eta, rank) and for the oracle, output error and captured page mass over sparse layers."""
+
+    def __init__(self, etas: list[float], ranks: list[int], config: OvalConfig, head_dim: int) -> None:
+        bad = [r for r in ranks if not 1 <= r <= head_dim]
+        if bad:
+            raise ValueError(f"--ranks {bad} out of range: allowed [1, head_dim={head_dim}]")
+        self.etas, self.ranks, self.config = list(etas), sorted(ranks), config
+        shape = (len(self.etas) + 1, len(self.ranks), 2)  # last eta row: the oracle (same for every rank)
+        self.error = torch.zeros(shape, dtype=torch.float64)
+        self.mass = torch.zeros(shape, dtype=torch.float64)
+        self.norm = torch.zeros(2, dtype=torch.float64)  # Σ ‖o_dense‖² per split
+        self.oracle_mass = torch.zeros(2, dtype=torch.float64)
+
+    @torch.no_grad()
+    def add(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+            heldout: torch.Tensor, scale: float, chunk: int = 64) -> None:
+        """One layer. queries [S, Hq, D] at positions [S]; keys, values [N, Hkv, D]; heldout [S] bool."""
+        c = self.config
+        P, k, sink = c.page_size, c.top_k, c.sink_pages
+        n, kv_heads, d = keys.shape
+        full = n // P
+        if full <= sink:
+            return
+        kp = keys[: full * P].view(full, P, kv_heads, d).transpose(1, 2).reshape(-1, P, d)  # pages as sealed
+        vp = values[: full * P].view(full, P, kv_heads, d).transpose(1, 2).reshape(-1, P, d)
+        summaries = [oval_summary(kp, vp, self.ranks[-1], eta) for eta in self.etas]  # top-r: slice the columns
+        v_pages = values[: full * P].view(full, P, kv_heads, d)
+        at_window_min = c.replace(window_max=c.window_min, window_module=None)
+        for first in range(0, queries.shape[0], chunk):
+            t = positions[first : first + chunk]
+            q = queries[first : first + chunk]
+            split = heldout[first : first + chunk].long()
+            probs = log_attention(q, keys, t, scale).exp()  # [c, Hkv, G, N]
+            # The runtime's plan of this decode step (fixed window: the scorer is fitted at window_min): t tokens
+            # before it, so t // P sealed pages; the window starts at `start`, pages below it are `candidate`.
+            plan = DecodePlan(at_window_min, t + 1, torch.div(t, P, rounding_mode="floor"), full, kv_heads)
+            start, candidate = plan.start[:, 0, 0], plan.selectable[:, 0, :]  # [c], [c, Np]
+            span = torch.arange(n)[None, :]
+            paged = ((span >= sink * P) & (span < start[:, None])).float()  # [c, N]: what pages must supply
+            fixed = probs * (1.0 - paged)[:, None, None, :]  # sink + window (+ nothing past t: probs are 0)
+            m_fixed = fixed.sum(-1)  # [c, Hkv, G]
+            u_fixed = torch.einsum("chgn,nhd->chgd", fixed, values)
+            below = (probs * paged[:, None, None, :])[..., : full * P].view(*probs.shape[:3], full, P)
+            m_page = below.sum(-1)  # [c, Hkv, G, Np]
+            u_page = torch.einsum("chgnp,nphd->chgnd", below, v_pages)  # [c, Hkv, G, Np, D]
+            dense = u_fixed + u_page.sum(3)  # the dense output (the parts partition every position <= t)
+            self.norm.index_add_(0, split, dense.pow(2).sum((1, 2, 3)).double())
+            mass = m_page.sum(2).masked_fill(~candidate[:, None, :], -1.0)  # [c, Hkv, Np] group mass
+            take = min(k, full)
+            self._tally(len(self.etas), None, mass.topk(take, -1).indices, mass, m_fixed, u_fixed, m_page, u_page,
+                        dense, split)
+            for i, (basis, coords) in enumerate(summaries):
+                basis = basis.view(full, kv_heads, d, -1)
+                coords = coords.view(full, kv_heads, P, -1)
+                for j, r in enumerate(self.ranks):
+                    score = page_scores(q.view(q.shape[0], kv_heads, -1, d), basis[..., :r], coords[..., :r], scale)
+                    score = score.masked_fill(~candidate[:, None, :], float("-inf"))
+                    self._tally(i, j, score.topk(take, -1).indices, mass, m_fixed, u_fixed, m_page, u_page, dense,
+                                split)
+
+    def _tally(self, i, j, chosen, mass, m_fixed, u_fixed, m_page, u_page, dense, split) -> None:
+        """chosen [c, Hkv, k] page indices (non-candidates carry mass -1 and count as nothing)."""
+        ok = mass.gather(-1, chosen) >= 0  # [c, Hkv, k]
+        groups, d = m_page.shape[2], u_page.shape[-1]
+        idx = chosen[:, :, None, :].expand(-1, -1, groups, -1)  # [c, Hkv, G, k]
+        m = m_fixed + (m_page.gather(3, idx) * ok[:, :, None, :]).sum(-1)
+        u = u_fixed + (u_page.gather(3, idx[..., None].expand(-1, -1, -1, -1, d)) * ok[:, :, None, :, None]).sum(3)
+        err = (u / m.clamp_min(1e-30)[..., None] - dense).pow(2).sum((1, 2, 3)).double()  # [c]
+        got = (mass.gather(-1, chosen) * ok).sum((1, 2)).double()
+        rows = range(len(self.ranks)) if j is None else [j]
+        for jj in rows:
+            self.error[i, jj].index_add_(0, split, err)
+            self.mass[i, jj].index_add_(0, split, got)
+        if j is None:
+            self.oracle_mass.index_add_(0, split, got)
+
+    def result(self, tolerance: float = 0.02) -> ScorerFit:
+        error = self.error / self.norm.clamp_min(1e-30)  # [etas + 1, ranks, split]
+        recall = self.mass / self.oracle_mass.clamp_min(1e-30)
+        table = [{"eta": eta, "rank": r, "error_calibration": float(error[i, j, 0]),
+                  "error_heldout": float(error[i, j, 1]), "recall_calibration": float(recall[i, j, 0]),
+                  "recall_heldout": float(recall[i, j, 1])}
+                 for i, eta in enumerate(self.etas) for j, r in enumerate(self.ranks)]
+        o = len(self.etas)
+        table.append({"eta": None, "rank": None, "error_calibration": float(error[o, 0, 0]),
+                      "error_heldout": float(error[o, 0, 1]), "recall_calibration": 1.0, "recall_heldout": 1.0})
+        best = float(error[:o, :, 0].min())
+        for j, r in enumerate(self.ranks):  # smallest rank whose best eta comes within tolerance of the best
+            i = int(error[:o, j, 0].argmin())
+            if float(error[i, j, 0]) <= best * (1.0 + tolerance):
+                return ScorerFit(self.etas[i], r, table)
+        raise AssertionError("unreachable: the best rank is within tolerance of itself")

@@ -1,0 +1,161 @@
+"""Workspace, decode reads and predicted peak memory: the arithmetic around `size_pool` for one device.
+
+Conventions: a = activation bytes (fp32 on CPU, fp16 on CUDA), kvb = KV pool dtype bytes, C = prefill chunk,
+T = context (tokens of the longest sequence), B = batch, Hq/Hkv/D = heads / kv heads / head dim, I = ffn size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from oval_edge.config import OvalConfig
+from oval_edge.geometry import KVGeometry, prefill_workspace_bytes, seal_chunk_pages, seal_workspace_bytes
+
+from .model import ModelShape
+from .weights import ACTIVATION_BYTES, WeightBreakdown
+
+MiB = 2**20
+# Resident bytes of a loaded server besides its weights: interpreter, torch, bitsandbytes, the tokenizer (with
+# transformers' tokenizer classes), the HTTP stack and what loading leaves in the heap. This is what
+# runtime/engine/setup.build_pool measures as its `reserve` on the CPU (process RSS - weight bytes). CPU: measured
+# in this project as `oval-edge serve` prints it at startup (streaming loader, no transformers model classes, the
+# GGUF's tokenizer read from its converted folder, the heap kept compact while loading) with torch 2.13 CPU,
+# Python 3.11, x86-64: reserve 382-387 MiB in a just-installed virtual environment, 313-317 MiB in a long-used one.
+# The difference is libtorch_cpu.so's pages mapped into the process (95 vs 48 MB), which depends on how much of the
+# file is in the page cache; the planner takes the higher figure, so a fresh install is not over-committed.
+# (A bare runtime.model.loader.load_model process holds 289 MiB in the long-used environment.) CUDA: an estimate -
+# that host process plus ~300 MiB of CUDA context with lazy module loading (PyTorch maintainers,
+# pytorch/pytorch#107667) plus cuBLAS workspaces; on a Jetson both live in the same DRAM. Override with
+# --runtime-overhead after measuring on the board.
+RUNTIME_OVERHEAD = {"cpu": 385 * MiB, "cuda": 800 * MiB}
+# Loading's fixed transient above the loaded state: the GGUF reader's field objects and the header pages it
+# touches, and the tensor index. Measured in a bare load_model process (tokenizer from its converted folder):
+# load peak 492-496 MiB - loaded 397 MiB = 95-99 MiB, less 2 x 6.8 MiB (two 16-bit copies of a layer) and the
+# 4 MiB chunk -> 78-81 MiB; 80 MiB kept. Safetensors folders parse only JSON: the same figure is an upper bound.
+LOAD_FIXED_TRANSIENT = 80 * MiB
+ATTENTION_TILE = 512  # kv tokens per block of the fused (flash / memory-efficient) SDPA kernels
+
+
+def target_of(kind: str) -> str:
+    return "cpu" if kind == "cpu" else "cuda"
+
+
+def geometry_for(shape: ModelShape, oval: OvalConfig, target: str) -> KVGeometry:
+    """The pool geometry serve builds for this model on `target` (runtime/engine/setup.pool_geometry)."""
+    return KVGeometry.for_oval(shape.layers, shape.kv_heads, shape.head_dim, oval, oval.pool_dtype(target))
+
+
+def tokens_read_per_layer(shape: ModelShape, oval: OvalConfig, context: int) -> list[int]:
+    """Token positions one sequence's decode step reads in each layer: the whole context in the first
+    `dense_layers` layers (and in every layer while the sequence fits the token budget), else the slots."""
+    sparse = min(context, oval.token_budget)  # sink + top-k pages + window (= selection.slots_per_step)
+    return [context if layer < oval.dense_layers else sparse for layer in range(shape.layers)]
+
+
+def decode_reads(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, context: int, batch: int) -> dict:
+    per_layer = tokens_read_per_layer(shape, oval, context)
+    kv_token = 2 * shape.kv_heads * shape.head_dim * geometry.dtype_bytes  # K and V of one position, one layer
+    kv = batch * sum(per_layer) * kv_token
+    # Scoring reads the summary of every sealed page in each sparse layer once the row exceeds the budget.
+    sparse_layers = sum(1 for layer, t in enumerate(per_layer) if layer >= oval.dense_layers and t < context)
+    summary_page = shape.kv_heads * geometry.summary_elements_per_head() * geometry.dtype_bytes
+    summaries = batch * sparse_layers * (context // oval.page_size) * summary_page
+    return {"tokens_per_layer_dense": per_layer[0] if per_layer else 0, "tokens_per_layer_sparse": per_layer[-1],
+            "tokens_per_step": sum(per_layer), "kv_bytes": kv, "summary_bytes": summaries}
+
+
+def reserved_workspace_bytes(shape: ModelShape, geometry: KVGeometry, target: str, chunk: int, context: int) -> int:
+    """The workspace serve sets aside when it sizes its pool (oval_edge.geometry.prefill_workspace_bytes, as
+    runtime/engine/setup.build_pool calls it). It assumes materialised attention scores, so it is an upper bound on
+    what `workspace_bytes` below expects to be really used."""
+    return prefill_workspace_bytes(shape.hidden, shape.intermediate, shape.heads, geometry, chunk, context,
+                                   ACTIVATION_BYTES[target])
+
+
+def seal_transient_bytes(shape: ModelShape, geometry: KVGeometry, pages_per_step: int) -> int:
+    """Memory the summaries of newly sealed pages take while they are built (PagePool.seal -> oval_summary).
+
+    seal() summarises oval_edge.geometry.seal_chunk_pages(geometry) pages at a time across every layer and KV
+    head, sized so the batch stays within SEAL_WORKSPACE_BYTES; fewer when a step fills fewer pages.
+    'quest' summaries only take min/max per channel.
+    """
+    if "oval" not in geometry.summary_kinds:
+        return 0
+    full = seal_workspace_bytes(geometry)
+    return full * min(seal_chunk_pages(geometry), max(pages_per_step, 1)) // seal_chunk_pages(geometry)
+
+
+def workspace_bytes(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, target: str, context: int,
+                    batch: int, chunk: int, layout: str) -> dict:
+    """Transient bytes of the largest step: a prefill chunk of C tokens against T, a decode step, or the sealing
+    of the pages a step fills.
+
+    Layers run one after another, so one layer's transients plus the residual stream bound the peak.
+    Attention assumes the fused SDPA path (flash on CPU and CUDA; measured: a 9-head 512x8192 masked SDPA on CPU
+    allocates ~20 MiB, not the 144 MiB a score matrix would take). Logits are computed for the last position of
+    each sequence only.
+    """
+    a, kvb = ACTIVATION_BYTES[target], geometry.dtype_bytes
+    h, i, d, hq, hkv = shape.hidden, shape.intermediate, shape.head_dim, shape.heads, shape.kv_heads
+    cast = a if kvb != a else 0  # k/v.to(q.dtype) makes a copy when the pool dtype differs
+
+    def step(tokens: int, kv_tokens: int, rows: int) -> int:
+        resid = 3 * tokens * h * a  # residual, normed input, attention / MLP output
+        qkv = 2 * tokens * (hq + 2 * hkv) * d * a  # projections and their rotated copies
+        gathered = rows * 2 * hkv * kv_tokens * d * (kvb + cast)  # K, V copied out of the pool
+        index = rows * hkv * kv_tokens * (8 + 8 + 1)  # positions, flat slot indices (int64), valid mask
+        tile = rows * hq * min(tokens // max(rows, 1), 512) * min(kv_tokens, ATTENTION_TILE) * 4
+        attention = qkv + gathered + index + tile + tokens * kv_tokens  # + bool causal mask
+        mlp = 3 * tokens * i * a  # gate, up, act(gate) * up
+        # bitsandbytes on CUDA dequantizes the whole weight for more than one row; the packed CPU kernel does not.
+        dequant = max(n * k for _, n, k in shape.projections()) * 2 if layout == "nested" and tokens > 1 else 0
+        logits = rows * shape.vocab * 4
+        return resid + max(attention, mlp) + dequant + logits
+
+    prefill = step(min(chunk, context), context, 1)  # the last chunk of a prompt reads the whole context
+    decode = step(batch, context, batch)  # dense layers read the whole context (the sparse ones read less)
+    # Sealing runs after the forward (pool.commit), so it does not add to the step's transients.
+    seal = seal_transient_bytes(shape, geometry, max(-(-min(chunk, context) // geometry.page_size), batch))
+    return {"prefill": prefill, "decode": decode, "seal": seal, "total": max(prefill, decode, seal)}
+
+
+def load_peak_bytes(shape: ModelShape, weights: WeightBreakdown, quant: str, target: str, overhead: int) -> int:
+    """Peak resident bytes while loading: the loaded state (overhead + weights) plus what loading holds on top.
+
+    runtime/model/decoder_build streams the checkpoint one decoder layer at a time: a layer's projections are read in
+    16 bits (fp32 for quant none), stacked into the fused q/k/v and gate/up matrices (a second copy) and quantized,
+    then dropped; GGUF tensors are dequantized 4 MiB of fp32 at a time and their file pages released as they are
+    read. So the transient is two copies of the largest layer, one dequantization chunk and the fixed parse cost.
+    """
+    load = ACTIVATION_BYTES[target] if quant == "none" else 2
+    layer = sum(n_out * n_in for _, n_out, n_in in shape.projections()) * load  # one decoder layer
+    return overhead + weights.total + 2 * layer + 4 * MiB + LOAD_FIXED_TRANSIENT
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    page_size: int
+    pages: int
+    bytes_per_page: int
+    pool_bytes: int
+    tokens_in_pool: int
+    max_context_per_sequence: int  # at the requested batch, capped by the model's context length
+    fits: bool  # the requested context at the requested batch fits the pool
+    pages_needed: int
+    minimum_budget: int  # budget for the requested context and batch
+    tokens_read_per_step: int  # one sequence, all layers
+    kv_bytes_read_per_step: int  # whole batch
+    summary_bytes_read_per_step: int
+    bytes_per_step: int  # weights + KV + summaries streamed per decode step
+    decode_tok_s: float | None  # roofline, whole batch; None when the bandwidth is unknown
+    workspace_bytes: int  # set aside by this plan: max(serve's formula, the expected transient)
+    serve_workspace_bytes: int  # what serve's own formula (geometry.prefill_workspace_bytes) sets aside
+    transient_bytes: int  # expected to be really used by the largest step (peak prediction)
+    seal_bytes: int  # of which the page-summary build (PagePool.seal), often the largest for big models
+    serve_memory_budget: int  # the memory_budget to give serve so that it allocates `pages`
+    predicted_serving_peak_bytes: int
+    predicted_peak_bytes: int
+    explain: str
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -1,0 +1,157 @@
+"""Text tables and JSON for `oval-edge plan`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from oval_edge.units import format_bytes
+
+from .compute import DevicePlan
+from .memory import PagePlan, geometry_for
+
+
+def _tok_s(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.1f}"
+
+
+def _span(values: list[int]) -> str:
+    lo, hi = min(values), max(values)
+    return format_bytes(lo) if lo == hi else f"{format_bytes(lo)}..{format_bytes(hi)}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def device_line(plan: DevicePlan) -> str:
+    d = plan.device
+    bw = f"{d.bandwidth_gbps:g} GB/s" if d.bandwidth_gbps else "bandwidth unknown"
+    gpu = f", {d.gpu_sms} SMs {d.arch}" if d.gpu_sms else ""
+    modes = ", power modes " + " ".join(f"{m.id}:{m.name}" for m in d.power_modes) if d.power_modes else ""
+    return f"{d.title}: {format_bytes(d.dram_bytes)}, {bw} ({d.bandwidth_note}){gpu}{modes}"
+
+
+def format_device_plan(plan: DevicePlan) -> str:
+    s, r, w = plan.shape, plan.request, plan.weights
+    geo = geometry_for(s, r.oval.replace(page_size=plan.rows[0].page_size), w.target)
+    lines = [
+        f"model    : {s.describe()}",
+        f"device   : {device_line(plan)}",
+        f"budget   : {format_bytes(plan.budget_bytes)} ({plan.budget_source})",
+        f"weights  : {format_bytes(w.total)} {r.quant} ({w.layout} layout on {w.target}): 4-bit codes "
+        f"{format_bytes(w.linear_codes)} + quant state {format_bytes(w.quant_state)}"
+        + (f" + dense projections {format_bytes(w.dense_linear)}" if w.dense_linear else "")
+        + f", embedding {format_bytes(w.embedding)}, lm_head "
+        + ("tied (0 B)" if w.lm_head == 0 else format_bytes(w.lm_head))
+        + f", norms {format_bytes(w.norms)}" + (f", biases {format_bytes(w.biases)}" if w.biases else ""),
+        f"KV       : {format_bytes(geo.kv_bytes_per_token)} per token ({geo.dtype}, all layers) + {r.oval.scorer} "
+        f"summaries (rank {r.oval.rank}) {format_bytes(geo.summary_bytes_per_page)} per page of {geo.page_size}; "
+        f"top_k {r.oval.top_k}, sink {r.oval.sink_pages}, window {r.oval.window_max}, "
+        f"dense layers {r.oval.dense_layers}",
+        f"process  : runtime overhead {format_bytes(plan.runtime_overhead)}; loading peaks at "
+        f"{format_bytes(plan.load_peak_bytes)}",
+        f"request  : context {r.context} x batch {r.batch}, prefill chunk {r.prefill_chunk}",
+        f"workspace: per page size, serve's formula reserves {_span([p.serve_workspace_bytes for p in plan.rows])}; "
+        f"the largest step needs {_span([p.transient_bytes for p in plan.rows])}, of which sealing pages "
+        f"(a few pages x {s.layers} layers x {s.kv_heads} heads at once, bounded by bytes) "
+        f"{_span([p.seal_bytes for p in plan.rows])}; the plan sets aside the larger",
+        "",
+    ]
+    if plan.load_exceeds_budget:
+        lines.insert(-1, f"warning  : loading as runtime/model/loader.py does (whole dense model, then quantize layer by "
+                         f"layer) peaks at {format_bytes(plan.load_peak_bytes)}, above the budget: it would swap or be "
+                         "OOM-killed; quantize on another machine or load layer by layer")
+    if s.max_context and r.context > s.max_context:
+        lines.insert(-1, f"warning  : context {r.context} exceeds the model's trained context {s.max_context}")
+    header = ["page", "pages", "pool", "tokens", "max ctx/seq", f"fits {r.context}x{r.batch}", "read tok/step",
+              "KV read/step", "bytes/step", "decode tok/s", "workspace", "transient", "peak"]
+    rows = [[str(p.page_size), str(p.pages), format_bytes(p.pool_bytes), str(p.tokens_in_pool),
+             str(p.max_context_per_sequence), "yes" if p.fits else "no", str(p.tokens_read_per_step),
+             format_bytes(p.kv_bytes_read_per_step + p.summary_bytes_read_per_step), format_bytes(p.bytes_per_step),
+             _tok_s(p.decode_tok_s), format_bytes(p.workspace_bytes), format_bytes(p.transient_bytes),
+             format_bytes(p.predicted_peak_bytes)]
+            for p in plan.rows]
+    lines.append(_table(header, rows))
+    lines.append("")
+    if plan.recommended is not None:
+        p = plan.recommended
+        lines.append(
+            f"recommendation: page_size {p.page_size} -> {p.pages} pages, up to {p.max_context_per_sequence} tokens "
+            f"per sequence at batch {r.batch}, roofline decode {_tok_s(p.decode_tok_s)} tok/s, predicted peak "
+            f"{format_bytes(p.predicted_peak_bytes)}"
+        )
+        lines.append(f"  {p.explain}")
+    else:
+        lines.append(plan.does_not_fit_message())
+    if plan.bandwidth_gbps is None:
+        lines.append("note: decode tok/s needs the memory bandwidth; pass --bandwidth GB/s to get the roofline")
+    return "\n".join(lines)
+
+
+def best_row(plan: DevicePlan) -> PagePlan:
+    return plan.recommended or max(plan.rows, key=lambda p: (p.pages, -p.minimum_budget))
+
+
+def format_all_table(plans: list[DevicePlan]) -> str:
+    r = plans[0].request
+    header = ["device", "DRAM", "GB/s", "budget", "weights", "page", "pages", f"longest ctx x{r.batch}",
+              f"fits {r.context}x{r.batch}", "decode tok/s", "serve peak", "load peak", "min budget"]
+    rows = []
+    for plan in plans:
+        p = best_row(plan)
+        bw = f"{plan.bandwidth_gbps:g}" if plan.bandwidth_gbps else "n/a"
+        rows.append([plan.device.name, format_bytes(plan.device.dram_bytes), bw, format_bytes(plan.budget_bytes),
+                     format_bytes(plan.weights.total), str(p.page_size), str(p.pages),
+                     str(plan.longest_context[0]), "yes" if p.fits else "no", _tok_s(p.decode_tok_s),
+                     format_bytes(p.predicted_serving_peak_bytes),
+                     format_bytes(plan.load_peak_bytes) + (" (!)" if plan.load_exceeds_budget else ""),
+                     format_bytes(min(row.minimum_budget for row in plan.rows))])
+    s = plans[0].shape
+    title = (f"{s.name}, {r.quant}, context {r.context} x batch {r.batch} "
+             f"(budget = DRAM - {'desktop' if r.desktop else 'headless'} OS reserve; best page size per module)")
+    text = title + "\n" + _table(header, rows)
+    if any(plan.load_exceeds_budget for plan in plans):
+        text += ("\n(!) loading as runtime/model/loader.py does (whole dense model, then quantize) needs more than the "
+                 "budget on this module")
+    return text
+
+
+def plan_json(plan: DevicePlan) -> dict:
+    d = plan.device
+    best = best_row(plan)
+    return {
+        "device": {"name": d.name, "title": d.title, "kind": d.kind, "dram_bytes": d.dram_bytes,
+                   "bandwidth_gbps": plan.bandwidth_gbps, "bandwidth_note": d.bandwidth_note,
+                   "gpu_sms": d.gpu_sms, "arch": d.arch,
+                   "power_modes": [asdict(m) for m in d.power_modes], "reserve_note": d.reserve_note},
+        "budget_bytes": plan.budget_bytes,
+        "budget_source": plan.budget_source,
+        "weights": plan.weights.as_dict(),
+        "weight_bytes": plan.weights.total,
+        "runtime_overhead_bytes": plan.runtime_overhead,
+        "load_peak_bytes": plan.load_peak_bytes,
+        "page_sizes": [p.as_dict() for p in plan.rows],
+        "recommended": plan.recommended.as_dict() if plan.recommended else None,
+        "fits": plan.fits,
+        "longest_context": plan.longest_context[0],
+        "longest_context_page_size": plan.longest_context[1],
+        # The number to compare with a measured serve peak: the recommended row's, else the largest pool's.
+        "predicted_peak_bytes": best.predicted_peak_bytes,
+        "predicted_serving_peak_bytes": best.predicted_serving_peak_bytes,
+        "message": None if plan.fits else plan.does_not_fit_message(),
+    }
+
+
+def report_json(plans: list[DevicePlan]) -> dict:
+    r = plans[0].request
+    out = {
+        "model": asdict(plans[0].shape),
+        "request": {"quant": r.quant, "context": r.context, "batch": r.batch, "page_sizes": list(r.page_sizes),
+                    "prefill_chunk": r.prefill_chunk, "desktop": r.desktop, "oval": r.oval.to_dict()},
+        "devices": [plan_json(p) for p in plans],
+    }
+    if len(plans) == 1:
+        out["predicted_peak_bytes"] = out["devices"][0]["predicted_peak_bytes"]
+    return out

@@ -1,0 +1,128 @@
+"""Weight bytes as the runtime really holds them (runtime/model/quantize.py + runtime/model/loader.py), without torch.
+
+4-bit: every nn.Linear inside the decoder layers becomes a bitsandbytes Linear4bit (nf4 or fp4, blocksize 64,
+compress_statistics=True). For a weight W [N out, K in], n = N*K, blocks = ceil(n / 64), bitsandbytes stores:
+
+  nested layout (CUDA/Jetson, and CPUs without AVX512-BF16) - functional.quantize_4bit:
+      codes       uint8 [ceil(n/2), 1]            two 4-bit codes per byte
+      absmax      uint8 [blocks]                  double quantization: the fp32 absmax quantized to 8 bits ...
+      state2.absmax fp32 [ceil(blocks/256)]       ... in blocks of 256, with their own scale
+      state2.code fp32 [256]                      the 8-bit dynamic map (one copy per layer)
+      offset      fp32 []                         mean absmax subtracted before the 8-bit quantization
+      code        fp32 [16]                       the nf4/fp4 code book
+  packed CPU layout (x86 with AVX512-BF16: Linear4bit.forward calls
+  functional._convert_weight_packed_for_cpu; the runtime does it at load, quantize._pack_for_cpu):
+      codes       uint8 [N, K/2]                  re-tiled for the fused kernel, same byte count
+      absmax      bf16  [K/64, N]                 un-nested: state2 is dropped, absmax back to 16 bits
+      code        fp32 [16]
+The counting matches runtime.model.quantize.weight_bytes (each storage once; offset only while nested).
+
+Everything else stays dense (runtime/model/loader.py): embedding, untied lm_head and RMSNorm weights in the
+activation dtype (fp32 on CPU, fp16 on CUDA/Jetson); q/k/v biases (Qwen2) in the 4-bit layers' compute dtype
+(bf16 on CPU, fp16 on CUDA), since bitsandbytes casts the bias to it on the first forward. A tied lm_head is the
+embedding tensor and is counted once. quant 'none' keeps every projection dense in the activation dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from oval_edge.runtime.model.source import QUANT_TYPES
+
+from .model import ModelShape
+
+BLOCKSIZE = 64
+NESTED_BLOCKSIZE = 256  # bitsandbytes quantize_blockwise of the absmax (blocksize=256 in quantize_4bit)
+CODE_BOOK_BYTES = 16 * 4
+DYNAMIC_MAP_BYTES = 256 * 4
+OFFSET_BYTES = 4
+CPU_PACK_BLOCK_N = 32  # _convert_weight_packed_for_cpu asserts N % 32 == 0
+
+# Storage dtypes per target kind, mirroring runtime/model/loader.py (compute_dtype_for / load_dtype). If the loader
+# changes, tests/test_plan.py::test_weight_bytes_match_loaded_model fails and points here.
+ACTIVATION_BYTES = {"cpu": 4, "cuda": 2}  # embedding, untied head, norms, 'none' projections
+LINEAR4_COMPUTE_BYTES = {"cpu": 2, "cuda": 2}  # bf16 on CPU, fp16 on CUDA: Qwen2 biases of 4-bit layers
+LAYOUTS = ("nested", "cpu-packed")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def linear4bit_bytes(n_out: int, n_in: int, layout: str) -> tuple[int, int]:
+    """(packed code bytes, quantization-state bytes) of one Linear4bit weight [n_out, n_in]."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is unknown; allowed: {', '.join(LAYOUTS)}")
+    n = n_out * n_in
+    codes = ceil_div(n, 2)
+    if layout == "cpu-packed":
+        return codes, (n_in // BLOCKSIZE) * n_out * 2 + CODE_BOOK_BYTES
+    blocks = ceil_div(n, BLOCKSIZE)
+    nested = blocks + 4 * ceil_div(blocks, NESTED_BLOCKSIZE) + DYNAMIC_MAP_BYTES + OFFSET_BYTES
+    return codes, nested + CODE_BOOK_BYTES
+
+
+def cpu_layout(shape: ModelShape, cpu_flags: frozenset[str]) -> str:
+    """Which 4-bit layout a CPU run ends up with: packed when bitsandbytes' AVX512-BF16 kernel applies."""
+    packable = all(n % CPU_PACK_BLOCK_N == 0 and k % BLOCKSIZE == 0 for _, n, k in shape.projections())
+    return "cpu-packed" if "avx512_bf16" in cpu_flags and packable else "nested"
+
+
+@dataclass(frozen=True)
+class WeightBreakdown:
+    quant: str
+    layout: str  # "nested" | "cpu-packed" | "dense"
+    target: str  # "cpu" | "cuda"
+    linear_codes: int  # 4-bit codes of all projections (0 for quant 'none')
+    quant_state: int  # absmax / code books / nested state of all projections
+    dense_linear: int  # projections kept dense (quant 'none')
+    biases: int
+    embedding: int
+    lm_head: int  # 0 when tied to the embedding
+    norms: int
+
+    @property
+    def total(self) -> int:
+        return (self.linear_codes + self.quant_state + self.dense_linear + self.biases + self.embedding
+                + self.lm_head + self.norms)
+
+    @property
+    def read_per_decode_step(self) -> int:
+        """Bytes of weights one decode step streams: everything but the embedding table (only B rows of it are
+        read), except that a tied head reads the whole embedding matrix for the logits."""
+        return self.total if self.lm_head == 0 else self.total - self.embedding
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {
+            "total": self.total, "read_per_decode_step": self.read_per_decode_step}
+
+
+def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozenset[str] = frozenset()) -> WeightBreakdown:
+    """Bytes of every weight the runtime keeps for `shape` on a `target` ("cpu" or "cuda"; Jetson is cuda)."""
+    if quant not in QUANT_TYPES:
+        raise ValueError(f"quant={quant!r} is unknown; allowed: {', '.join(QUANT_TYPES)}")
+    if target not in ACTIVATION_BYTES:
+        raise ValueError(f"target={target!r} is unknown; allowed: {', '.join(ACTIVATION_BYTES)}")
+    act = ACTIVATION_BYTES[target]
+    codes = state = dense = 0
+    if quant == "none":
+        layout = "dense"
+        dense = shape.layers * sum(n * k for _, n, k in shape.projections()) * act
+        bias_bytes = act
+    else:
+        layout = cpu_layout(shape, cpu_flags) if target == "cpu" else "nested"
+        for _, n, k in shape.projections():
+            c, s = linear4bit_bytes(n, k, layout)
+            codes += c * shape.layers
+            state += s * shape.layers
+        bias_bytes = LINEAR4_COMPUTE_BYTES[target]
+    biases = shape.layers * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * bias_bytes if shape.qkv_bias else 0
+    # 4-bit modes keep the embedding (and an untied head) in 16 bits: bf16 on CPU, fp16 on CUDA
+    # (runtime.model.embeddings), while activations stay in `act`.
+    embedding = shape.vocab * shape.hidden * (act if quant == "none" else 2)
+    return WeightBreakdown(
+        quant=quant, layout=layout, target=target, linear_codes=codes, quant_state=state, dense_linear=dense,
+        biases=biases, embedding=embedding, lm_head=0 if shape.tied_embeddings else embedding,
+        # input + post-attention RMSNorm per layer, plus the final norm
+        norms=(2 * shape.layers + 1) * shape.hidden * act,
+    )

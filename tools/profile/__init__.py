@@ -1,0 +1,1 @@
+"""`oval-edge profile`: measure page_size / top-k on this device and choose one."""
