@@ -1,4 +1,5 @@
-"""The engine: admission by pages, chunked prefill, batched decode, sampling (nano-vllm's schedule -> run -> post).
+"""The engine: admission by pages (scheduler.py), chunked prefill, batched decode, sampling (nano-vllm's
+schedule -> run -> postprocess).
 
 Thread safety: `submit`, `cancel` and `step` take one lock, so an HTTP thread may submit or cancel while the
 engine thread steps; a cancel lands between steps and frees the request's pages at once.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 
 import torch
 
@@ -18,8 +18,9 @@ from oval_edge.runtime.model.heap import release_heap
 from oval_edge.runtime.model.loader import LoadedModel, load_model
 
 from .paged_llama import PagedLlama
-from .request import FINISHED, PREFILL, RUNNING, WAITING, QueueFull, Request, RequestRejected
+from .request import FINISHED, RUNNING, WAITING, QueueFull, Request, RequestRejected
 from .sampling import SamplingParams
+from .scheduler import Scheduler
 from .setup import EngineConfig, build_pool
 from .stats import EngineStats
 
@@ -40,8 +41,7 @@ class Engine:
             self.runner.hooks.window = window_hook(self.oval, loaded.config, loaded.name, loaded.device)
         self.eos_ids = _eos_ids(loaded)
         self.stats = EngineStats(pages_total=self.pool.num_pages)
-        self._waiting: deque[Request] = deque()
-        self._active: list[Request] = []  # in prefill or running, in admission order
+        self.scheduler = Scheduler(self.pool, self.config.max_batch, self.config.max_queue)
         self._lock = threading.RLock()
 
     @classmethod
@@ -68,17 +68,18 @@ class Engine:
                 f"tokens exceeds this server's limit of {limit} tokens; shorten the prompt or lower max_tokens"
             )
         with self._lock:
-            if len(self._waiting) >= self.config.max_queue:
+            try:
+                self.scheduler.enqueue(request)
+            except QueueFull:
                 self.stats.refused += 1
-                raise QueueFull(f"the queue holds {self.config.max_queue} waiting requests; retry shortly")
-            self._waiting.append(request)
+                raise
             self._refresh_stats()
         return request
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request now and free its pages; False if it is unknown or already finished."""
         with self._lock:
-            for request in list(self._waiting) + self._active:
+            for request in self.scheduler.requests():
                 if request.request_id == request_id and not request.finished:
                     self._end(request, "cancelled")
                     self._refresh_stats()
@@ -86,38 +87,29 @@ class Engine:
         return False
 
     def has_work(self) -> bool:
-        return bool(self._waiting) or any(not r.finished for r in self._active)
+        return self.scheduler.has_work()
 
     # ---- one engine step -----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Admit what fits, run one prefill chunk and one batched decode; returns requests that finished."""
         with self._lock:
             finished: list[Request] = []
-            self._admit()
-            prefilling = [r for r in self._active if r.status == PREFILL]
+            self.scheduler.admit()
+            prefilling = self.scheduler.prefilling()
             if prefilling:
                 finished += self._guarded(self._prefill_chunk, [prefilling[0]])
-            running = [r for r in self._active if r.status == RUNNING]
+            running = self.scheduler.running()
             if running:
                 finished += self._guarded(self._decode, running)
-            self._active = [r for r in self._active if not r.finished]
+            self.scheduler.sweep()
             self._refresh_stats()
             return finished
 
     def _refresh_stats(self) -> None:
         # Also called by submit and cancel, so /metrics is right between steps, not only after the next one.
-        self.stats.running = sum(1 for r in self._active if not r.finished)
-        self.stats.waiting = len(self._waiting)
+        self.stats.running = self.scheduler.num_unfinished
+        self.stats.waiting = len(self.scheduler.waiting)
         self.stats.pages_used = self.pool.num_used
-
-    def _admit(self) -> None:
-        while self._waiting and len(self._active) < self.config.max_batch:
-            request = self._waiting[0]
-            if self.pool.allocate(request.request_id, request.reserved_tokens) is None:
-                return  # head of line waits for pages (FIFO keeps long prompts from starving)
-            self._waiting.popleft()
-            request.status = PREFILL
-            self._active.append(request)
 
     def _guarded(self, work, requests: list[Request]) -> list[Request]:
         """Run a step; if it raises, fail just these requests (pages freed) and keep serving the rest."""
@@ -173,8 +165,7 @@ class Engine:
         return finished
 
     def _end(self, request: Request, reason: str, error: str | None = None) -> None:
-        if request in self._waiting:
-            self._waiting.remove(request)
+        self.scheduler.remove(request)
         self.pool.free(request.request_id)
         if self.runner.reuse is not None:  # its selections must not outlive it (oval_edge/sparse/reuse.py)
             self.runner.reuse.drop(request.request_id)
