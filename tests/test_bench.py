@@ -57,6 +57,8 @@ def test_tiny_bench_writes_rows_ratios_and_runs(tmp_path, capsys):
         # The process holds at least its own weights; the run peak never exceeds the whole-life peak.
         assert row["peak_rss_mb"] * 2**20 > row["weight_bytes"] > 0
         assert row["run_peak_rss_mb"] <= row["peak_rss_mb"]
+        # One decode step's dispatched ops, counted past the timed steps: at least a few per layer of 30.
+        assert row["ops_per_decode_step"] > 30 * 10
     # Dense reads every cached token of every layer at the last step: >= 323 tokens x K/V bytes per token
     # (SmolLM2: 30 layers x 3 KV heads x 64 dims, K and V, in the pool's dtype).
     per_token = 2 * 30 * 3 * 64 * {"float32": 4, "bfloat16": 2, "float16": 2}[rows["dense"]["kv_dtype"]]

@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
-_SCORE_ARGS = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr]
-_ATTEND_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr]
+_SCORE_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr]
+_ATTEND_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr]
 
 
 class NativeKernels:
@@ -47,10 +47,11 @@ class NativeKernels:
             self._scores[dtype], self._attend[dtype] = scores, attend
 
     def oval_scores(self, q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, page_table: torch.Tensor,
-                    scale: float) -> torch.Tensor | None:
+                    scale: float, counts: torch.Tensor | None = None) -> torch.Tensor | None:
         """scoring.oval_scores over the pages `page_table` [B, Np] lists, reading one layer's summaries in place.
 
         q [B, Hkv, G, D]; basis U^T [Hkv, pages, r, D]; coords C^T [Hkv, pages, r, P] -> scores [B, Hkv, Np] fp32.
+        counts [B] int64: score only each row's first counts[b] pages (the rest get -3e38 and are not read).
         """
         kernel = self._scores.get(basis.dtype)
         b, hkv, group, dim = q.shape
@@ -58,17 +59,19 @@ class NativeKernels:
         if (kernel is None or coords.dtype != basis.dtype or not _on_cpu(q, basis, coords, page_table)
                 or not (basis.is_contiguous() and coords.is_contiguous())):
             return None
-        q = q.float().contiguous()
-        table = page_table.to(torch.int64).contiguous()
+        q = _as(q, torch.float32).contiguous()
+        table = _as(page_table, torch.int64).contiguous()
         out = torch.empty((b, hkv, table.shape[1]), dtype=torch.float32)
-        code = kernel(q.data_ptr(), basis.data_ptr(), coords.data_ptr(), table.data_ptr(), b, hkv, group, dim,
+        code = kernel(q.data_ptr(), basis.data_ptr(), coords.data_ptr(), table.data_ptr(), _row_bounds(counts), b,
+                      hkv, group, dim,
                       rank, page_size, table.shape[1], pages_total, float(scale), out.data_ptr())
         return _result(code, out, "oval_scores", "page table holds a page outside 0..{}", pages_total - 1)
 
     def attend_slots(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
-                     valid: torch.Tensor, scale: float) -> torch.Tensor | None:
+                     valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None) -> torch.Tensor | None:
         """attention.attend over the valid slots of `flat` [B, Hkv, T] (rows of one layer's [rows, D] K and V
-        views), reading them in place instead of gathering. q [B, Hq, D] fp32 -> [B, Hq, D]."""
+        views), reading them in place instead of gathering. q [B, Hq, D] fp32 -> [B, Hq, D].
+        limits [B] int64: row b visits only its first limits[b] slots (the rest count as invalid)."""
         kernel = self._attend.get(k_rows.dtype)
         b, hq, dim = q.shape
         hkv, slots = flat.shape[1], flat.shape[2]
@@ -77,12 +80,13 @@ class NativeKernels:
                 or not (k_rows.is_contiguous() and v_rows.is_contiguous())):
             return None
         q = q.contiguous()
-        idx = flat.to(torch.int64).contiguous()
-        ok = valid.to(torch.bool).contiguous()
+        idx = _as(flat, torch.int64).contiguous()
+        ok = _as(valid, torch.bool).contiguous()
         weights = torch.empty(hq // hkv * slots, dtype=torch.float32)  # scratch: one row of logits per query head
         out = torch.empty_like(q)
         code = kernel(q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), k_rows.shape[0], idx.data_ptr(),
-                      ok.data_ptr(), b, hkv, hq // hkv, dim, slots, float(scale), weights.data_ptr(), out.data_ptr())
+                      ok.data_ptr(), _row_bounds(limits), b, hkv, hq // hkv, dim, slots, float(scale),
+                      weights.data_ptr(), out.data_ptr())
         return _result(code, out, "attend_slots", "a valid slot lies outside the layer's 0..{} rows",
                        k_rows.shape[0] - 1)
 
@@ -114,6 +118,20 @@ def _load() -> NativeKernels | None:
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         log.warning("native CPU kernels unavailable (%s); decoding with torch ops (slower at long context)", exc)
         return None
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A same-dtype .to() is still one dispatched op, and these run for every layer of every decode step.
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _row_bounds(bounds: torch.Tensor | None) -> int | None:
+    """The kernels' optional per-row bound [B] int64 (NULL when None); must stay alive for the call."""
+    if bounds is None:
+        return None
+    if bounds.dtype != torch.int64 or not bounds.is_contiguous() or bounds.device.type != "cpu":
+        raise ValueError("per-row bounds must be a contiguous int64 CPU tensor [B]")
+    return bounds.data_ptr()
 
 
 def _on_cpu(*tensors: torch.Tensor) -> bool:

@@ -35,6 +35,10 @@ def self_check(kernels: NativeKernels) -> str | None:
         got = kernels.oval_scores(q, basis, coords, table, 0.125)
         if got is None or not torch.allclose(got, want, rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE):
             return f"oval_scores {dtype}"
+        counted = kernels.oval_scores(q, basis, coords, table, 0.125, counts=torch.tensor([2, 3]))
+        if counted is None or not (torch.equal(counted[0, :, :2], got[0, :, :2]) and torch.equal(counted[1], got[1])
+                                   and bool((counted[0, :, 2] < -1e38).all())):
+            return f"oval_scores with counts {dtype}"
         k_rows = torch.randn(pages * hkv * page_size, dim, generator=gen).to(dtype)
         v_rows = torch.randn(pages * hkv * page_size, dim, generator=gen).to(dtype)
         k, v = k_rows[flat].float(), v_rows[flat].float()  # [B, Hkv, T, D]
@@ -44,6 +48,12 @@ def self_check(kernels: NativeKernels) -> str | None:
         got = kernels.attend_slots(q.reshape(2, hkv * group, dim), k_rows, v_rows, flat, valid, 0.125)
         if got is None or not torch.allclose(got, want, rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE):
             return f"attend_slots {dtype}"
+        limits = torch.tensor([25, 40])
+        bounded = valid & (torch.arange(40) < limits[:, None, None])
+        want = kernels.attend_slots(q.reshape(2, hkv * group, dim), k_rows, v_rows, flat, bounded, 0.125)
+        got = kernels.attend_slots(q.reshape(2, hkv * group, dim), k_rows, v_rows, flat, valid, 0.125, limits=limits)
+        if got is None or want is None or not torch.allclose(got, want, rtol=SELF_CHECK_TOLERANCE, atol=1e-6):
+            return f"attend_slots with limits {dtype}"
     return None
 
 

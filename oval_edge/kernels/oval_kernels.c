@@ -69,6 +69,15 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *rows,
     prefetch_bytes((const char *)rows + row * dim * size, dim * size);
 }
 
+/* A row's share of a padded axis: counts[b] clamped to [0, width], or the whole width without counts. */
+static inline int64_t row_count(const int64_t *counts, int64_t b, int64_t width) {
+    if (!counts) return width;
+    int64_t c = counts[b];
+    return c < 0 ? 0 : (c > width ? width : c);
+}
+
+#define UNSCORED (-3.0e38f) /* the score of a page a row's count leaves out (finite: built with finite math) */
+
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc = 0.0f;
     for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
@@ -79,14 +88,19 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
  *   out[b, h, n] = ln( sum over the group's query heads g and the page's tokens p of exp(scale * C[p] . (U^T q_g)) )
  * q [B, Hkv, G, D] fp32; basis U^T [Hkv, pages_total, r, D]; coords C^T [Hkv, pages_total, r, P] (one layer of the
  * pool's head-major summaries); page_table [B, Np] physical pages; out [B, Hkv, Np] fp32.
+ * counts [B] (or NULL: all Np): how many leading pages of each row to score. Why: the static decode step pads every
+ * page table to the longest allowed sequence; pages past a row's count are not read and get UNSCORED (callers mask
+ * them: they are not candidates), so the work follows the row's length while the shapes stay fixed.
  * Returns 1 for shapes above the fixed limits, 2 for a page index outside the pool. */
 static inline __attribute__((always_inline)) int oval_scores(
     const float *restrict q, const void *restrict basis, const void *restrict coords,
-    const int64_t *restrict page_table, int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int64_t rank,
-    int64_t page_size, int64_t num_pages, int64_t pages_total, float scale, float *restrict out, int is_bf16) {
+    const int64_t *restrict page_table, const int64_t *restrict counts, int64_t batch, int64_t kv_heads,
+    int64_t group, int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages, int64_t pages_total, float scale,
+    float *restrict out, int is_bf16) {
     if (dim > MAX_DIM || group > MAX_GROUP || rank > MAX_RANK || page_size > MAX_PAGE) return 1;
-    for (int64_t i = 0; i < batch * num_pages; i++)
-        if (page_table[i] < 0 || page_table[i] >= pages_total) return 2;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t n = 0; n < row_count(counts, b, num_pages); n++)
+            if (page_table[b * num_pages + n] < 0 || page_table[b * num_pages + n] >= pages_total) return 2;
     const float log2e = 1.4426950408889634f, ln2 = 0.6931471805599453f;
     float row[MAX_DIM > MAX_PAGE ? MAX_DIM : MAX_PAGE];
     float projected[MAX_GROUP * MAX_RANK]; /* [G, r]: the group's queries in the page's basis, log2 units */
@@ -94,7 +108,9 @@ static inline __attribute__((always_inline)) int oval_scores(
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *qh = q + (b * kv_heads + h) * group * dim;
-            for (int64_t n = 0; n < num_pages; n++) {
+            int64_t scored = row_count(counts, b, num_pages);
+            for (int64_t n = scored; n < num_pages; n++) out[(b * kv_heads + h) * num_pages + n] = UNSCORED;
+            for (int64_t n = 0; n < scored; n++) {
                 int64_t page = page_table[b * num_pages + n];
                 int64_t u = (h * pages_total + page) * rank * dim, c = (h * pages_total + page) * rank * page_size;
                 for (int64_t i = 0; i < rank; i++) {
@@ -137,14 +153,19 @@ static inline __attribute__((always_inline)) int oval_scores(
  * q [B, Hkv, G, D] fp32; k_rows, v_rows [rows_total, D] (one layer of the pool); flat [B, Hkv, T] row indices;
  * valid [B, Hkv, T] (bytes, 0 or 1); weights: scratch of G * T floats; out [B, Hkv, G, D] fp32.
  * K and V rows are read in place: nothing is gathered. A (b, h) with no valid slot gets zeros.
+ * limits [B] (or NULL: all T): slots at or past limits[b] count as invalid and are not visited (the static step's
+ * dense layers list every slot of the padded page table; a row's length bounds what it reads).
  * Returns 1 for shapes above the fixed limits, 2 for a slot index outside the layer. */
 static inline __attribute__((always_inline)) int attend_slots(
     const float *restrict q, const void *restrict k_rows, const void *restrict v_rows, int64_t rows_total,
-    const int64_t *restrict flat, const uint8_t *restrict valid, int64_t batch, int64_t kv_heads, int64_t group,
-    int64_t dim, int64_t slots, float scale, float *restrict weights, float *restrict out, int is_bf16) {
+    const int64_t *restrict flat, const uint8_t *restrict valid, const int64_t *restrict limits, int64_t batch,
+    int64_t kv_heads, int64_t group, int64_t dim, int64_t slots, float scale, float *restrict weights,
+    float *restrict out, int is_bf16) {
     if (dim > MAX_DIM || group > MAX_GROUP) return 1;
-    for (int64_t i = 0; i < batch * kv_heads * slots; i++)
-        if (valid[i] && (flat[i] < 0 || flat[i] >= rows_total)) return 2;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t h = 0; h < kv_heads; h++)
+            for (int64_t t = 0, i = (b * kv_heads + h) * slots; t < row_count(limits, b, slots); t++)
+                if (valid[i + t] && (flat[i + t] < 0 || flat[i + t] >= rows_total)) return 2;
     const float log2e = 1.4426950408889634f;
     float row[MAX_DIM];
     float acc[MAX_GROUP * MAX_DIM];
@@ -155,15 +176,16 @@ static inline __attribute__((always_inline)) int attend_slots(
             const int64_t *idx = flat + (b * kv_heads + h) * slots;
             const uint8_t *ok = valid + (b * kv_heads + h) * slots;
             float *oh = out + (b * kv_heads + h) * group * dim;
+            int64_t used = row_count(limits, b, slots); /* slots [0, used) are visited; weights keep stride slots */
             for (int64_t g = 0; g < group; g++) peak[g] = -3.0e38f;
             int64_t seen = 0;
             /* Logits in log2 units. Unread slots get -3e38: weight ~1e-38, and their values are never read. */
-            for (int64_t t = 0; t < slots; t++) {
+            for (int64_t t = 0; t < used; t++) {
                 if (!ok[t]) {
                     for (int64_t g = 0; g < group; g++) weights[g * slots + t] = -3.0e38f;
                     continue;
                 }
-                if (t + PREFETCH_SLOTS < slots) prefetch_row(k_rows, idx[t + PREFETCH_SLOTS], dim, is_bf16);
+                if (t + PREFETCH_SLOTS < used) prefetch_row(k_rows, idx[t + PREFETCH_SLOTS], dim, is_bf16);
                 for (int64_t d = 0; d < dim; d++) row[d] = load(k_rows, idx[t] * dim + d, is_bf16);
                 for (int64_t g = 0; g < group; g++) {
                     float s = scale * log2e * dot(qh + g * dim, row, dim);
@@ -178,16 +200,16 @@ static inline __attribute__((always_inline)) int attend_slots(
             }
             for (int64_t g = 0; g < group; g++) { /* one vectorised pass: logits -> unnormalised weights */
                 float *w = weights + g * slots, sum = 0.0f;
-                for (int64_t t = 0; t < slots; t++) {
+                for (int64_t t = 0; t < used; t++) {
                     w[t] = exp2_nonpositive(w[t] - peak[g]);
                     sum += w[t];
                 }
                 total[g] = sum;
             }
             for (int64_t j = 0; j < group * dim; j++) acc[j] = 0.0f;
-            for (int64_t t = 0; t < slots; t++) {
+            for (int64_t t = 0; t < used; t++) {
                 if (!ok[t]) continue;
-                if (t + PREFETCH_SLOTS < slots) prefetch_row(v_rows, idx[t + PREFETCH_SLOTS], dim, is_bf16);
+                if (t + PREFETCH_SLOTS < used) prefetch_row(v_rows, idx[t + PREFETCH_SLOTS], dim, is_bf16);
                 for (int64_t d = 0; d < dim; d++) row[d] = load(v_rows, idx[t] * dim + d, is_bf16);
                 for (int64_t g = 0; g < group; g++) {
                     float w = weights[g * slots + t], *a = acc + g * dim;
@@ -205,12 +227,12 @@ static inline __attribute__((always_inline)) int attend_slots(
  * and page sizes get their own instantiation: with constant trip counts the compiler unrolls the short inner loops
  * and drops their remainders (measured: scoring at D = 64, P = 32 takes 85 instead of 108 us per layer at 8k). */
 #define SCORE_ARGS                                                                                            \
-    const float *q, const void *basis, const void *coords, const int64_t *page_table, int64_t batch,          \
-        int64_t kv_heads, int64_t group, int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages,      \
-        int64_t pages_total, float scale, float *out
+    const float *q, const void *basis, const void *coords, const int64_t *page_table, const int64_t *counts,  \
+        int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int64_t rank, int64_t page_size,          \
+        int64_t num_pages, int64_t pages_total, float scale, float *out
 #define SCORE_WITH(DIM, PAGE, BF16)                                                                           \
-    oval_scores(q, basis, coords, page_table, batch, kv_heads, group, DIM, rank, PAGE, num_pages, pages_total, \
-                scale, out, BF16)
+    oval_scores(q, basis, coords, page_table, counts, batch, kv_heads, group, DIM, rank, PAGE, num_pages,      \
+                pages_total, scale, out, BF16)
 #define SCORE_DISPATCH(BF16)                                                                                  \
     if (dim == 64 && page_size == 16) return SCORE_WITH(64, 16, BF16);                                        \
     if (dim == 64 && page_size == 32) return SCORE_WITH(64, 32, BF16);                                        \
@@ -224,11 +246,11 @@ int oval_scores_bf16(SCORE_ARGS) { SCORE_DISPATCH(1) }
 
 #define ATTEND_ARGS                                                                                           \
     const float *q, const void *k_rows, const void *v_rows, int64_t rows_total, const int64_t *flat,          \
-        const uint8_t *valid, int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int64_t slots,      \
-        float scale, float *weights, float *out
+        const uint8_t *valid, const int64_t *limits, int64_t batch, int64_t kv_heads, int64_t group,           \
+        int64_t dim, int64_t slots, float scale, float *weights, float *out
 #define ATTEND_WITH(DIM, BF16)                                                                                \
-    attend_slots(q, k_rows, v_rows, rows_total, flat, valid, batch, kv_heads, group, DIM, slots, scale, weights, \
-                 out, BF16)
+    attend_slots(q, k_rows, v_rows, rows_total, flat, valid, limits, batch, kv_heads, group, DIM, slots, scale, \
+                 weights, out, BF16)
 #define ATTEND_DISPATCH(BF16)                                                                                 \
     if (dim == 64) return ATTEND_WITH(64, BF16);                                                              \
     if (dim == 128) return ATTEND_WITH(128, BF16);                                                            \

@@ -196,8 +196,13 @@ class PagePool:
 
     def commit(self, step: StepIndex) -> int:
         """Advance lengths after every layer wrote, then seal full pages. Returns pages sealed."""
+        return self.advance(step.seq_ids, step.lengths_list)
+
+    def advance(self, seq_ids: Sequence[Hashable], lengths: Sequence[int]) -> int:
+        """Set each sequence's length after a step wrote its tokens, then seal the pages it filled, all in one batch
+        (outside the step: sealing is eigh/QR work that syncs a GPU). Returns pages sealed."""
         to_seal: list[int] = []
-        for sid, length in zip(step.seq_ids, step.lengths_list):
+        for sid, length in zip(seq_ids, lengths):
             if sid not in self._tables:  # cancelled while the step ran
                 continue
             self._lengths[sid] = length

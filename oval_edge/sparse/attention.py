@@ -89,45 +89,54 @@ PER_HEAD_SLOTS = 2048  # from this many slots per KV head (dense layers at long 
 
 
 def attend_selection(pool: PagePool, layer: int, q: torch.Tensor, selection: Selection, scale: float) -> torch.Tensor:
-    """Attend over the selection's K/V. q [B, Hq, D] -> [B, Hq, D].
+    """Attend over the selection's K/V in one layer of the pool. q [B, Hq, D] -> [B, Hq, D]."""
+    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], selection.flat, selection.valid, scale)
 
-    On a CPU with the native kernels (oval_edge/kernels/cpu.py) the selected rows are read in place. Otherwise they are
-    gathered into a contiguous buffer first, and long selections go one KV head at a time: the same numbers, but the
-    bf16 -> fp32 copies of K and V live for one head only (at 8k: 4 MB instead of 12 MB per dense layer, and fresh
-    multi-MB buffers page-fault on every step).
+
+def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor,
+                scale: float, limits: torch.Tensor | None = None) -> torch.Tensor:
+    """Attend over the valid slots `flat` [B, Hkv, T] of one layer's K/V rows [rows, D]. q [B, Hq, D] -> [B, Hq, D].
+
+    limits [B]: row b reads only its first limits[b] slots (the static step's dense layers list every slot of a
+    padded page table). On a CPU with the native kernels (oval_edge/kernels/cpu.py) the rows are read in place.
+    Otherwise they are gathered into a contiguous buffer first, and long selections go one KV head at a time: the
+    same numbers, but the bf16 -> fp32 copies of K and V live for one head only (at 8k: 4 MB instead of 12 MB per
+    dense layer, and fresh multi-MB buffers page-fault on every step).
     """
     kernels = cpu_kernels() if q.device.type == "cpu" else None
     if kernels is not None:  # reads the selected rows in place: no gathered copy (oval_edge/kernels/cpu.py)
-        out = kernels.attend_slots(q, pool.k_rows[layer], pool.v_rows[layer], selection.flat, selection.valid, scale)
+        out = kernels.attend_slots(q, k_rows, v_rows, flat, valid, scale, limits)
         if out is not None:
             return out
-    if selection.slots < PER_HEAD_SLOTS:
-        k, v = gather_slots(pool, layer, selection.flat)
-        return attend(q, k, v, selection.valid, scale)
-    hkv = selection.flat.shape[1]
+    if limits is not None:
+        valid = valid & (torch.arange(flat.shape[-1], device=flat.device) < limits[:, None, None])
+    if flat.shape[-1] < PER_HEAD_SLOTS:
+        k, v = gather_rows(k_rows, v_rows, flat)
+        return attend(q, k, v, valid, scale)
+    hkv = flat.shape[1]
     group = q.shape[1] // hkv
     out = torch.empty_like(q)
-    for head, (k, v) in enumerate(head_by_head_kv(pool, layer, selection.flat, q.dtype)):  # [B, 1, T, D] each
+    for head, (k, v) in enumerate(head_by_head_kv(k_rows, v_rows, flat, q.dtype)):  # [B, 1, T, D] each
         heads = slice(head * group, (head + 1) * group)
-        out[:, heads] = attend(q[:, heads], k, v, selection.valid[:, head : head + 1], scale)
+        out[:, heads] = attend(q[:, heads], k, v, valid[:, head : head + 1], scale)
     return out
 
 
-def head_by_head_kv(pool: PagePool, layer: int, flat: torch.Tensor, dtype: torch.dtype):
-    """Yield each KV head's gathered K, V [B, 1, T, D] in `dtype` for the flat slots [B, Hkv, T].
+def head_by_head_kv(k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor, dtype: torch.dtype):
+    """Yield each KV head's gathered K, V [B, 1, T, D] in `dtype` for the flat slots [B, Hkv, T] of one layer's rows.
 
     All heads share one pair of buffers (valid until the next head is yielded): fresh multi-MB buffers per head land
     on different free heap pages each time, and a prefill chunk's 30 layers then left tens of MB resident until the
     chunk ended (with the compact heap of runtime/model/heap.py: 8k peak RSS ~660 -> ~635 MB).
     """
     b, hkv, t = flat.shape
-    d = pool.geometry.head_dim
-    picked = torch.empty((2, b, 1, t, d), dtype=pool.k.dtype, device=flat.device)  # [K; V] as stored in the pool
-    wide = picked if pool.k.dtype == dtype else torch.empty((2, b, 1, t, d), dtype=dtype, device=flat.device)
+    d = k_rows.shape[-1]
+    picked = torch.empty((2, b, 1, t, d), dtype=k_rows.dtype, device=flat.device)  # [K; V] as stored in the pool
+    wide = picked if k_rows.dtype == dtype else torch.empty((2, b, 1, t, d), dtype=dtype, device=flat.device)
     for head in range(hkv):
         idx = flat[:, head].reshape(-1)
-        torch.index_select(pool.k_rows[layer], 0, idx, out=picked[0].view(b * t, d))
-        torch.index_select(pool.v_rows[layer], 0, idx, out=picked[1].view(b * t, d))
+        torch.index_select(k_rows, 0, idx, out=picked[0].view(b * t, d))
+        torch.index_select(v_rows, 0, idx, out=picked[1].view(b * t, d))
         if wide is not picked:
             wide.copy_(picked)
         yield wide[0], wide[1]
@@ -148,12 +157,14 @@ def decode_plan(pool: PagePool, step: StepIndex, config: OvalConfig) -> DecodePl
 
 def gather_slots(pool: PagePool, layer: int, flat: torch.Tensor):
     """Copy the slots `flat` [B, Hkv, T] (flat pool indices) of one layer: -> k, v [B, Hkv, T, D]."""
-    g = pool.geometry
+    return gather_rows(pool.k_rows[layer], pool.v_rows[layer], flat)
+
+
+def gather_rows(k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor):
+    """Copy the rows `flat` [B, Hkv, T] of one layer's K and V [rows, D]: -> k, v [B, Hkv, T, D]."""
     idx = flat.reshape(-1)
-    shape = (*flat.shape, g.head_dim)
-    k = pool.k_rows[layer].index_select(0, idx).view(shape)
-    v = pool.v_rows[layer].index_select(0, idx).view(shape)
-    return k, v
+    shape = (*flat.shape, k_rows.shape[-1])
+    return k_rows.index_select(0, idx).view(shape), v_rows.index_select(0, idx).view(shape)
 
 
 def prefill_attention(
@@ -211,7 +222,7 @@ def _attend_history(pool: PagePool, layer: int, flat: torch.Tensor, q: torch.Ten
     group = q.shape[1] // hkv
     split = _split_attention_for_cpu() if q.device.type == "cpu" else None
     out = torch.empty_like(q)
-    for head, (k, v) in enumerate(head_by_head_kv(pool, layer, flat, q.dtype)):  # [1, 1, end, D] each
+    for head, (k, v) in enumerate(head_by_head_kv(pool.k_rows[layer], pool.v_rows[layer], flat, q.dtype)):
         heads = slice(head * group, (head + 1) * group)
         if split is not None:
             out[:, heads] = _history_without_mask(split, q[:, heads], k, v, start, scale)

@@ -68,11 +68,14 @@ def score_pages(
     layer: int,
     page_table: torch.Tensor,
     scale: float,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Score every page of every sequence's page table with the chosen scorer.
 
     q [B, Hkv, G, D]; page_table [B, Np] physical pages -> scores [B, Hkv, Np] (callers mask non-candidates).
-    Only the summaries of the listed pages are read, never their keys.
+    Only the summaries of the listed pages are read, never their keys. counts [B] int64 (optional): pages at or past
+    counts[b] are not candidates of row b (the static step's padded tables); the native kernel skips them, the torch
+    ops score them anyway (same shapes, and the caller masks them).
     """
     def gather(name: str) -> torch.Tensor:  # index_select on a flat index: far cheaper than advanced indexing
         table = summaries[name][layer]
@@ -86,7 +89,8 @@ def score_pages(
     if scorer == "oval":
         kernels = cpu_kernels() if q.device.type == "cpu" else None
         if kernels is not None:  # one pass over the listed pages' summaries, read in place (oval_edge/kernels/cpu.py)
-            scores = kernels.oval_scores(q, summaries["basis"][layer], summaries["coords"][layer], page_table, scale)
+            scores = kernels.oval_scores(q, summaries["basis"][layer], summaries["coords"][layer], page_table, scale,
+                                         counts)
             if scores is not None:
                 return scores
         return oval_scores(q, gather_head_major("basis"), gather_head_major("coords"), scale)

@@ -20,16 +20,17 @@ from oval_edge.config import OvalConfig
 
 @dataclass
 class Selection:
-    positions: torch.Tensor  # [B, Hkv, T] absolute positions (0 where invalid, so the gather stays in bounds)
+    positions: torch.Tensor | None  # [B, Hkv, T] absolute positions (0 where invalid); None: select(detail=False)
     valid: torch.Tensor  # [B, Hkv, T] bool
     pages: torch.Tensor | None  # [B, Hkv, k] logical pages chosen (-1: none / dense row); None for dense layers
+    # (and for select(detail=False))
     window: torch.Tensor | None  # [B, Hkv] entropy window length in tokens; meaningful only where sparse_rows
     sparse_rows: torch.Tensor  # [B] bool: the row used page selection
     flat: torch.Tensor | None = None  # [B, Hkv, T] indices into a layer's [pages*Hkv*P, D] view (plan-built)
 
     @property
     def slots(self) -> int:
-        return self.positions.shape[-1]
+        return self.valid.shape[-1]
 
 
 def window_slots(config: OvalConfig) -> int:
@@ -86,10 +87,14 @@ class DecodePlan:
     A step runs every layer with the same lengths, sealed counts and page tables, so candidate masks, sink and
     window slots (and, with a fixed window, their validity) are computed here once instead of once per layer.
     With `page_table` [B, Np] the plan also yields flat pool indices, so the gather needs no extra work.
+
+    static=True (the static decode step, runtime/engine/static_step.py): nothing is decided on the host. Rows that fit
+    the token budget are always merged in with `torch.where` (never a `bool()` of a device value), so the ops and
+    shapes depend only on B, Np and the config; the eager path instead skips selection when every row is short.
     """
 
     def __init__(self, config: OvalConfig, lengths: torch.Tensor, sealed: torch.Tensor, num_pages: int,
-                 kv_heads: int, page_table: torch.Tensor | None = None) -> None:
+                 kv_heads: int, page_table: torch.Tensor | None = None, static: bool = False) -> None:
         P, sink = config.page_size, config.sink_pages
         dev = lengths.device
         self.config, self.lengths, self.page_table = config, lengths, page_table
@@ -118,8 +123,8 @@ class DecodePlan:
             self.sink_valid, self.win_valid = self._edge_valid(self.start)
         self.dense_rows = lengths <= self.slots
         self.sparse_rows = ~self.dense_rows
-        self.all_dense = bool(self.dense_rows.all())
-        self.any_dense = bool(self.dense_rows.any())
+        self.all_dense = False if static else bool(self.dense_rows.all())
+        self.any_dense = True if static else bool(self.dense_rows.any())
         if self.any_dense:
             self.short = dense_selection(lengths, kv_heads, self.slots)
             self.short.flat = self._flat(self.short.positions)
@@ -155,22 +160,25 @@ class DecodePlan:
                 self._full.flat = ((table + self.heads[..., None]) * self.config.page_size + self.offsets).flatten(2)
         return self._full
 
-    def select(self, scores: torch.Tensor, window: torch.Tensor | None = None) -> Selection:
+    def select(self, scores: torch.Tensor, window: torch.Tensor | None = None, detail: bool = True) -> Selection:
         """Top-k pages of `scores` [B, Hkv, Np] plus sink and window for the rows longer than T.
 
         window [B, Hkv]: lengths chosen by the caller (the output-aware module), clamped to [window_min,
         window_max]; the window still ends at the newest token and covers the open page. None: the entropy rule.
+        detail=False: only what attention reads (flat, valid, window; positions and pages None), ~10 ops fewer per
+        layer, for the static decode step.
         """
         if self.all_dense:
             return self.short
         config, P, k = self.config, self.config.page_size, self.config.top_k
         neg = float("-inf")
+        scores = scores if scores.dtype == torch.float32 else scores.float()
         if self.fixed_window:  # a caller's window is clamped to [window_min, window_max]: the same fixed one
             window, start = self.window, self.start
-            masked = scores.float().masked_fill(self.unselectable, neg)
+            masked = scores.masked_fill(self.unselectable, neg)
             sink_valid, win_valid = self.sink_valid, self.win_valid
         else:
-            masked = scores.float().masked_fill(~self.candidates[:, None, :], neg)
+            masked = scores.masked_fill(~self.candidates[:, None, :], neg)
             if window is None:
                 window = adaptive_window(masked, self.candidates, config)  # [B, Hkv]
             else:
@@ -185,21 +193,25 @@ class DecodePlan:
             pad = torch.zeros(self.batch, self.kv_heads, k - take, dtype=torch.long, device=scores.device)
             top_pages = torch.cat([top_pages, pad], dim=-1)
             chosen = torch.cat([chosen, pad.bool()], dim=-1)
-        page_pos = top_pages[..., None] * P + self.offsets  # [B, Hkv, k, P]
-        page_valid = ((page_pos < start[..., None]) & chosen[..., None]).flatten(-2)  # [B, Hkv, k*P]
-        page_pos = page_pos.flatten(-2)
-        positions = torch.cat([self.sink_pos, page_pos, self.win_pos], dim=-1)
+        page_pos = torch.add(self.offsets, top_pages[..., None], alpha=P)  # [B, Hkv, k, P]
+        # A slot of a picked page counts below the window start; positions are >= 0, so an unpicked page's bound 0
+        # rejects all its slots: (pos < start) & chosen in one comparison.
+        page_valid = (page_pos < (start * chosen)[..., None]).flatten(-2)  # [B, Hkv, k*P]
         valid = torch.cat([sink_valid, page_valid, win_valid], dim=-1)
         flat = None
         if self.page_table is not None:
             picked = self.page_table.gather(1, top_pages.reshape(self.batch, -1)).view_as(top_pages)
-            page_flat = (picked[..., None] * (self.kv_heads * P) + self.head_slots).flatten(-2)  # [B, Hkv, k*P]
-            flat = torch.cat([self.sink_flat, page_flat, self.win_flat], dim=-1)
-        if self.any_dense:  # rows short enough to fit in T slots attend densely: exact, no selection
-            rows = self.dense_rows[:, None, None]
-            positions = torch.where(rows, self.short.positions, positions)
+            page_flat = torch.add(self.head_slots, picked[..., None], alpha=self.kv_heads * P).flatten(-2)
+            flat = torch.cat([self.sink_flat, page_flat, self.win_flat], dim=-1)  # [B, Hkv, T]
+        rows = self.dense_rows[:, None, None] if self.any_dense else None
+        if rows is not None:  # rows short enough to fit in T slots attend densely: exact, no selection
             valid = torch.where(rows, self.short.valid, valid)
             flat = torch.where(rows, self.short.flat, flat) if flat is not None else None
+        if not detail:
+            return Selection(None, valid, None, window, self.sparse_rows, flat)
+        positions = torch.cat([self.sink_pos, page_pos.flatten(-2), self.win_pos], dim=-1)
+        if rows is not None:
+            positions = torch.where(rows, self.short.positions, positions)
             chosen = chosen & ~rows  # dense rows read no selected page: stats count only real picks
         # Sparse rows are longer than T, so every slot position is >= 0; dense rows took the short positions.
         positions = positions * valid

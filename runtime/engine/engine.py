@@ -7,6 +7,7 @@ engine thread steps; a cancel lands between steps and frees the request's pages 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -22,6 +23,7 @@ from .request import FINISHED, RUNNING, WAITING, QueueFull, Request, RequestReje
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .setup import EngineConfig, build_pool
+from .static_step import StaticDecoder
 from .stats import EngineStats
 
 
@@ -39,6 +41,11 @@ class Engine:
             from oval_edge.sparse.window_module import window_hook
 
             self.runner.hooks.window = window_hook(self.oval, loaded.config, loaded.name, loaded.device)
+        # The static decode step (static_step.py), sized for the longest sequence this engine admits.
+        self.static = None if self.config.decode_step == "eager" else StaticDecoder(
+            self.runner, self.config.max_batch, self.token_limit(),
+            compile_backend="inductor" if self.config.decode_step == "compiled" else None)
+        self.next_decode_trace = None  # a dispatch mode to run the next decode step under (bench's op count)
         self.eos_ids = _eos_ids(loaded)
         self.stats = EngineStats(pages_total=self.pool.num_pages)
         self.scheduler = Scheduler(self.pool, self.config.max_batch, self.config.max_queue)
@@ -141,10 +148,16 @@ class Engine:
 
     def _decode(self, requests: list[Request]) -> list[Request]:
         began = time.perf_counter()
-        step = self.pool.prepare([r.request_id for r in requests], [1] * len(requests))
-        ids = torch.tensor([r.output_ids[-1] for r in requests], dtype=torch.long)
-        logits, step_stats = self.runner.forward(step, ids, decode=True)
-        self.pool.commit(step)
+        trace, self.next_decode_trace = self.next_decode_trace, None
+        seq_ids, tokens = [r.request_id for r in requests], [r.output_ids[-1] for r in requests]
+        if self.static is not None and self.runner.hooks.empty():
+            logits, step_stats, lengths = self.static.decode(seq_ids, tokens, trace)
+            self.pool.advance(seq_ids, lengths)
+        else:  # the eager forward: a hook (reuse, the window module, eval policies) decides per layer in Python
+            step = self.pool.prepare(seq_ids, [1] * len(requests))
+            with trace if trace is not None else contextlib.nullcontext():
+                logits, step_stats = self.runner.forward(step, torch.tensor(tokens, dtype=torch.long), decode=True)
+            self.pool.commit(step)
         elapsed = time.perf_counter() - began
         for request in requests:
             request.decode_seconds += elapsed

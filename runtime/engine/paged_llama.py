@@ -45,6 +45,10 @@ class DecodeHooks:
     window: WindowOverride | None = None  # how long each KV head's local window is
     layer: LayerOverride | None = None  # the layer's whole decode attention
 
+    def empty(self) -> bool:
+        """No hook installed: the static decode step (static_step.py) computes what the eager forward would."""
+        return self.scores is None and self.window is None and self.layer is None
+
 
 @dataclass
 class StepStats:
@@ -94,9 +98,7 @@ class PagedLlama:
         """
         dev = self.pool.device
         hidden = self.decoder.embed_tokens(input_ids.to(dev))  # [N, hidden]
-        cos, sin = self.decoder.rotary_emb(hidden[None], step.positions[None])  # [1, N, D] each
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, D] broadcast over heads
-        sin = _signed_sin(sin)  # once per step, so each layer's RoPE is three ops (see _rope)
+        cos, sin = self.rotary(hidden, step.positions)
         n = hidden.shape[0]
         stats = StepStats()
         self.last_selections = []
@@ -105,7 +107,7 @@ class PagedLlama:
         for index, (layer, ops) in enumerate(zip(self.layers, self.ops)):
             x = ops.input_norm(hidden)
             window = self.hooks.window(index, x, step) if self.hooks.window is not None else None
-            q, k, v = self._qkv(ops, x, n, cos, sin)
+            q, k, v = self.qkv(ops, x, n, cos, sin)
             self.pool.write(index, step, k, v)
             if decode:
                 out, selection = self.decode_layer(index, step, q, plan, window)
@@ -128,7 +130,13 @@ class PagedLlama:
         hidden = self.final_norm(hidden[last])
         return self.model.lm_head(hidden).float(), stats
 
-    def _qkv(self, ops: "LayerOps", x: torch.Tensor, n: int, cos: torch.Tensor, sin: torch.Tensor):
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [N, 1, D] for the step's positions [N] (hidden [N, hidden] gives the dtype)."""
+        cos, sin = self.decoder.rotary_emb(hidden[None], positions[None])  # [1, N, D] each
+        # [N, 1, D] broadcast over heads; the sign folded in once per step, so each layer's RoPE is three ops
+        return cos[0, :, None, :], _signed_sin(sin[0, :, None, :])
+
+    def qkv(self, ops: "LayerOps", x: torch.Tensor, n: int, cos: torch.Tensor, sin: torch.Tensor):
         """q [n, Hq, D] and k [n, Hkv, D] rotated at their positions, v [n, Hkv, D].
 
         cos, sin [n, 1, D]. With fused q/k/v the query and key heads sit side by side in one output row, so they

@@ -17,6 +17,7 @@ from oval_edge.units import format_bytes
 from .memory import available_bytes, process_rss_bytes
 
 log = logging.getLogger("oval_edge.engine")
+DECODE_STEPS = ("static", "compiled", "eager")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class EngineConfig:
     num_pages     fix the pool size instead of deriving it from the budget (tests, eval)
     max_model_len cap on prompt + max_tokens (default: the model's context length)
     summary_kinds page summaries to keep (default: the configured scorer's); eval keeps both
+    decode_step   'static' (default: the static step of static_step.py, run eager), 'compiled' (the same step
+                  through torch.compile, compiled once per batch bucket on first use), 'eager' (the flexible forward
+                  that follows the context's shape; used anyway while a decode hook is installed)
     """
 
     max_batch: int = 4
@@ -37,6 +41,7 @@ class EngineConfig:
     num_pages: int | None = None
     max_model_len: int | None = None
     summary_kinds: tuple[str, ...] | None = None
+    decode_step: str = "static"
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_batch", 1, 1024), ("max_queue", 0, 1_000_000), ("prefill_chunk", 16, 65536)):
@@ -45,6 +50,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} is out of range: allowed integers in [{low}, {high}]")
         if self.attention not in ("oval", "dense"):
             raise ValueError(f"attention={self.attention!r} is unknown; allowed: oval, dense")
+        if self.decode_step not in DECODE_STEPS:
+            raise ValueError(f"decode_step={self.decode_step!r} is unknown; allowed: {', '.join(DECODE_STEPS)}")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 1):
             raise ValueError(f"num_pages={self.num_pages!r} must be a positive integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

@@ -17,6 +17,13 @@ import torch.nn.functional as F
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
+# The packed 4-bit GEMV as an opaque operator, so the static decode step traces whole under torch.compile (dynamo
+# cannot trace a ctypes call). Eager calls skip the dispatcher (PackedCpu4bit.__call__). The registry handle lives
+# as long as the process; it is never mutated after these lines.
+_LIBRARY = torch.library.Library("oval_edge", "FRAGMENT")
+_LIBRARY.define("gemv_4bit_cpu(Tensor x, Tensor weight, Tensor absmax, Tensor code, int[] shape, int blocksize, "
+                "str quant_type) -> Tensor")
+
 
 class PackedCpu4bit:
     """A bitsandbytes Linear4bit whose weight was repacked for its fused CPU kernel (runtime/model/quantize.py packs at
@@ -35,24 +42,68 @@ class PackedCpu4bit:
         self.shape, self.absmax, self.code, self.blocksize = state.shape, state.absmax, state.code, state.blocksize
         self.bias = None if module.bias is None else module.bias.data.to(torch.bfloat16)
         self.out_features, self.in_features = int(state.shape[0]), int(state.shape[1])
-        self.op = torch.ops.bitsandbytes.gemv_4bit.default
+        self.quant_type = state.quant_type
         self.kernel = _cpu_kernel(state.quant_type)
+        self._out: torch.Tensor | None = None  # decode-sized output buffer, reused (see __call__)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
-        if self.kernel is None or xb.dim() != 2 or not xb.is_contiguous():
-            out = self.op(xb, self.weight, self.shape, self.absmax, self.code, self.blocksize)
+        if torch.compiler.is_compiling():
+            out = torch.ops.oval_edge.gemv_4bit_cpu(xb, self.weight, self.absmax, self.code, list(self.shape),
+                                                    self.blocksize, self.quant_type)
         else:
-            out = torch.empty((xb.shape[0], self.out_features), dtype=torch.bfloat16)
-            self.kernel(
-                ctypes.c_int64(xb.shape[0]), ctypes.c_int64(self.out_features), ctypes.c_int64(self.in_features),
-                ctypes.c_void_p(xb.data_ptr()), ctypes.c_void_p(self.weight.data_ptr()),
-                ctypes.c_void_p(self.absmax.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-                ctypes.c_int64(self.blocksize), ctypes.c_int64(xb.stride(0)), ctypes.c_int64(out.stride(0)),
-            )
+            out = _gemv_4bit(xb, self.weight, self.absmax, self.code, self.shape, self.blocksize, self.kernel,
+                             self._buffer(xb) if x.dtype != torch.bfloat16 else None)
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype)
+
+
+    def _buffer(self, xb: torch.Tensor) -> torch.Tensor | None:
+        """The bf16 output buffer for a decode-sized input (<= DECODE_ROWS rows), reused while the row count stays.
+
+        Why: one fresh `empty` per projection is ~120 dispatched ops per decode step. Only used when the caller's
+        dtype is not bf16, so the buffer is always consumed by the copy back (`.to(x.dtype)`) before the next call.
+        """
+        rows = xb.shape[0]
+        if rows > DECODE_ROWS or xb.dim() != 2:
+            return None
+        if self._out is None or self._out.shape[0] != rows:
+            self._out = torch.empty((rows, self.out_features), dtype=torch.bfloat16)
+        return self._out
+
+
+DECODE_ROWS = 8  # inputs up to this many rows reuse one output buffer per projection (bounded: 8 x out x 2 B)
+
+
+def _gemv_4bit(xb: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape,
+               blocksize: int, kernel, out: torch.Tensor | None = None) -> torch.Tensor:
+    """xb [n, in] bf16 -> [n, out] bf16 through the fused kernel when it takes the input, else bitsandbytes' op.
+    out: a [n, out] bf16 buffer to write into (the fused kernel only)."""
+    if kernel is None or xb.dim() != 2 or not xb.is_contiguous():
+        return torch.ops.bitsandbytes.gemv_4bit.default(xb, weight, shape, absmax, code, blocksize)
+    out_features, in_features = int(shape[0]), int(shape[1])
+    if out is None:
+        out = torch.empty((xb.shape[0], out_features), dtype=torch.bfloat16)
+    kernel(
+        ctypes.c_int64(xb.shape[0]), ctypes.c_int64(out_features), ctypes.c_int64(in_features),
+        ctypes.c_void_p(xb.data_ptr()), ctypes.c_void_p(weight.data_ptr()),
+        ctypes.c_void_p(absmax.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_int64(blocksize), ctypes.c_int64(xb.stride(0)), ctypes.c_int64(out.stride(0)),
+    )
+    return out
+
+
+def _gemv_4bit_op(x, weight, absmax, code, shape, blocksize, quant_type):
+    return _gemv_4bit(x.contiguous(), weight, absmax, code, torch.Size(shape), blocksize, _cpu_kernel(quant_type))
+
+
+_LIBRARY.impl("gemv_4bit_cpu", _gemv_4bit_op, "CPU")
+
+
+@torch.library.register_fake("oval_edge::gemv_4bit_cpu")
+def _gemv_4bit_fake(x, weight, absmax, code, shape, blocksize, quant_type):
+    return x.new_empty((x.shape[0], shape[0]), dtype=torch.bfloat16)
 
 
 def _cpu_kernel(quant_type: str):

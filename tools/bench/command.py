@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads for every engine (default: the CPUs this process may use)")
     parser.add_argument("--page-size", type=int, default=32, help="OVAL page size in tokens (default 32)")
     parser.add_argument("--top-k", type=int, default=4, help="OVAL pages selected per KV head (default 4)")
+    parser.add_argument("--decode-step", default="static", choices=("static", "compiled", "eager"),
+                        help="this runtime's decode step: static (default), compiled (torch.compile), eager (the "
+                             "shape-following forward)")
     parser.add_argument("--reuse-tau", default=None,
                         help="comma-separated cosines: also run oval with selection reuse at each (oval+reuse@TAU)")
     parser.add_argument("--hf-dtype", default="float32", choices=HF_DTYPES,
@@ -121,7 +124,7 @@ def build_settings(args: argparse.Namespace) -> BenchSettings:
         contexts=parse_int_list(args.contexts, "--contexts"), engines=engines, gen=args.gen, runs=args.runs,
         model=args.model, model_dir=source.directory, gguf_file=source.gguf_file, quant=args.quant, device=device,
         threads=args.threads if args.threads is not None else default_threads(), page_size=args.page_size,
-        top_k=args.top_k, hf_dtype=args.hf_dtype, timeout_s=args.timeout, skipped=skipped,
+        top_k=args.top_k, decode_step=args.decode_step, hf_dtype=args.hf_dtype, timeout_s=args.timeout, skipped=skipped,
     )
 
 
@@ -179,6 +182,6 @@ def _meta(settings: BenchSettings, bandwidth: float | None, bandwidth_note: str,
         "contexts": list(settings.contexts), "engines": list(settings.engines), "skipped": settings.skipped,
         "gen": settings.gen, "runs": settings.runs, "model": settings.model, "quant": settings.quant,
         "device": settings.device, "threads": settings.threads, "page_size": settings.page_size,
-        "top_k": settings.top_k, "hf_dtype": settings.hf_dtype, "bandwidth_gb_s": bandwidth,
+        "top_k": settings.top_k, "decode_step": settings.decode_step, "hf_dtype": settings.hf_dtype, "bandwidth_gb_s": bandwidth,
         "bandwidth_note": bandwidth_note, "versions": versions, "notes": notes,
     }

@@ -9,7 +9,7 @@ REFERENCE = "oval"
 # Per-run numbers whose median becomes the row's figure.
 MEDIAN_FIELDS = ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_mb", "run_peak_rss_mb", "rss_after_load_mb",
                  "peak_device_mb", "run_peak_device_mb", "kv_bytes_per_step", "weight_bytes", "prefill_s", "decode_s",
-                 "reuse_hit_rate")
+                 "reuse_hit_rate", "ops_per_decode_step")
 # Per-run facts that do not vary between runs: taken from the first successful run.
 FIRST_FIELDS = ("label", "prompt_tokens", "gen_tokens", "decode_steps", "kv_bytes_source", "kv_dtype", "device",
                 "threads", "pool_pages", "pool_bytes", "n_ctx", "output_ids")
@@ -109,7 +109,8 @@ def format_table(rows: list[dict], ratio_rows: list[dict], meta: dict) -> str:
     on_gpu = meta.get("device") == "cuda"
     show_bw = on_gpu or meta.get("bandwidth_gb_s") is not None
     by_vs = {(r["vs"], r["context"]): r for r in ratio_rows}
-    head = ["context", "engine", "prompt", "prefill tok/s", "decode tok/s", "peak RSS MB", "run RSS MB", "KV MiB/step"]
+    head = ["context", "engine", "prompt", "prefill tok/s", "decode tok/s", "peak RSS MB", "run RSS MB", "KV MiB/step",
+            "ops/step"]
     if on_gpu:
         head.append("peak GPU MB")
     if show_bw:
@@ -120,7 +121,7 @@ def format_table(rows: list[dict], ratio_rows: list[dict], meta: dict) -> str:
         ratio_row = by_vs.get((row["engine"], row["context"]), {})
         cells = [str(row["context"]), row["engine"], _num(row.get("prompt_tokens"), "{}"),
                  _num(row["prefill_tok_s"]), _num(row["decode_tok_s"], "{:.2f}"), _num(row["peak_rss_mb"], "{:.0f}"),
-                 _num(row["run_peak_rss_mb"], "{:.0f}"), _kv(row)]
+                 _num(row["run_peak_rss_mb"], "{:.0f}"), _kv(row), _num(row.get("ops_per_decode_step"), "{:.0f}")]
         if on_gpu:
             cells.append(_num(row["peak_device_mb"], "{:.0f}"))
         if show_bw:
@@ -154,6 +155,8 @@ def _footnotes(rows: list[dict], meta: dict, show_bw: bool) -> str:
                  "request alone")
     notes.append("KV MiB/step: K/V bytes read at the last decode step, all layers; * = computed for a dense cache "
                  "(tokens x bytes per token), not measured")
+    notes.append("ops/step: torch ops one decode step dispatches (counted by a TorchDispatchMode around the step, this "
+                 "runtime only); each costs launch overhead a CUDA graph removes")
     notes.append("OVAL decode x = OVAL decode tok/s / this engine's; OVAL RSS x = OVAL peak RSS / this engine's")
     if show_bw:
         bw = meta.get("bandwidth_gb_s")

@@ -22,6 +22,7 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
 
     from oval_edge.config import OvalConfig
     from oval_edge.runtime import Engine, EngineConfig, SamplingParams
+    from oval_edge.runtime.engine.op_trace import OpTrace
 
     torch.set_num_threads(int(job["threads"]))
     prompt, gen = list(job["prompt_ids"]), int(job["gen"])
@@ -32,28 +33,38 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
     engine = Engine.load(
         model=job["model"], quant=job["quant"], device=job["device"], oval=oval,
         config=EngineConfig(max_batch=1, max_queue=1, attention="dense" if job["engine"] == "dense" else "oval",
-                            num_pages=pages),
+                            num_pages=pages, decode_step=job.get("decode_step", "static")),
     )
     engine.generate(list(job["warmup_ids"]), SamplingParams(max_tokens=WARMUP_GEN_TOKENS, ignore_eos=True))
     meter.after_load()
 
+    # One decode step past the timed ones is counted by a dispatch mode: the request asks for gen + 1 tokens, the
+    # clock takes the first gen, and the step that makes the last one runs under the trace (its overhead untimed).
+    trace = OpTrace()
+    ticks = []
+
     def on_token(_request, token_id: int, _text: str) -> None:
-        if token_id >= 0:  # -1 marks the detokenizer's final text flush, not a token
+        if token_id >= 0 and len(ticks) < gen:  # -1 marks the detokenizer's final text flush, not a token
             clock.tick(token_id)
+            ticks.append(token_id)
+            if len(ticks) == gen:
+                engine.next_decode_trace = trace
 
     clock.begin()  # greedy sampling reads each token back to the host (int(argmax)), so ticks follow the device
-    request = engine.generate(prompt, SamplingParams(max_tokens=gen, ignore_eos=True), on_token=on_token)
+    request = engine.generate(prompt, SamplingParams(max_tokens=gen + 1, ignore_eos=True), on_token=on_token)
     if request.finish_reason not in ("length", "stop"):
         raise RuntimeError(f"the {job['engine']} engine ended the request with {request.finish_reason}: {request.error}")
     geometry = engine.pool.geometry
     # Selection reuse counts (the 32-token warm-up fits the token budget: dense, so it looks nothing up).
     counts = engine.runner.reuse.counts if engine.runner.reuse is not None else None
-    label = f"{job['engine']} ({engine.loaded.quant})"
+    label = f"{job['engine']} ({engine.loaded.quant}, {engine.config.decode_step} decode step)"
     if counts is not None:
         label = f"oval + selection reuse at tau={oval.reuse_tau:g} ({engine.loaded.quant}), " \
                 f"{counts.hit_rate:.1%} of row-layer steps reused"
     return {
         "label": label,
+        "ops_per_decode_step": trace.count or None,
+        "decode_step": engine.config.decode_step,
         "reuse_hit_rate": counts.hit_rate if counts is not None else None,
         "reuse_lookups": counts.lookups if counts is not None else None,
         "kv_bytes_per_step": engine.stats.kv_bytes_last_step,

@@ -1,0 +1,108 @@
+"""The sparse decode step's kernels as opaque torch operators, so a whole step traces as one graph (DESIGN §9).
+
+`torch.compile` cannot trace into the native CPU kernels (ctypes calls) nor keep the KV write in place through its
+own tracing of `index_copy_` on a view of the pool. Registered as operators with a fake (shape-only)
+implementation, each is one node of the traced graph, with the CPU kernel or the torch reference inside:
+
+    oval_edge::write_kv(k(a!), v(b!), layer, slots, k_new, v_new)       store one step's keys/values in the pool
+    oval_edge::page_scores(q, basis, coords, layer, table, counts, scale)  oval page scores from the records
+    oval_edge::attend_slots(q, k, v, layer, flat, valid, limits, scale)  exact attention over the selected rows
+
+The pool tensors go in whole (k, v [layers, pages, Hkv, P, D]; basis/coords head-major per layer) with the layer
+as an integer, so a compiled step has one graph input per pool tensor rather than one aliasing view per layer.
+
+The wrappers `write_kv`, `page_scores`, `attend_slots` (below) take the pool and go through the operators only
+under tracing. Eager code calls the implementations directly, on the pool's per-layer row views: a call through
+the dispatcher costs ~1.7 us more (measured; `torch.library.custom_op`'s wrapper ~10 us), and the views of `k` it
+would take cost two ops each: ~0.7 ms per decode step of a 30-layer model on a CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import attend_rows
+from .scoring import score_pages
+
+# The operator registry handle: it must live as long as the process, so it is module-level (never mutated after).
+_LIBRARY = torch.library.Library("oval_edge", "FRAGMENT")
+_LIBRARY.define("write_kv(Tensor(a!) k, Tensor(b!) v, int layer, Tensor slots, Tensor k_new, Tensor v_new) -> ()")
+_LIBRARY.define("page_scores(Tensor q, Tensor basis, Tensor coords, int layer, Tensor page_table, Tensor counts, "
+                "float scale) -> Tensor")
+_LIBRARY.define("attend_slots(Tensor q, Tensor k, Tensor v, int layer, Tensor flat, Tensor valid, Tensor? limits, "
+                "float scale) -> Tensor")
+
+
+def _write_kv(k: torch.Tensor, v: torch.Tensor, layer: int, slots: torch.Tensor, k_new: torch.Tensor,
+              v_new: torch.Tensor) -> None:
+    """k_new, v_new [N, Hkv, D] into rows `slots` [N * Hkv] of the layer's [pages * Hkv * P, D] view."""
+    d = k.shape[-1]
+    k[layer].view(-1, d).index_copy_(0, slots, _as(k_new.reshape(-1, d), k.dtype))
+    v[layer].view(-1, d).index_copy_(0, slots, _as(v_new.reshape(-1, d), v.dtype))
+
+
+def _page_scores(q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, layer: int, page_table: torch.Tensor,
+                 counts: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hkv, G, D] -> [B, Hkv, Np] fp32 over the pages of page_table [B, Np]; pages past counts[b] are not
+    candidates of row b (the native kernel does not read them)."""
+    return score_pages("oval", q, {"basis": basis, "coords": coords}, layer, page_table, scale, counts)
+
+
+def _attend_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, flat: torch.Tensor,
+                  valid: torch.Tensor, limits: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [B, Hq, D] over the valid slots flat [B, Hkv, T] (the first limits[b] of them) of one layer -> [B, Hq, D]."""
+    d = k.shape[-1]
+    return attend_rows(q, k[layer].view(-1, d), v[layer].view(-1, d), flat, valid, scale, limits)
+
+
+_LIBRARY.impl("write_kv", _write_kv, "CompositeExplicitAutograd")
+_LIBRARY.impl("page_scores", _page_scores, "CompositeExplicitAutograd")
+_LIBRARY.impl("attend_slots", _attend_slots, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("oval_edge::write_kv")
+def _write_kv_fake(k, v, layer, slots, k_new, v_new) -> None:
+    return None
+
+
+@torch.library.register_fake("oval_edge::page_scores")
+def _page_scores_fake(q, basis, coords, layer, page_table, counts, scale):
+    return q.new_empty((q.shape[0], q.shape[1], page_table.shape[1]), dtype=torch.float32)
+
+
+@torch.library.register_fake("oval_edge::attend_slots")
+def _attend_slots_fake(q, k, v, layer, flat, valid, limits, scale):
+    return torch.empty_like(q)
+
+
+def write_kv(pool, layer: int, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    """Store k_new, v_new [N, Hkv, D] at rows `slots` [N * Hkv] of the pool's layer."""
+    if torch.compiler.is_compiling():
+        torch.ops.oval_edge.write_kv(pool.k, pool.v, layer, slots, k_new, v_new)
+        return
+    d = pool.geometry.head_dim
+    k_rows, v_rows = pool.k_rows[layer], pool.v_rows[layer]  # the pool's per-layer views: no view op per call
+    k_rows.index_copy_(0, slots, _as(k_new.reshape(-1, d), k_rows.dtype))
+    v_rows.index_copy_(0, slots, _as(v_new.reshape(-1, d), v_rows.dtype))
+
+
+def page_scores(pool, layer: int, q: torch.Tensor, page_table: torch.Tensor, counts: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """oval page scores [B, Hkv, Np] of q [B, Hkv, G, D] from the pool's records of one layer."""
+    basis, coords = pool.summaries["basis"], pool.summaries["coords"]
+    if torch.compiler.is_compiling():
+        return torch.ops.oval_edge.page_scores(q, basis, coords, layer, page_table, counts, scale)
+    return _page_scores(q, basis, coords, layer, page_table, counts, scale)
+
+
+def attend_slots(pool, layer: int, q: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor,
+                 limits: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [B, Hq, D] over the valid slots `flat` [B, Hkv, T] of one layer of the pool -> [B, Hq, D]."""
+    if torch.compiler.is_compiling():
+        return torch.ops.oval_edge.attend_slots(q, pool.k, pool.v, layer, flat, valid, limits, scale)
+    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, limits)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A same-dtype .to() is still one dispatched op; this runs twice per layer per step.
+    return t if t.dtype == dtype else t.to(dtype)

@@ -1,0 +1,181 @@
+"""The decode step with static shapes (DESIGN §9): per batch bucket, the same ops and shapes at every length.
+
+Why: an eager step whose shapes follow the context (the page table widens every page_size tokens) and whose Python
+branches read device values can be neither captured into a CUDA graph nor compiled once, and on a Jetson's ARM
+cores each of its ~2,200 dispatched ops costs 10-20 us of launch overhead. Here a step of a bucket of B rows is:
+
+    inputs   one packed int64 buffer, filled on the host and copied to the device once per step:
+             ids [B] | positions [B] | lengths [B] | sealed [B] | real [B] | write_base [B] | page_table [B, W]
+             W = the pages of the longest sequence the engine admits; rows past the real batch repeat row 0 (the same
+             token at the same position writes the same K/V into the same slots, so padding changes nothing)
+    body     embedding, RoPE, per layer: norm, q/k/v, write_kv, the selection (DecodePlan(static=True): fixed top-k,
+             fixed window buffer, short rows merged with torch.where), page_scores, attend_slots, o/MLP; the head
+    outputs  logits [B, vocab] fp32 and a statistics vector reduced on the device, read after the step
+
+No host sync and no host-device copy happens inside `StaticStep.forward` (tests/test_static_step.py checks both
+under a TorchDispatchMode, and that torch.compile(fullgraph=True) traces it with no recompiles). The kernels skip
+the padded part of the work by each row's length (counts, limits), so the padding costs shapes, not reads. Sealing
+the pages a step filled runs after it (PagePool.advance), batched over the rows.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from oval_edge.kernels.cpu import cpu_kernels
+from oval_edge.sparse.scoring import group_queries, score_pages
+from oval_edge.sparse.selection import DecodePlan, slots_per_step
+from oval_edge.sparse.step_ops import attend_slots, page_scores, write_kv
+
+from .paged_llama import PagedLlama, StepStats
+
+ROW_FIELDS = ("ids", "positions", "lengths", "sealed", "real", "write_base")  # [B] each, then page_table [B, W]
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below max_batch, then max_batch: the batch sizes a static step is built for."""
+    sizes, size = [], 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_batch)
+
+
+class StaticStep:
+    """One bucket's step: its preallocated inputs and the static forward over them."""
+
+    def __init__(self, runner: PagedLlama, batch: int, width: int, compile_backend: str | None = None) -> None:
+        pool = runner.pool
+        self.runner, self.pool, self.batch, self.width = runner, pool, batch, width
+        dev = pool.device
+        size = batch * (len(ROW_FIELDS) + width)
+        self.host = torch.zeros(size, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.packed = self.host if dev.type == "cpu" else torch.zeros(size, dtype=torch.long, device=dev)
+        fields = self.packed[: batch * len(ROW_FIELDS)].view(len(ROW_FIELDS), batch)
+        self.ids, self.positions, self.lengths, self.sealed, self.real, self.write_base = fields.unbind(0)
+        self.page_table = self.packed[batch * len(ROW_FIELDS):].view(batch, width)
+        g = pool.geometry
+        self.head_offsets = torch.arange(g.kv_heads, device=dev) * g.page_size  # [Hkv]: head h's rows in a page
+        config = runner.config
+        self.dense = [runner.attention == "dense" or i < config.dense_layers for i in range(len(runner.layers))]
+        self.slots = slots_per_step(config)
+        # What the attention reads per slot: the native kernel reads valid slots in place; the torch ops gather all.
+        self.reads_valid_only = dev.type == "cpu" and cpu_kernels() is not None
+        # compile_backend: None runs the step eager; "inductor" (decode_step="compiled") or another torch.compile backend
+        # (the tests use "aot_eager": the same trace, the eager kernels' exact arithmetic).
+        self.run = self.forward if compile_backend is None else torch.compile(
+            self.forward, fullgraph=True, dynamic=False, backend=compile_backend)
+        self.lengths_list: list[int] = []
+
+    def load(self, seq_ids: list, tokens: list[int]) -> None:
+        """Write this step's inputs for the rows (one new token each) into the buffer: one copy to the device."""
+        pool, P, hkv, width = self.pool, self.pool.page_size, self.pool.geometry.kv_heads, self.width
+        n = len(seq_ids)
+        if not 1 <= n <= self.batch:
+            raise ValueError(f"a bucket of {self.batch} rows cannot take {n}")
+        rows = [[] for _ in ROW_FIELDS]
+        tables: list[int] = []
+        self.lengths_list = []
+        for row in range(self.batch):
+            sid, token = (seq_ids[row], tokens[row]) if row < n else (seq_ids[0], tokens[0])
+            position = pool.length(sid)
+            table = pool.page_table(sid)[: pool.pages_needed(position + 1)]
+            if len(table) > width or len(table) * P <= position:
+                raise ValueError(f"sequence {sid!r} at position {position} does not fit this step's {width}-page "
+                                 "tables or its own pages (it was admitted beyond the engine's token limit?)")
+            for values, value in zip(rows, (token, position, position + 1, pool.sealed_pages(sid), int(row < n),
+                                            table[position // P] * hkv * P + position % P)):
+                values.append(value)
+            tables.extend(table)
+            tables.extend([0] * (width - len(table)))
+            if row < n:
+                self.lengths_list.append(position + 1)
+        self.host.copy_(torch.tensor([v for values in rows for v in values] + tables, dtype=torch.long))
+        if self.packed is not self.host:
+            self.packed.copy_(self.host, non_blocking=True)
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step: logits [B, vocab] fp32 and stats [3] (attended slots, window sum, window count; real rows)."""
+        runner, pool, config = self.runner, self.pool, self.runner.config
+        b = self.batch
+        hidden = runner.decoder.embed_tokens(self.ids)  # [B, hidden]
+        cos, sin = runner.rotary(hidden, self.positions)  # [B, 1, D]
+        plan = DecodePlan(config, self.lengths, self.sealed, self.width, runner.kv_heads, self.page_table, static=True)
+        slots = (self.write_base[:, None] + self.head_offsets).reshape(-1)  # [B * Hkv] rows this step writes
+        valids, windows = [], []
+        for index, ops in enumerate(runner.ops):
+            x = ops.input_norm(hidden)
+            q, k, v = runner.qkv(ops, x, b, cos, sin)  # [B, Hq, D], [B, Hkv, D] x 2
+            write_kv(pool, index, slots, k, v)
+            if self.dense[index]:
+                selection, limits = plan.full_dense(), self.lengths  # row b reads its first lengths[b] slots
+            else:
+                selection, limits = plan.select(self._scores(index, q), detail=False), None
+                valids.append(selection.valid)
+                windows.append(selection.window)
+            out = attend_slots(pool, index, q, selection.flat, selection.valid, limits, runner.scale)
+            hidden = hidden + ops.o_proj(out.reshape(b, -1))
+            hidden = hidden + ops.mlp(ops.post_norm(hidden))
+        logits = runner.model.lm_head(runner.final_norm(hidden)).float()
+        return logits, self._stats(plan, valids, windows)
+
+    def _scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Page scores [B, Hkv, W] of one sparse layer from the records (pages past `sealed` are not candidates)."""
+        runner = self.runner
+        grouped = group_queries(q, runner.kv_heads)  # [B, Hkv, G, D]
+        if runner.config.scorer == "oval":
+            return page_scores(self.pool, layer, grouped, self.page_table, self.sealed, runner.scale)
+        return score_pages(runner.config.scorer, grouped, self.pool.summaries, layer, self.page_table, runner.scale)
+
+    def _stats(self, plan: DecodePlan, valids: list, windows: list) -> torch.Tensor:
+        """[attended slots, window sum, window count] over the real rows, on the device (no sync)."""
+        real = self.real
+        dense_layers = sum(self.dense)
+        attended = (self.lengths * real).sum() * (dense_layers * self.runner.kv_heads)
+        window_sum = window_count = torch.zeros((), dtype=torch.long, device=real.device)
+        if valids:
+            attended = attended + (torch.stack(valids).sum((0, 2, 3)) * real).sum()
+            sparse = (plan.sparse_rows.long() * real)[None, :, None]  # [1, B, 1]
+            window_sum = (torch.stack(windows) * sparse).sum()
+            window_count = sparse.sum() * (len(windows) * self.runner.kv_heads)
+        return torch.stack([attended, window_sum, window_count])
+
+
+class StaticDecoder:
+    """The engine's decode step: picks the bucket for a batch, runs its static step, reads the statistics after it."""
+
+    def __init__(self, runner: PagedLlama, max_batch: int, max_tokens: int, compile_backend: str | None = None) -> None:
+        self.runner = runner
+        self.buckets = batch_buckets(max_batch)
+        self.width = runner.pool.pages_needed(max_tokens)
+        self.compile_backend = compile_backend
+        self._steps: dict[int, StaticStep] = {}  # bucket -> step, built on first use
+
+    def step_for(self, rows: int) -> StaticStep:
+        bucket = next((size for size in self.buckets if size >= rows), None)
+        if bucket is None:
+            raise ValueError(f"{rows} rows exceed max_batch={self.buckets[-1]}")
+        if bucket not in self._steps:
+            self._steps[bucket] = StaticStep(self.runner, bucket, self.width, self.compile_backend)
+        return self._steps[bucket]
+
+    def decode(self, seq_ids: list, tokens: list[int], trace=None) -> tuple[torch.Tensor, StepStats, list[int]]:
+        """One token per row -> (logits [rows, vocab] fp32, what the step read, each row's length after it).
+
+        trace: a dispatch mode (runtime/engine/op_trace.py) active around the step itself, not its input loading."""
+        step = self.step_for(len(seq_ids))
+        step.load(seq_ids, tokens)
+        with torch.inference_mode(), trace if trace is not None else nullcontext():
+            logits, stats = step.run()
+        attended, window_sum, window_count = stats.tolist()  # the step's one read back, after it
+        rows = len(seq_ids)
+        sparse_layers = len(step.dense) - sum(step.dense)
+        shorts = all(length <= step.slots for length in step.lengths_list)
+        gathered = rows * self.runner.kv_heads * (sum(step.dense) * self.width * self.runner.pool.page_size
+                                                  + sparse_layers * step.slots)
+        read = StepStats(kv_tokens_read=attended if step.reads_valid_only else gathered, attended_tokens=attended,
+                         sparse_layers=0 if shorts else sparse_layers,
+                         window_mean=window_sum / window_count if window_count else float(self.runner.config.window_min))
+        return logits[:rows], read, list(step.lengths_list)
