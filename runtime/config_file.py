@@ -6,8 +6,8 @@
               window_module path is taken relative to the config file's folder
     [server]  memory_budget (bytes or "1.5GiB": what the process may use for weights + workspace + KV pool),
               the EngineConfig settings max_batch, max_queue, prefill_chunk, max_model_len (or its alias
-              max_context, as runtime/server/options.py reads it), attention, and device ("auto", "cpu", "cuda",
-              "cuda:N"), host, port
+              max_context, as runtime/server/options.py reads it), attention, decode_step, and device ("auto",
+              "cpu", "cuda", "cuda:N"), host, port
     [plan]    what the planner predicted (numbers and strings; informational, serve does not act on it)
 
 `oval_config(sections)` gives the OvalConfig with the budget merged in, `engine_kwargs(sections)` the
@@ -69,11 +69,17 @@ def _attention(value, where: str):
     return value
 
 
+def _decode_step(value, where: str):
+    if value not in ("static", "compiled", "eager"):
+        raise ValueError(f"{where}={value!r} is unknown; allowed: static, compiled, eager")
+    return value
+
+
 MODEL_KEYS = {"path": _str, "quant": _quant}
 # Ranges as runtime/engine/setup.EngineConfig checks them, so a file that loads also builds an engine.
 ENGINE_KEYS = {
     "max_batch": _int(1, 1024), "max_queue": _int(0, 1_000_000), "prefill_chunk": _int(16, 65536),
-    "max_model_len": _int(2, 1 << 24), "attention": _attention,
+    "max_model_len": _int(2, 1 << 24), "attention": _attention, "decode_step": _decode_step,
 }
 # runtime/server/options.py reads max_context (cap on prompt + max_tokens) and falls back to max_model_len.
 ENGINE_ALIASES = {"max_context": "max_model_len"}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from oval_edge import OvalConfig
+from oval_edge.kernels.cpu import NATIVE_ENV
 from oval_edge.runtime import Engine, EngineConfig
 from oval_edge.runtime.engine.op_trace import OpTrace
 from oval_edge.runtime.engine.static_step import StaticDecoder, batch_buckets
@@ -131,13 +132,17 @@ def test_static_step_equals_the_eager_forward(tiny_folder, scorer, oval, decode_
 
 
 @pytest.mark.parametrize("quant, backend", [("none", "inductor"), ("nf4", "aot_eager")])
-def test_compiled_step_decodes_300_to_1300_tokens_without_recompiles(tiny_folder, quant, backend):
+def test_compiled_step_decodes_300_to_1300_tokens_without_recompiles(tiny_folder, quant, backend, monkeypatch):
     """fullgraph=True fails on any graph break (a ctypes call, a .tolist(), a bool() of a tensor); with
     error_on_recompile the 1000 steps must reuse the one compiled graph as the page tables fill.
 
     nf4 goes through the 4-bit custom op. It runs with aot_eager (the same trace, eager kernels): inductor's fused
     fp32 reductions differ from eager ones by ~1e-7, which the bf16 input of the 4-bit kernel turns into one bf16 ulp
-    of the logits (7.8e-3 measured), above this test's 1e-4; fp32 (quant none) stays within it under inductor."""
+    of the logits (7.8e-3 measured), above this test's 1e-4; fp32 (quant none) stays within it under inductor. For
+    the same reason the nf4 case runs with the native CPU kernels off: the eager step's C RMSNorm and the traced
+    step's torch one sum in different orders (test_native_kernels.py compares the kernels with torch)."""
+    if quant == "nf4":
+        monkeypatch.setenv(NATIVE_ENV, "0")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager, compiled = engine_for(tiny_folder, quant, max_batch=1), engine_for(tiny_folder, quant, max_batch=1)

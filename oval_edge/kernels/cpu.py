@@ -1,4 +1,4 @@
-"""The fused CPU kernels of oval_kernels.c, loaded with ctypes: typed entry points and the switch that picks them.
+"""The fused CPU kernels (oval_kernels.c, step_kernels.c), loaded with ctypes: typed entry points and their switch.
 
 Why: on a CPU, eager torch spends most of a long-context decode step on many small passes over the page summaries
 (scoring) and on copying selected K/V rows out of the pool (attention). The kernels do each in one pass, reading the
@@ -45,6 +45,10 @@ class NativeKernels:
             attend = getattr(library, f"attend_slots_{suffix}")
             attend.argtypes, attend.restype = _ATTEND_ARGS, ctypes.c_int
             self._scores[dtype], self._attend[dtype] = scores, attend
+        self._rms_norm = library.rms_norm_f32
+        self._rms_norm.argtypes, self._rms_norm.restype = [_ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr], ctypes.c_int
+        self._select = library.select_slots
+        self._select.argtypes, self._select.restype = [_ptr] * 5 + [_i64] * 10 + [_ptr, _ptr], ctypes.c_int
 
     def oval_scores(self, q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, page_table: torch.Tensor,
                     scale: float, counts: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -89,6 +93,37 @@ class NativeKernels:
                       weights.data_ptr(), out.data_ptr())
         return _result(code, out, "attend_slots", "a valid slot lies outside the layer's 0..{} rows",
                        k_rows.shape[0] - 1)
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """F.rms_norm(x, (dim,), weight, eps) for x [rows, dim] fp32 on the CPU; None for other inputs."""
+        if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
+                or not weight.is_contiguous() or x.shape[-1] != weight.shape[0] or not _on_cpu(x, weight)):
+            return None
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], float(eps), out.data_ptr())
+        return out
+
+
+    def select_slots(self, scores: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
+                     sealed: torch.Tensor, start: torch.Tensor, page_size: int, sink_pages: int, top_k: int,
+                     window_slots: int, window_min: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """DecodePlan.select(detail=False)'s flat, valid [B, Hkv, T] in one pass (step_kernels.c), from scores
+        [B, Hkv, Np] fp32, the step's page_table [B, Np], lengths [B], sealed [B] and the window start start [B, 1]
+        or [B, Hkv] (int64). None where the kernel does not apply (the caller runs the torch code)."""
+        b, hkv, pages = scores.shape
+        slots = (sink_pages + top_k) * page_size + window_slots
+        tensors = (scores, page_table, lengths, sealed, start)
+        if (scores.dtype != torch.float32 or any(t.dtype != torch.int64 for t in tensors[1:])
+                or not all(t.is_contiguous() for t in tensors) or not _on_cpu(*tensors)
+                or start.shape[-1] not in (1, hkv) or page_table.shape != (b, pages)):
+            return None
+        flat = torch.empty((b, hkv, slots), dtype=torch.int64)
+        valid = torch.empty((b, hkv, slots), dtype=torch.bool)
+        code = self._select(scores.data_ptr(), page_table.data_ptr(), lengths.data_ptr(), sealed.data_ptr(),
+                            start.data_ptr(), start.shape[-1], b, hkv, pages, page_size, sink_pages, top_k,
+                            window_slots, window_min, slots, flat.data_ptr(), valid.data_ptr())
+        return (flat, valid) if code == 0 else None
 
 
 def describe_kernels(device: torch.device) -> str:

@@ -1,4 +1,4 @@
-"""Build the CPU kernels once per machine: oval_kernels.c compiled for this CPU, checked, cached.
+"""Build the CPU kernels once per machine: oval_kernels.c and step_kernels.c compiled for this CPU, checked, cached.
 
 The library is built with the system C compiler (`$CC`, else cc) for this CPU (-march=native, -mcpu=native on
 Arm) into <cache>/kernels/<key>/ (see oval_edge/cache_dir.py), keyed by the source, the compiler, the flags and the
@@ -19,7 +19,8 @@ from pathlib import Path
 
 from oval_edge.cache_dir import cache_root
 
-SOURCE = Path(__file__).with_name("oval_kernels.c")
+# The C files built into the one library: page scoring and decode attention; the static step's small fused ops.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("oval_kernels.c", "step_kernels.c"))
 LIBRARY_NAME = "oval_kernels.so"
 CHECK_MODULE = "oval_edge.kernels.cpu_check"  # run as `python -m`: exits 0 when the library agrees with torch
 COMPILE_TIMEOUT_S = 120
@@ -37,7 +38,7 @@ def built_library() -> str:
     if not compiler:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     flags = [*OPTIMISE_FLAGS, "-fPIC", "-shared", *_arch_flags()]
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"|".join([source, version.encode(), " ".join(flags).encode(), _cpu_features().encode()]))
     folder = os.path.join(cache_root(), "kernels", key.hexdigest()[:24])
@@ -48,8 +49,8 @@ def built_library() -> str:
     staging = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(folder))
     try:
         built = os.path.join(staging, LIBRARY_NAME)
-        done = subprocess.run([compiler, *flags, "-o", built, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=COMPILE_TIMEOUT_S)
+        done = subprocess.run([compiler, *flags, "-o", built, *map(str, SOURCES), "-lm"], capture_output=True,
+                              text=True, timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {(done.stderr or done.stdout).strip()[-500:]}")
         # Checked in a child process: the torch reference touches code (einsum, softmax, ...) that decoding with the

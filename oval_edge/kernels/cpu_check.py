@@ -12,7 +12,9 @@ import sys
 
 import torch
 
+from oval_edge.config import OvalConfig
 from oval_edge.sparse.scoring import oval_scores
+from oval_edge.sparse.selection import DecodePlan
 
 from .cpu import ELEMENT_SUFFIX, NativeKernels
 
@@ -54,6 +56,31 @@ def self_check(kernels: NativeKernels) -> str | None:
         got = kernels.attend_slots(q.reshape(2, hkv * group, dim), k_rows, v_rows, flat, valid, 0.125, limits=limits)
         if got is None or want is None or not torch.allclose(got, want, rtol=SELF_CHECK_TOLERANCE, atol=1e-6):
             return f"attend_slots with limits {dtype}"
+    problem = _check_selection(kernels, gen)
+    if problem:
+        return problem
+    x, weight = torch.randn(3, 96, generator=gen), torch.randn(96, generator=gen)
+    got = kernels.rms_norm(x, weight, 1e-5)
+    if got is None or not torch.allclose(got, torch.nn.functional.rms_norm(x, (96,), weight, 1e-5), rtol=1e-5,
+                                         atol=1e-6):
+        return "rms_norm"
+    return None
+
+
+def _check_selection(kernels: NativeKernels, gen: torch.Generator) -> str | None:
+    """select_slots against DecodePlan.select on rows short (dense), at a page edge and long, fixed window."""
+    config = OvalConfig(page_size=16, top_k=3, window_min=20, window_max=20)
+    lengths = torch.tensor([40, 96, 161, 300])
+    sealed = lengths // 16
+    pages = 20
+    table = torch.stack([torch.randperm(80, generator=gen)[:pages] for _ in lengths])
+    plan = DecodePlan(config, lengths, sealed, pages, 2, table, static=True)
+    scores = torch.randn(len(lengths), 2, pages, generator=gen)
+    want = plan.select(scores, detail=False)
+    got = kernels.select_slots(scores, table, lengths, sealed, plan.start.view(-1, 1), 16, 1, 3, 20, 20)
+    if got is None or not torch.equal(got[1], want.valid) or not torch.equal(got[0][want.valid],
+                                                                          want.flat[want.valid]):
+        return "select_slots"
     return None
 
 

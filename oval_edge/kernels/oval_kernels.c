@@ -257,3 +257,4 @@ int oval_scores_bf16(SCORE_ARGS) { SCORE_DISPATCH(1) }
     return ATTEND_WITH(dim, BF16);
 int attend_slots_f32(ATTEND_ARGS) { ATTEND_DISPATCH(0) }
 int attend_slots_bf16(ATTEND_ARGS) { ATTEND_DISPATCH(1) }
+

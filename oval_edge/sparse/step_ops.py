@@ -8,6 +8,9 @@ implementation, each is one node of the traced graph, with the CPU kernel or the
     oval_edge::page_scores(q, basis, coords, layer, table, counts, scale)  oval page scores from the records
     oval_edge::attend_slots(q, k, v, layer, flat, valid, limits, scale)  exact attention over the selected rows
 
+`select_slots` (the page selection) needs no operator: under tracing it is torch code the compiler fuses; eager, on a
+CPU, one native kernel call.
+
 The pool tensors go in whole (k, v [layers, pages, Hkv, P, D]; basis/coords head-major per layer) with the layer
 as an integer, so a compiled step has one graph input per pool tensor rather than one aliasing view per layer.
 
@@ -21,8 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from oval_edge.kernels.cpu import cpu_kernels
+
 from .attention import attend_rows
 from .scoring import score_pages
+from .selection import DecodePlan, window_slots
 
 # The operator registry handle: it must live as long as the process, so it is module-level (never mutated after).
 _LIBRARY = torch.library.Library("oval_edge", "FRAGMENT")
@@ -101,6 +107,26 @@ def attend_slots(pool, layer: int, q: torch.Tensor, flat: torch.Tensor, valid: t
     if torch.compiler.is_compiling():
         return torch.ops.oval_edge.attend_slots(q, pool.k, pool.v, layer, flat, valid, limits, scale)
     return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, limits)
+
+
+def select_slots(plan: DecodePlan, scores: torch.Tensor, sealed: torch.Tensor):
+    """(flat, valid [B, Hkv, T], window [B, Hkv]) a sparse layer of the static step attends to, from its scores.
+
+    On a CPU with a fixed window, the native kernel (step_kernels.c: ~22 torch ops per layer in one call); else,
+    and under tracing (the compiler fuses the ops itself), DecodePlan.select. sealed [B]: pages with records."""
+    kernels = None
+    if plan.fixed_window and plan.page_table is not None and scores.device.type == "cpu" \
+            and not torch.compiler.is_compiling():
+        kernels = cpu_kernels()
+    if kernels is not None:
+        config = plan.config
+        picked = kernels.select_slots(_as(scores, torch.float32), plan.page_table, plan.lengths, sealed,
+                                      plan.start.view(plan.batch, 1), config.page_size, config.sink_pages,
+                                      config.top_k, window_slots(config), config.window_min)
+        if picked is not None:
+            return (*picked, plan.window)
+    selection = plan.select(scores, detail=False)
+    return selection.flat, selection.valid, selection.window
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 from oval_edge.kernels.cpu import cpu_kernels
 from oval_edge.sparse.scoring import group_queries, score_pages
 from oval_edge.sparse.selection import DecodePlan, slots_per_step
-from oval_edge.sparse.step_ops import attend_slots, page_scores, write_kv
+from oval_edge.sparse.step_ops import attend_slots, page_scores, select_slots, write_kv
 
 from .paged_llama import PagedLlama, StepStats
 
@@ -110,12 +110,14 @@ class StaticStep:
             q, k, v = runner.qkv(ops, x, b, cos, sin)  # [B, Hq, D], [B, Hkv, D] x 2
             write_kv(pool, index, slots, k, v)
             if self.dense[index]:
-                selection, limits = plan.full_dense(), self.lengths  # row b reads its first lengths[b] slots
+                dense = plan.full_dense()
+                flat, valid, limits = dense.flat, dense.valid, self.lengths  # row b reads its first lengths[b] slots
             else:
-                selection, limits = plan.select(self._scores(index, q), detail=False), None
-                valids.append(selection.valid)
-                windows.append(selection.window)
-            out = attend_slots(pool, index, q, selection.flat, selection.valid, limits, runner.scale)
+                flat, valid, window = select_slots(plan, self._scores(index, q), self.sealed)
+                limits = None
+                valids.append(valid)
+                windows.append(window)
+            out = attend_slots(pool, index, q, flat, valid, limits, runner.scale)
             hidden = hidden + ops.o_proj(out.reshape(b, -1))
             hidden = hidden + ops.mlp(ops.post_norm(hidden))
         logits = runner.model.lm_head(runner.final_norm(hidden)).float()

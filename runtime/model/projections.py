@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from oval_edge.kernels.cpu import cpu_kernels
+
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
 # The packed 4-bit GEMV as an opaque operator, so the static decode step traces whole under torch.compile (dynamo
@@ -140,6 +142,10 @@ def bind_norm(module: torch.nn.Module) -> Projection:
     def norm(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             return module(x)
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        # On a CPU the native kernel: torch's fused op costs ~20 us per decode-sized call here (measured), 61 per
+        # step. Not under tracing: torch.compile fuses the norm itself and cannot trace a ctypes call.
+        kernels = cpu_kernels() if x.device.type == "cpu" and not torch.compiler.is_compiling() else None
+        out = kernels.rms_norm(x, weight, eps) if kernels is not None else None
+        return out if out is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
 
     return norm

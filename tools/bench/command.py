@@ -20,8 +20,8 @@ import platform
 from oval_edge.runtime.model.source import quant_choices
 
 from .report import aggregate, format_table, report_json, write_json_report
-from .settings import (HF_DTYPES, BenchSettings, default_threads, parse_engines, parse_int_list, prompt_length,
-                       with_reuse)
+from .settings import (COUNTED_STEPS, HF_DTYPES, BenchSettings, default_threads, parse_engines, parse_int_list,
+                       prompt_length, with_reuse)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         length = prompt_length(context, settings.gen, shape.max_context)
         if length != context:
             notes.append(f"context {context}: prompt shortened to {length} tokens so prompt + {settings.gen} "
-                         f"generated fit the model's {shape.max_context} positions")
+                         f"generated (+ {COUNTED_STEPS} counted) fit the model's {shape.max_context} positions")
     for engine, why in settings.skipped.items():
         notes.append(f"{engine} skipped: {why}")
     bandwidth, bandwidth_note = _bandwidth(args.bandwidth, settings.device)

@@ -8,13 +8,13 @@ of a pool sized for the model's full 8k positions.
 from __future__ import annotations
 
 from .meters import MemoryMeter, TokenClock
-from .settings import WARMUP_GEN_TOKENS
+from .settings import COUNTED_STEPS, WARMUP_GEN_TOKENS
 
 SLACK_PAGES = 1
 
 
 def pool_pages(prompt_tokens: int, gen: int, page_size: int) -> int:
-    return -(-(prompt_tokens + gen) // page_size) + SLACK_PAGES
+    return -(-(prompt_tokens + gen + COUNTED_STEPS) // page_size) + SLACK_PAGES
 
 
 def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
@@ -38,8 +38,8 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
     engine.generate(list(job["warmup_ids"]), SamplingParams(max_tokens=WARMUP_GEN_TOKENS, ignore_eos=True))
     meter.after_load()
 
-    # One decode step past the timed ones is counted by a dispatch mode: the request asks for gen + 1 tokens, the
-    # clock takes the first gen, and the step that makes the last one runs under the trace (its overhead untimed).
+    # One decode step past the timed ones is counted by a dispatch mode: the request asks for gen + COUNTED_STEPS
+    # tokens, the clock takes the first gen, and the step that makes the last one runs under the trace (untimed).
     trace = OpTrace()
     ticks = []
 
@@ -51,7 +51,7 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
                 engine.next_decode_trace = trace
 
     clock.begin()  # greedy sampling reads each token back to the host (int(argmax)), so ticks follow the device
-    request = engine.generate(prompt, SamplingParams(max_tokens=gen + 1, ignore_eos=True), on_token=on_token)
+    request = engine.generate(prompt, SamplingParams(max_tokens=gen + COUNTED_STEPS, ignore_eos=True), on_token=on_token)
     if request.finish_reason not in ("length", "stop"):
         raise RuntimeError(f"the {job['engine']} engine ended the request with {request.finish_reason}: {request.error}")
     geometry = engine.pool.geometry

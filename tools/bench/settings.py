@@ -18,6 +18,7 @@ ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "huggingfac
 HF_DTYPES = ("float32", "bfloat16", "float16")
 WARMUP_PROMPT_TOKENS = 32
 WARMUP_GEN_TOKENS = 4
+COUNTED_STEPS = 1  # decode steps past the timed ones, run under the op counter (runtime engines only)
 
 # A plain English passage, repeated and tokenized with the model's own tokenizer to make a prompt of exactly
 # `context` tokens. Prose (not random ids) so that attention looks like it does on real input: OVAL's page
@@ -158,11 +159,13 @@ def prompt_length(context: int, gen: int, max_positions: int | None) -> int:
     """Prompt tokens for a context: all of it, unless prompt + generated would pass the model's positions.
 
     A model trained on 8192 positions cannot be asked for 8192 prompt tokens and 64 more; there the prompt is
-    shortened so that the last decode step runs at the model's full context (the row keeps its label).
+    shortened so that the last decode step runs at the model's full context (the row keeps its label). The runtime's
+    engines decode COUNTED_STEPS more, untimed, to count what a step dispatches (runtime_engine.py); that is reserved
+    too, so every engine gets the same prompt.
     """
-    if max_positions is None or context + gen <= max_positions:
+    if max_positions is None or context + gen + COUNTED_STEPS <= max_positions:
         return context
-    length = max_positions - gen
+    length = max_positions - gen - COUNTED_STEPS
     if length < 1:
         raise ValueError(f"--gen={gen} leaves no room for a prompt in the model's {max_positions} positions")
     return length
