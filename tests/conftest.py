@@ -26,3 +26,16 @@ def decode_kernels(request, monkeypatch):
         if cpu_kernels() is None:
             pytest.skip("native CPU kernels unavailable here (no C compiler?); the torch run covers this test")
     return request.param
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The loaded native CPU kernels; the test is skipped where they are off or cannot be built."""
+    from oval_edge.kernels.cpu import NATIVE_ENV, cpu_kernels
+
+    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+        pytest.skip(f"{NATIVE_ENV}=0")
+    loaded = cpu_kernels()
+    if loaded is None:
+        pytest.skip("native CPU kernels unavailable here (no C compiler?)")
+    return loaded

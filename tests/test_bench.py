@@ -152,6 +152,11 @@ def test_memory_meter_reports_whole_life_and_run_peaks():
     assert out["peak_rss_mb"] >= out["load_peak_rss_mb"] >= 64
     if out["run_peak_rss_mb"] is not None:  # /proc/self/clear_refs writable (Linux >= 4.0)
         assert out["run_peak_rss_mb"] < out["load_peak_rss_mb"]
+    meter.freeze()  # what runs after a freeze (the op count's dispatch mode) is not measured
+    late = bytearray(96 * 2**20)
+    late[:: 4096] = b"x" * len(late[:: 4096])
+    assert meter.finish() == meter.frozen
+    del late
 
 
 # ---- plan --------------------------------------------------------------------------------------------------

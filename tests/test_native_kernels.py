@@ -24,16 +24,6 @@ from oval_edge.sparse.scoring import oval_scores
 TOL = 2e-5  # fp32 with a different summation order and a 2^x polynomial good to ~1e-7
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    if os.environ.get(NATIVE_ENV, "").strip() == "0":
-        pytest.skip(f"{NATIVE_ENV}=0")
-    loaded = cpu_kernels()
-    if loaded is None:
-        pytest.skip("native CPU kernels unavailable here (no C compiler?)")
-    return loaded
-
-
 def _near(actual: torch.Tensor, expected: torch.Tensor) -> None:
     error = float((actual.double() - expected.double()).abs().max())
     assert error <= TOL * max(1.0, float(expected.abs().max())), f"max abs diff {error:.3g}"

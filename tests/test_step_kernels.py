@@ -4,26 +4,13 @@ attention kernels take for padded page tables."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from oval_edge import OvalConfig
-from oval_edge.kernels.cpu import NATIVE_ENV, cpu_kernels
 from oval_edge.sparse.scoring import oval_scores
 from oval_edge.sparse.selection import DecodePlan, window_slots
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    if os.environ.get(NATIVE_ENV, "").strip() == "0":
-        pytest.skip(f"{NATIVE_ENV}=0")
-    loaded = cpu_kernels()
-    if loaded is None:
-        pytest.skip("native CPU kernels unavailable here (no C compiler?)")
-    return loaded
 
 
 @pytest.mark.parametrize("rows, dim", [(1, 576), (3, 64), (130, 960)])

@@ -48,7 +48,9 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
             clock.tick(token_id)
             ticks.append(token_id)
             if len(ticks) == gen:
-                engine.next_decode_trace = trace
+                meter.freeze()  # the memory figures end with the timed tokens, before the counted step
+                if engine.config.decode_step != "compiled":  # under a dispatch mode a compiled step runs eager
+                    engine.next_decode_trace = trace
 
     clock.begin()  # greedy sampling reads each token back to the host (int(argmax)), so ticks follow the device
     request = engine.generate(prompt, SamplingParams(max_tokens=gen + COUNTED_STEPS, ignore_eos=True), on_token=on_token)
