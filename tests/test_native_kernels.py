@@ -130,7 +130,7 @@ def test_missing_compiler_means_torch_ops_with_a_warning(monkeypatch, tmp_path, 
 def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp_path):
     broken = tmp_path / "broken.c"
     broken.write_text("int oval_scores_f32( {\n")
-    monkeypatch.setattr(cpu_build, "SOURCE", broken)
+    monkeypatch.setattr(cpu_build, "SOURCES", (broken, *cpu_build.SOURCES[1:]))
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match=r"failed: .*error"):
         cpu_build.built_library()
@@ -138,11 +138,11 @@ def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp
 
 
 def test_a_library_that_disagrees_with_torch_is_not_published(monkeypatch, tmp_path):
-    source = cpu_build.SOURCE.read_text()
+    source = cpu_build.SOURCES[0].read_text()  # oval_kernels.c
     assert "return p * scale;" in source
     skewed = tmp_path / "skewed.c"
     skewed.write_text(source.replace("return p * scale;", "return p * scale * 1.01f;"))  # 1% off in every 2^x
-    monkeypatch.setattr(cpu_build, "SOURCE", skewed)
+    monkeypatch.setattr(cpu_build, "SOURCES", (skewed, *cpu_build.SOURCES[1:]))
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match=r"disagrees with torch: oval_scores"):
         cpu_build.built_library()
