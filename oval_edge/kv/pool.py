@@ -190,9 +190,15 @@ class PagePool:
         if step.write_slots is None:  # same for every layer of the step: compute once
             heads = torch.arange(g.kv_heads, device=self.device) * g.page_size
             step.write_slots = (step.write_base[:, None] + heads[None, :]).reshape(-1)  # [N * kv_heads]
-        slots = step.write_slots
-        self.k_rows[layer].index_copy_(0, slots, k.reshape(-1, g.head_dim).to(self.k.dtype))
-        self.v_rows[layer].index_copy_(0, slots, v.reshape(-1, g.head_dim).to(self.v.dtype))
+        self.write_rows(layer, step.write_slots, k, v)
+
+    def write_rows(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [N, kv_heads, head_dim] into the layer's rows `slots` [N * kv_heads] (of its [pages*Hkv*P, D] view).
+        A cast only where the dtypes differ: a same-dtype .to() is still a dispatched op, twice per layer per step."""
+        d = self.geometry.head_dim
+        k, v = k.reshape(-1, d), v.reshape(-1, d)
+        self.k_rows[layer].index_copy_(0, slots, k if k.dtype == self.k.dtype else k.to(self.k.dtype))
+        self.v_rows[layer].index_copy_(0, slots, v if v.dtype == self.v.dtype else v.to(self.v.dtype))
 
     def commit(self, step: StepIndex) -> int:
         """Advance lengths after every layer wrote, then seal full pages. Returns pages sealed."""

@@ -86,10 +86,7 @@ def write_kv(pool, layer: int, slots: torch.Tensor, k_new: torch.Tensor, v_new: 
     if torch.compiler.is_compiling():
         torch.ops.oval_edge.write_kv(pool.k, pool.v, layer, slots, k_new, v_new)
         return
-    d = pool.geometry.head_dim
-    k_rows, v_rows = pool.k_rows[layer], pool.v_rows[layer]  # the pool's per-layer views: no view op per call
-    k_rows.index_copy_(0, slots, _as(k_new.reshape(-1, d), k_rows.dtype))
-    v_rows.index_copy_(0, slots, _as(v_new.reshape(-1, d), v_rows.dtype))
+    pool.write_rows(layer, slots, k_new, v_new)  # on the pool's per-layer views: no view op per call
 
 
 def page_scores(pool, layer: int, q: torch.Tensor, page_table: torch.Tensor, counts: torch.Tensor,

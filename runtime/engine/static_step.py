@@ -60,6 +60,7 @@ class StaticStep:
         self.head_offsets = torch.arange(g.kv_heads, device=dev) * g.page_size  # [Hkv]: head h's rows in a page
         config = runner.config
         self.dense = [runner.attention == "dense" or i < config.dense_layers for i in range(len(runner.layers))]
+        self.dense_layers = sum(self.dense)
         self.slots = slots_per_step(config)
         # What the attention reads per slot: the native kernel reads valid slots in place; the torch ops gather all.
         self.reads_valid_only = dev.type == "cpu" and cpu_kernels() is not None
@@ -134,8 +135,7 @@ class StaticStep:
     def _stats(self, plan: DecodePlan, valids: list, windows: list) -> torch.Tensor:
         """[attended slots, window sum, window count] over the real rows, on the device (no sync)."""
         real = self.real
-        dense_layers = sum(self.dense)
-        attended = (self.lengths * real).sum() * (dense_layers * self.runner.kv_heads)
+        attended = (self.lengths * real).sum() * (self.dense_layers * self.runner.kv_heads)
         window_sum = window_count = torch.zeros((), dtype=torch.long, device=real.device)
         if valids:
             attended = attended + (torch.stack(valids).sum((0, 2, 3)) * real).sum()
@@ -173,9 +173,9 @@ class StaticDecoder:
             logits, stats = step.run()
         attended, window_sum, window_count = stats.tolist()  # the step's one read back, after it
         rows = len(seq_ids)
-        sparse_layers = len(step.dense) - sum(step.dense)
+        sparse_layers = len(step.dense) - step.dense_layers
         shorts = all(length <= step.slots for length in step.lengths_list)
-        gathered = rows * self.runner.kv_heads * (sum(step.dense) * self.width * self.runner.pool.page_size
+        gathered = rows * self.runner.kv_heads * (step.dense_layers * self.width * self.runner.pool.page_size
                                                   + sparse_layers * step.slots)
         read = StepStats(kv_tokens_read=attended if step.reads_valid_only else gathered, attended_tokens=attended,
                          sparse_layers=0 if shorts else sparse_layers,
