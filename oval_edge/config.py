@@ -113,12 +113,15 @@ class OvalConfig:
     def token_budget(self) -> int:
         return (self.sink_pages + self.top_k) * self.page_size + max(self.window_max, self.page_size)
 
-    def pool_dtype(self, device_type: str) -> str:
-        """The page pool's dtype on a device type ('cpu', 'cuda'): kv_dtype, or for 'auto' float16 on CUDA and
-        bfloat16 on the CPU (it halves the pool; attention math still runs in fp32 on the gathered slots)."""
+    def pool_dtype(self, device_type: str, activations: str | None = None) -> str:
+        """The page pool's dtype on a device type ('cpu', 'cuda'): kv_dtype, or for 'auto' on CUDA the activations'
+        16-bit dtype when given (bfloat16 on sm_80+: attention then reads K/V without a cast), else float16; on the
+        CPU bfloat16 (it halves the pool; attention math still runs in fp32 on the gathered slots)."""
         if self.kv_dtype != "auto":
             return self.kv_dtype
-        return "float16" if device_type == "cuda" else "bfloat16"
+        if device_type == "cuda":
+            return activations if activations in ("bfloat16", "float16") else "float16"
+        return "bfloat16"
 
     def replace(self, **changes) -> "OvalConfig":
         return dataclasses.replace(self, **changes)

@@ -63,23 +63,29 @@ def _quant(value, where: str):
     return value
 
 
-def _attention(value, where: str):
-    if value not in ("oval", "dense"):
-        raise ValueError(f"{where}={value!r} is unknown; allowed: oval, dense")
+def _choice(*allowed: str):
+    def check(value, where: str):
+        if value not in allowed:
+            raise ValueError(f"{where}={value!r} is unknown; allowed: {', '.join(allowed)}")
+        return value
+
+    return check
+
+
+def _bool(value, where: str):
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}={value!r} must be true or false")
     return value
 
 
-def _decode_step(value, where: str):
-    if value not in ("static", "compiled", "eager"):
-        raise ValueError(f"{where}={value!r} is unknown; allowed: static, compiled, eager")
-    return value
-
-
-MODEL_KEYS = {"path": _str, "quant": _quant}
+_attention = _choice("oval", "dense")
+_decode_step = _choice("static", "compiled", "eager")
+MODEL_KEYS = {"path": _str, "quant": _quant, "dtype": _choice("auto", "float32", "bfloat16", "float16")}
 # Ranges as runtime/engine/setup.EngineConfig checks them, so a file that loads also builds an engine.
 ENGINE_KEYS = {
     "max_batch": _int(1, 1024), "max_queue": _int(0, 1_000_000), "prefill_chunk": _int(16, 65536),
     "max_model_len": _int(2, 1 << 24), "attention": _attention, "decode_step": _decode_step,
+    "cuda_graphs": _bool,
 }
 # runtime/server/options.py reads max_context (cap on prompt + max_tokens) and falls back to max_model_len.
 ENGINE_ALIASES = {"max_context": "max_model_len"}

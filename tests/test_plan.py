@@ -146,7 +146,7 @@ def test_weight_bytes_match_loaded_model():
 
 def test_planner_and_runtime_share_their_arithmetic():
     torch = pytest.importorskip("torch")
-    from oval_edge.geometry import KVGeometry, prefill_workspace_bytes, seal_chunk_pages
+    from oval_edge.geometry import KVGeometry, decode_graph_bytes, prefill_workspace_bytes, seal_chunk_pages
     from oval_edge.kv.pool import PagePool
     from oval_edge.runtime.engine.setup import EngineConfig, pool_geometry
     from oval_edge.runtime.model.config import DecoderConfig
@@ -164,8 +164,12 @@ def test_planner_and_runtime_share_their_arithmetic():
     geo_small = KVGeometry(30, 3, 64, 32, "bfloat16")
     assert PagePool(geo_small, 4).seal_chunk == seal_chunk_pages(geo_small)
     geo = KVGeometry(shape.layers, shape.kv_heads, shape.head_dim, 32, "float16")
-    assert reserved_workspace_bytes(shape, geo, "cuda", 512, 4096) == prefill_workspace_bytes(
-        shape.hidden, shape.intermediate, shape.heads, geo, 512, 4096, 2)
+    prefill = prefill_workspace_bytes(shape.hidden, shape.intermediate, shape.heads, geo, 512, 4096, 2)
+    assert reserved_workspace_bytes(shape, geo, "cpu", 512, 4096) == prefill_workspace_bytes(
+        shape.hidden, shape.intermediate, shape.heads, geo, 512, 4096, 4)
+    # On CUDA serve also keeps what its captured decode graphs hold (runtime/engine/setup.build_pool).
+    graphs = decode_graph_bytes(shape.hidden, shape.intermediate, shape.heads, shape.vocab, geo, 4, 4096, 2)
+    assert reserved_workspace_bytes(shape, geo, "cuda", 512, 4096, 4) == prefill + graphs
 
 
 # ---- model shapes ---------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ import pytest
 from oval_edge.cli import main
 from oval_edge.config import OvalConfig
 from oval_edge.runtime.config_file import load_config_file, oval_config
-from oval_edge.tools.profile.choice import ROW_FIELDS, NoConfiguration, ProfileRow, choose, explain, top_k_for
+from oval_edge.tools.profile.choice import (
+    ROW_FIELDS, NoConfiguration, ProfileRow, choose, explain, rank, speed_tie, top_k_for,
+)
 from oval_edge.tools.profile.report import config_sections, report_json, write_config
 
 BASE = OvalConfig()
@@ -47,28 +49,73 @@ def test_top_k_rejects_a_non_positive_budget():
 
 # ---- the choice -------------------------------------------------------------------------------------------------
 
-def row(page_size, ms, kl, fits=True, **extra) -> ProfileRow:
+def row(page_size, ms, kl, fits=True, spread=0.1, **extra) -> ProfileRow:
+    """A recorded profile row; `spread` is (p75 - p25) / median."""
     k = top_k_for(page_size, 224, BASE)
     return ProfileRow(page_size=page_size, top_k=k, tokens_per_step=BASE.replace(page_size=page_size, top_k=k)
-                      .token_budget, pages=1000, pool_tokens=1000 * page_size, max_context=8192,
+                      .token_budget, pages=1000, pool_tokens=1000 * page_size, max_context=8192 if fits else 2048,
                       summary_bytes=2**26, decode_ms_median=ms if fits else None, seal_ms=5.0, kl=kl, top1=0.8,
-                      fits_context=fits, decode_ms_p25=ms * 0.95 if fits else None,
-                      decode_ms_p75=ms * 1.05 if fits else None, **extra)
+                      fits_context=fits, decode_ms_p25=ms * (1 - spread / 2) if fits else None,
+                      decode_ms_p75=ms * (1 + spread / 2) if fits else None, **extra)
 
 
-def test_fastest_row_within_the_kl_bar_wins():
+def test_a_clear_winner_on_speed_wins_under_the_kl_bar():
     rows = [row(16, 50.0, 0.03), row(32, 40.0, 0.05), row(64, 30.0, 0.20), row(128, 20.0, 0.01, fits=False)]
     chosen = choose(rows, 0.1, 224)
-    assert chosen.page_size == 32  # 64 is faster but over the bar; 128 is fastest but cannot hold the context
+    assert chosen.page_size == 32  # 64 is faster but over the bar; 128 is fastest but its pool is too small
     assert choose(rows, 0.04, 224).page_size == 16  # a tighter bar leaves only page 16
-    assert choose(rows, 0.5, 224).page_size == 64  # a loose one admits the fastest that fits
+    assert choose(rows, 0.5, 224).page_size == 64  # 33% faster than 32: no tie, so speed decides
     text = explain(chosen, rows, 0.1, 4096)
-    assert "page_size 32" in text and "page_size 64 (KL 0.2)" in text and "page_size 128 (up to 8192" in text
-    assert "Next was page_size 16" in text
+    assert "page_size 32" in text and "page_size 64 (KL 0.2)" in text and "page_size 128 (up to 2048" in text
+    assert "Runner-up: page_size 16" in text and "outside the tie" in text
+    assert "this choice is 20% faster (40.0 vs 50.0 ms) with 1.7x the KL (0.05 vs 0.03)" in text
+
+
+def test_the_issue_run_ties_on_speed_and_takes_the_lower_kl():
+    # Issue #26's run: page 16 / 32 / 64 at 15.3 / 14.1 / 13.5 ms, KL 0.033 / 0.048 / 0.143; the old rule took 64.
+    rows = [row(16, 15.3, 0.033, spread=0.05), row(32, 14.1, 0.048, spread=0.05), row(64, 13.5, 0.143, spread=0.05)]
+    ranking = rank(rows, 0.2, 224)
+    assert [r.page_size for r in ranking.tied] == [32, 64]  # 16 is 13% slower: outside 10%
+    assert ranking.chosen.page_size == 32 and ranking.runner_up.page_size == 64 and ranking.tolerance == 0.1
+    text = explain(ranking.chosen, rows, 0.2, 4096)
+    assert "Runner-up: page_size 64" in text and "also within the tie" in text
+    assert "gives up 4% of step time (14.1 vs 13.5 ms) for 3.0x lower KL (0.048 vs 0.143)" in text
+    # A wider tolerance admits page 16 too, which then wins on KL. Zero still keeps the measured 5% spread (page
+    # 32 is 4.4% slower: a tie); only steps that are both tight and apart leave the fastest alone.
+    assert choose(rows, 0.2, 224, speed_tolerance=0.15).page_size == 16
+    assert choose(rows, 0.2, 224, speed_tolerance=0.0).page_size == 32
+    tight = [row(32, 14.1, 0.048, spread=0.01), row(64, 13.5, 0.143, spread=0.01)]
+    assert choose(tight, 0.2, 224, speed_tolerance=0.0).page_size == 64
+
+
+def test_the_tie_is_never_tighter_than_the_measured_spread():
+    # The fastest step's p25-p75 spread is 20% of its median: 10% would split what the noise cannot.
+    rows = [row(16, 15.3, 0.033), row(32, 14.1, 0.048), row(64, 13.5, 0.143, spread=0.2)]
+    ranking = rank(rows, 0.2, 224)
+    assert ranking.tolerance == pytest.approx(0.2) and ranking.chosen.page_size == 16
+    text = explain(ranking.chosen, rows, 0.2, 4096)
+    assert "within 20.0% of the fastest, widened from --speed-tolerance 10%" in text
+    assert "The fastest, page_size 64 (13.5 ms), has KL 0.143." in text
 
 
 def test_equal_speed_goes_to_the_lower_kl():
     assert choose([row(16, 40.0, 0.05), row(32, 40.0, 0.02)], 0.1, 224).page_size == 32
+
+
+def test_a_pool_too_small_for_the_context_is_never_chosen():
+    rows = [row(16, 20.0, 0.01, fits=False), row(32, 21.0, 0.05), row(64, 30.0, 0.04)]
+    ranking = rank(rows, 0.1, 224)
+    assert ranking.chosen.page_size == 32 and [r.page_size for r in ranking.order] == [32, 64]
+    assert "Not holding the context in this budget: page_size 16 (up to 2048 tokens)" in \
+        explain(ranking.chosen, rows, 0.1, 4096)
+
+
+def test_speed_tie_and_its_tolerance_check():
+    assert speed_tie([10.0, 11.0, 11.5, 9.0], lambda t: t, 0.25) == [10.0, 11.0, 9.0]
+    assert speed_tie([40.0, 44.0], lambda t: t, 0.1) == [40.0, 44.0]  # exactly +10% is inside
+    for bad in (-0.1, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match="--speed-tolerance"):
+            choose([row(16, 40.0, 0.05)], 0.1, 224, speed_tolerance=bad)
 
 
 def test_no_row_under_the_bar_is_an_error_that_says_what_to_change():
@@ -89,8 +136,9 @@ def test_no_row_holding_the_context_asks_for_more_budget():
 
 def test_json_rows_lead_with_the_issue_fields_and_hold_the_choice():
     rows = [row(16, 50.0, 0.03), row(32, 40.0, float("nan"))]
-    report = report_json({"kind": "cpu"}, {"context": 4096}, rows, rows[0], "why")
+    report = report_json({"kind": "cpu"}, {"context": 4096}, rows, rows[0], "why", rank(rows[:1], 0.1, 224))
     assert list(report["rows"][0])[: len(ROW_FIELDS)] == list(ROW_FIELDS)
+    assert report["choice"]["tie_tolerance"] == pytest.approx(0.1) and report["choice"]["runner_up"] is None
     assert report["rows"][1]["kl"] is None  # not finite -> null, so the file stays strict JSON
     assert report["chosen"]["page_size"] == 16 and report["explanation"] == "why"
     json.dumps(report, allow_nan=False)
@@ -130,6 +178,7 @@ def test_nothing_qualifies_exits_1_and_writes_no_config(tmp_path, capsys):
     (["--calib-tokens", "600", "--calib-steps", "600"], "--calib-steps"),
     (["--memory-budget", "lots"], "--memory-budget"),
     (["--tokens-per-step", "0"], "--tokens-per-step"),
+    (["--speed-tolerance", "2"], "--speed-tolerance=2.0"),
     (["--write-config", "/no/such/folder/p.toml"], "--write-config /no/such/folder/p.toml"),
 ])
 def test_bad_options_fail_before_the_model_loads(argv, message, capsys):
@@ -167,9 +216,14 @@ def test_tiny_profile_of_the_bundled_model(tmp_path):
         assert 0 < r["kl"] < 1 and 0 <= r["top1"] <= 1 and math.isfinite(r["ppl"]) and r["fidelity_steps"] == 24
     # 16-token pages keep more summary per token than 32-token ones
     assert rows[0]["summary_bytes_per_page"] / 16 > rows[1]["summary_bytes_per_page"] / 32
-    chosen = report["chosen"]
+    chosen, choice = report["chosen"], report["choice"]
     ok = [r for r in rows if r["kl"] <= report["settings"]["max_kl"]]
-    assert chosen == min(ok, key=lambda r: r["decode_ms_median"])
+    fastest = min(ok, key=lambda r: r["decode_ms_median"])
+    spread = (fastest["decode_ms_p75"] - fastest["decode_ms_p25"]) / fastest["decode_ms_median"]
+    assert choice["tie_tolerance"] == pytest.approx(max(0.1, spread))
+    tied = [r for r in ok if r["decode_ms_median"] <= fastest["decode_ms_median"] * (1 + choice["tie_tolerance"])]
+    assert chosen == min(tied, key=lambda r: r["kl"])
+    assert choice["runner_up"] is not None and choice["runner_up"]["page_size"] != chosen["page_size"]
     assert report["device"]["kind"] == "cpu" and report["device"]["cpu"]
     assert out["p.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sections = load_config_file(str(out["p.toml"]))

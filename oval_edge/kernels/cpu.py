@@ -19,6 +19,7 @@ import subprocess
 import torch
 
 from .cpu_build import built_library
+from .gpu import TritonKernels, describe_gpu_kernels, gpu_kernels
 
 NATIVE_ENV = "OVAL_EDGE_NATIVE"  # "0": never use the kernels (A/B measurements, debugging)
 REFUSED, OUT_OF_RANGE = 1, 2  # the C kernels' return codes: shapes above their fixed limits, an index outside the pool
@@ -95,6 +96,10 @@ class NativeKernels:
                        k_rows.shape[0] - 1)
 
 
+    def quest_scores(self, *args, **kwargs) -> None:
+        """No C kernel for quest (a few torch passes already): None, the caller runs scoring.quest_scores."""
+        return None
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """F.rms_norm(x, (dim,), weight, eps) for x [rows, dim] fp32 on the CPU; None for other inputs."""
         if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
@@ -129,13 +134,20 @@ class NativeKernels:
 def describe_kernels(device: torch.device) -> str:
     """Which decode path runs on `device`, for logs and serve's startup report."""
     if device.type != "cpu":
-        return "torch ops (the native kernels are CPU-only)"
+        return describe_gpu_kernels(device)  # the Triton kernels on CUDA, or why the torch ops run
     kernels = cpu_kernels()
     if kernels is not None:
         return f"native CPU scoring + attention ({kernels.path})"
     if os.environ.get(NATIVE_ENV, "").strip() == "0":
         return f"torch ops ({NATIVE_ENV}=0)"
     return "torch ops (native kernels unavailable: the log says why)"
+
+
+def decode_kernels(device: torch.device) -> NativeKernels | TritonKernels | None:
+    """The fused decode kernels for tensors on `device`: the C ones on a CPU, the Triton ones on CUDA (gpu.py);
+    None where neither applies (callers run their torch code). Both offer oval_scores, quest_scores, attend_slots
+    with the same arguments, and each may still return None for inputs it does not take."""
+    return cpu_kernels() if device.type == "cpu" else gpu_kernels(device)
 
 
 def cpu_kernels() -> NativeKernels | None:

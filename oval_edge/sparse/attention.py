@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from oval_edge.config import OvalConfig
-from oval_edge.kernels.cpu import cpu_kernels
+from oval_edge.kernels.cpu import decode_kernels
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
 
@@ -98,13 +98,14 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fla
     """Attend over the valid slots `flat` [B, Hkv, T] of one layer's K/V rows [rows, D]. q [B, Hq, D] -> [B, Hq, D].
 
     limits [B]: row b reads only its first limits[b] slots (the static step's dense layers list every slot of a
-    padded page table). On a CPU with the native kernels (oval_edge/kernels/cpu.py) the rows are read in place.
-    Otherwise they are gathered into a contiguous buffer first, and long selections go one KV head at a time: the
-    same numbers, but the bf16 -> fp32 copies of K and V live for one head only (at 8k: 4 MB instead of 12 MB per
-    dense layer, and fresh multi-MB buffers page-fault on every step).
+    padded page table). On a CPU with the native kernels (oval_edge/kernels/cpu.py), and on CUDA with the Triton
+    kernels (oval_edge/kernels/gpu.py), the rows are read in place. Otherwise they are gathered into a contiguous
+    buffer first, and long selections go one KV head at a time: the same numbers, but the bf16 -> fp32 copies of K
+    and V live for one head only (at 8k: 4 MB instead of 12 MB per dense layer, and fresh multi-MB buffers
+    page-fault on every step).
     """
-    kernels = cpu_kernels() if q.device.type == "cpu" else None
-    if kernels is not None:  # reads the selected rows in place: no gathered copy (oval_edge/kernels/cpu.py)
+    kernels = decode_kernels(q.device)
+    if kernels is not None:  # reads the selected rows in place: no gathered copy
         out = kernels.attend_slots(q, k_rows, v_rows, flat, valid, scale, limits)
         if out is not None:
             return out

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from oval_edge.kernels.cpu import cpu_kernels
+from oval_edge.kernels.cpu import decode_kernels
 
 LOG2_E = 1.0 / math.log(2.0)
 LN_2 = math.log(2.0)
@@ -74,8 +74,9 @@ def score_pages(
 
     q [B, Hkv, G, D]; page_table [B, Np] physical pages -> scores [B, Hkv, Np] (callers mask non-candidates).
     Only the summaries of the listed pages are read, never their keys. counts [B] int64 (optional): pages at or past
-    counts[b] are not candidates of row b (the static step's padded tables); the native kernel skips them, the torch
-    ops score them anyway (same shapes, and the caller masks them).
+    counts[b] are not candidates of row b (the static step's padded tables); the native and Triton kernels skip
+    them, the torch ops score them anyway (same shapes, and the caller masks them). The kernels read the records in
+    place: the C ones on a CPU (oval only), the Triton ones on CUDA (oval_edge/kernels/gpu.py).
     """
     def gather(name: str) -> torch.Tensor:  # index_select on a flat index: far cheaper than advanced indexing
         table = summaries[name][layer]
@@ -86,14 +87,19 @@ def score_pages(
         picked = table.index_select(1, page_table.reshape(-1))  # [Hkv, B*Np, ...]: contiguous block copies
         return picked.view(table.shape[0], *page_table.shape, *table.shape[2:]).movedim(0, 1)
 
+    if scorer not in ("oval", "quest"):
+        raise ValueError(f"scorer={scorer!r} is unknown; allowed: oval, quest")
+    kernels = decode_kernels(q.device)
     if scorer == "oval":
-        kernels = cpu_kernels() if q.device.type == "cpu" else None
-        if kernels is not None:  # one pass over the listed pages' summaries, read in place (oval_edge/kernels/cpu.py)
+        if kernels is not None:  # one pass over the listed pages' summaries, read in place
             scores = kernels.oval_scores(q, summaries["basis"][layer], summaries["coords"][layer], page_table, scale,
                                          counts)
             if scores is not None:
                 return scores
         return oval_scores(q, gather_head_major("basis"), gather_head_major("coords"), scale)
-    if scorer == "quest":
-        return quest_scores(q, gather("kmin"), gather("kmax"), scale)
-    raise ValueError(f"scorer={scorer!r} is unknown; allowed: oval, quest")
+    if kernels is not None:  # Triton only (the C kernels have none for quest)
+        scores = kernels.quest_scores(q, summaries["kmin"][layer], summaries["kmax"][layer], page_table, scale,
+                                      counts)
+        if scores is not None:
+            return scores
+    return quest_scores(q, gather("kmin"), gather("kmax"), scale)

@@ -2,7 +2,7 @@
 
 `torch.compile` cannot trace into the native CPU kernels (ctypes calls) nor keep the KV write in place through its
 own tracing of `index_copy_` on a view of the pool. Registered as operators with a fake (shape-only)
-implementation, each is one node of the traced graph, with the CPU kernel or the torch reference inside:
+implementation, each is one node of the traced graph, with the CPU or Triton kernel, or the torch reference, inside:
 
     oval_edge::write_kv(k(a!), v(b!), layer, slots, k_new, v_new)       store one step's keys/values in the pool
     oval_edge::page_scores(q, basis, coords, layer, table, counts, scale)  oval page scores from the records

@@ -22,7 +22,7 @@ from .paged_llama import PagedLlama
 from .request import FINISHED, RUNNING, WAITING, QueueFull, Request, RequestRejected
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .setup import EngineConfig, build_pool
+from .setup import EngineConfig, build_pool, uses_cuda_graphs
 from .static_step import StaticDecoder
 from .stats import EngineStats
 
@@ -45,6 +45,10 @@ class Engine:
         self.static = None if self.config.decode_step == "eager" else StaticDecoder(
             self.runner, self.config.max_batch, self.token_limit(),
             compile_backend="inductor" if self.config.decode_step == "compiled" else None)
+        if self.static is not None and uses_cuda_graphs(self.config, loaded.device) and self.runner.hooks.empty():
+            from .cuda_graph import CudaGraphs
+
+            self.static.capture(CudaGraphs(loaded.device))  # now, while every page is free (cuda_graph.py)
         self.next_decode_trace = None  # a dispatch mode to run the next decode step under (bench's op count)
         self.eos_ids = _eos_ids(loaded)
         self.stats = EngineStats(pages_total=self.pool.num_pages)
@@ -53,10 +57,22 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = "default", quant: str = "nf4", device: str | None = "auto",
-             oval: OvalConfig | None = None, config: EngineConfig | None = None) -> "Engine":
-        return cls(load_model(model, quant, device), oval, config)
+             oval: OvalConfig | None = None, config: EngineConfig | None = None, dtype: str = "auto") -> "Engine":
+        return cls(load_model(model, quant, device, dtype), oval, config)
 
     # ---- admission -----------------------------------------------------------------------------------------
+    def describe_decode_step(self) -> str:
+        """Which decode step runs, for serve's startup report and bench's labels."""
+        if self.static is None:
+            return "eager forward (shapes follow the context)"
+        if not self.runner.hooks.empty():
+            return "eager forward (a decode hook is installed: reuse, the window module or an eval policy)"
+        if self.static.graphs is not None:
+            return f"static step replayed from {self.static.graphs.explain()}"
+        if self.config.decode_step == "compiled":
+            return "static step through torch.compile (inductor), compiled per batch bucket on first use"
+        return "static step, run eager" + (" (CUDA graphs off)" if self.loaded.device.type == "cuda" else "")
+
     def token_limit(self) -> int:
         """Longest prompt + max_tokens one request may ever have: the pool's and the model's limit."""
         return min(self.pool.capacity_tokens, self.max_model_len)

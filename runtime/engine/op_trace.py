@@ -67,3 +67,38 @@ class OpTrace(TorchDispatchMode):
 
     def by_name(self) -> Counter:
         return Counter(name for name, _ in self.calls)
+
+
+# Host calls that start work on a CUDA device: one per kernel in an eager step, one per replay of a captured graph.
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                          "cudaGraphLaunch", "cuGraphLaunch"})
+
+
+class LaunchCount:
+    """While active, counts the host's CUDA launch calls and the kernels the GPU ran (torch.profiler, CUPTI).
+
+    Why not OpTrace: a graph replay dispatches no op, so on CUDA the figure that bounds a step is launches (eager: one
+    per kernel; graphed: one per step) against kernels (the same work either way). count = launches, as OpTrace's.
+    """
+
+    def __init__(self) -> None:
+        self.launches = self.kernels = 0
+        self._profile = None
+
+    def __enter__(self) -> "LaunchCount":
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize()
+        self._profile.__exit__(*exc)
+        events = self._profile.events()
+        self.launches = sum(1 for event in events if event.name in LAUNCH_CALLS)
+        self.kernels = sum(1 for event in events if event.device_type == torch.autograd.DeviceType.CUDA)
+
+    @property
+    def count(self) -> int:
+        return self.launches

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
-from oval_edge.geometry import KVGeometry, kv_dims, prefill_workspace_bytes, size_pool
+from oval_edge.geometry import KVGeometry, decode_graph_bytes, kv_dims, prefill_workspace_bytes, size_pool
 from oval_edge.kernels.cpu import describe_kernels
 from oval_edge.kv.pool import PagePool
 from oval_edge.runtime.model.loader import LoadedModel
@@ -29,9 +29,12 @@ class EngineConfig:
     num_pages     fix the pool size instead of deriving it from the budget (tests, eval)
     max_model_len cap on prompt + max_tokens (default: the model's context length)
     summary_kinds page summaries to keep (default: the configured scorer's); eval keeps both
-    decode_step   'static' (default: the static step of static_step.py, run eager), 'compiled' (the same step
-                  through torch.compile, compiled once per batch bucket on first use), 'eager' (the flexible forward
-                  that follows the context's shape; used anyway while a decode hook is installed)
+    decode_step   'static' (default: the static step of static_step.py, run eager on a CPU and captured into
+                  CUDA graphs on CUDA), 'compiled' (the same step through torch.compile, compiled once per batch
+                  bucket on first use), 'eager' (the flexible forward that follows the context's shape; used anyway
+                  while a decode hook is installed)
+    cuda_graphs   on CUDA, capture the static step of every batch bucket at startup and replay it (cuda_graph.py);
+                  False runs it eager (A/B measurements, debugging)
     """
 
     max_batch: int = 4
@@ -42,6 +45,7 @@ class EngineConfig:
     max_model_len: int | None = None
     summary_kinds: tuple[str, ...] | None = None
     decode_step: str = "static"
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_batch", 1, 1024), ("max_queue", 0, 1_000_000), ("prefill_chunk", 16, 65536)):
@@ -52,15 +56,24 @@ class EngineConfig:
             raise ValueError(f"attention={self.attention!r} is unknown; allowed: oval, dense")
         if self.decode_step not in DECODE_STEPS:
             raise ValueError(f"decode_step={self.decode_step!r} is unknown; allowed: {', '.join(DECODE_STEPS)}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs={self.cuda_graphs!r} must be true or false")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 1):
             raise ValueError(f"num_pages={self.num_pages!r} must be a positive integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2")
 
 
-def pool_geometry(model_config, oval: OvalConfig, config: EngineConfig, device: torch.device) -> KVGeometry:
+def pool_geometry(model_config, oval: OvalConfig, config: EngineConfig, device: torch.device,
+                  activations: torch.dtype | None = None) -> KVGeometry:
     """The pool's shape for this model, config and device (the planner predicts the same one)."""
-    return KVGeometry.for_oval(*kv_dims(model_config), oval, oval.pool_dtype(device.type), config.summary_kinds)
+    act = None if activations is None else str(activations).removeprefix("torch.")
+    return KVGeometry.for_oval(*kv_dims(model_config), oval, oval.pool_dtype(device.type, act), config.summary_kinds)
+
+
+def uses_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
+    """The static step is captured into CUDA graphs on CUDA unless turned off (runtime/engine/cuda_graph.py)."""
+    return device.type == "cuda" and config.decode_step == "static" and config.cuda_graphs
 
 
 def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_model_len: int) -> PagePool:
@@ -68,7 +81,7 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
     # Build (first run on this machine: a few seconds) and load the decode kernels now, not in the first request, and
     # before the reserve below is measured.
     log.info("decode kernels: %s", describe_kernels(loaded.device))
-    geometry = pool_geometry(c, oval, config, loaded.device)
+    geometry = pool_geometry(c, oval, config, loaded.device, loaded.dtype)
     if config.num_pages is not None:
         pool = PagePool(geometry, config.num_pages, loaded.device, eta=oval.eta)
         log.info("KV pool: %d pages fixed by num_pages (%s)", config.num_pages, format_bytes(pool.nbytes()))
@@ -78,6 +91,9 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         c.hidden_size, c.intermediate_size, c.num_attention_heads, geometry, config.prefill_chunk,
         max_model_len, act_bytes,
     )
+    if uses_cuda_graphs(config, loaded.device):  # the captured steps keep their blocks for the process's life
+        workspace += decode_graph_bytes(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.vocab_size,
+                                        geometry, config.max_batch, max_model_len, act_bytes)
     if loaded.device.type == "cuda":
         reserve = max(0, torch.cuda.memory_reserved(loaded.device) - loaded.weight_bytes)
     else:  # interpreter, torch, tokenizer: what this process holds besides the weights, measured now

@@ -24,7 +24,8 @@ from contextlib import nullcontext
 
 import torch
 
-from oval_edge.kernels.cpu import cpu_kernels
+from oval_edge.geometry import batch_buckets
+from oval_edge.kernels.cpu import decode_kernels
 from oval_edge.sparse.scoring import group_queries, score_pages
 from oval_edge.sparse.selection import DecodePlan, slots_per_step
 from oval_edge.sparse.step_ops import attend_slots, page_scores, select_slots, write_kv
@@ -32,15 +33,6 @@ from oval_edge.sparse.step_ops import attend_slots, page_scores, select_slots, w
 from .paged_llama import PagedLlama, StepStats
 
 ROW_FIELDS = ("ids", "positions", "lengths", "sealed", "real", "write_base")  # [B] each, then page_table [B, W]
-
-
-def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """1, 2, 4, ... below max_batch, then max_batch: the batch sizes a static step is built for."""
-    sizes, size = [], 1
-    while size < max_batch:
-        sizes.append(size)
-        size *= 2
-    return (*sizes, max_batch)
 
 
 class StaticStep:
@@ -62,8 +54,9 @@ class StaticStep:
         self.dense = [runner.attention == "dense" or i < config.dense_layers for i in range(len(runner.layers))]
         self.dense_layers = sum(self.dense)
         self.slots = slots_per_step(config)
-        # What the attention reads per slot: the native kernel reads valid slots in place; the torch ops gather all.
-        self.reads_valid_only = dev.type == "cpu" and cpu_kernels() is not None
+        # What the attention reads per slot: the native (CPU) and Triton (CUDA) kernels read valid slots in place;
+        # the torch ops gather all.
+        self.reads_valid_only = decode_kernels(dev) is not None
         # compile_backend: None runs the step eager; "inductor" (decode_step="compiled") or another torch.compile backend
         # (the tests use "aot_eager": the same trace, the eager kernels' exact arithmetic).
         self.run = self.forward if compile_backend is None else torch.compile(
@@ -94,6 +87,16 @@ class StaticStep:
             if row < n:
                 self.lengths_list.append(position + 1)
         self.host.copy_(torch.tensor([v for values in rows for v in values] + tables, dtype=torch.long))
+        if self.packed is not self.host:
+            self.packed.copy_(self.host, non_blocking=True)
+
+    def load_idle(self) -> None:
+        """Inputs for warm-up and capture (cuda_graph.py), while no sequence holds a page: every row is token 0 at
+        position 0 of physical page 0 (lengths 1, nothing sealed, no real row). Writes only page 0's first rows."""
+        self.host.zero_()
+        self.lengths_list = []
+        fields = self.host[: self.batch * len(ROW_FIELDS)].view(len(ROW_FIELDS), self.batch)
+        fields[ROW_FIELDS.index("lengths")] = 1
         if self.packed is not self.host:
             self.packed.copy_(self.host, non_blocking=True)
 
@@ -153,7 +156,17 @@ class StaticDecoder:
         self.buckets = batch_buckets(max_batch)
         self.width = runner.pool.pages_needed(max_tokens)
         self.compile_backend = compile_backend
-        self._steps: dict[int, StaticStep] = {}  # bucket -> step, built on first use
+        self._steps: dict[int, StaticStep] = {}  # bucket -> step, built on first use (or all by `capture`)
+        self.graphs = None  # cuda_graph.CaptureReport once `capture` ran
+
+    def capture(self, backend) -> None:
+        """Capture every bucket's step into a graph now (cuda_graph.py); later steps replay. Call while the pool
+        is empty (startup): the capture's inputs write page 0."""
+        from .cuda_graph import capture_steps
+
+        if self.compile_backend is not None:
+            raise ValueError("decode_step='compiled' and CUDA graphs do not combine; use decode_step='static'")
+        self.graphs = capture_steps(self, backend)
 
     def step_for(self, rows: int) -> StaticStep:
         bucket = next((size for size in self.buckets if size >= rows), None)

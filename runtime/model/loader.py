@@ -54,13 +54,34 @@ def pick_device(device: str | None) -> torch.device:
     return dev
 
 
-def compute_dtype_for(device: torch.device) -> torch.dtype:
-    # CPU: fp32 activations (bf16 is only fast inside bitsandbytes' fused 4-bit kernel); CUDA: fp16 (Orin has
-    # no fast bf16 path on every module, fp16 is what its tensor cores and flash-attn take).
-    return torch.float32 if device.type == "cpu" else torch.float16
+ACTIVATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(model: str | None = "default", quant: str = "nf4", device: str | None = "auto") -> LoadedModel:
+def compute_dtype_for(device: torch.device, requested: str = "auto",
+                      capability: tuple[int, int] | None = None) -> torch.dtype:
+    """Activations, embeddings and norms: `requested` ('auto', 'float32', 'bfloat16', 'float16') on `device`.
+
+    auto: fp32 on a CPU (bf16 is only fast inside bitsandbytes' fused 4-bit kernel there); on CUDA bf16 from compute
+    capability 8.0 (Ampere; Orin is 8.7: its tensor cores take bf16 at fp16's rate, and bf16 cannot overflow where
+    fp16's 65504 ceiling clips large activations), fp16 below. capability: (major, minor), read from the device when
+    None. A CPU takes float32 only: the fused kernels and the C kernels read fp32 activations.
+    """
+    if requested not in ("auto", *ACTIVATION_DTYPES):
+        raise ValueError(f"dtype={requested!r} is unknown; allowed: auto, {', '.join(ACTIVATION_DTYPES)}")
+    if device.type == "cpu":
+        if requested not in ("auto", "float32"):
+            raise ValueError(f"dtype={requested!r} is not supported on the CPU (activations are float32 there); "
+                             "use --dtype auto or float32")
+        return torch.float32
+    if requested != "auto":
+        return ACTIVATION_DTYPES[requested]
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if capability >= (8, 0) else torch.float16
+
+
+def load_model(model: str | None = "default", quant: str = "nf4", device: str | None = "auto",
+               dtype: str = "auto") -> LoadedModel:
     """Load, quantize and report. Raises ValueError naming the path for a missing/broken/unsupported model.
 
     Weights stream from the file one layer at a time into the runtime's own decoder (runtime/model/decoder.py):
@@ -72,9 +93,10 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
     start = time.perf_counter()
     source = resolve_model(model)
     dev = pick_device(device)
-    dtype = compute_dtype_for(dev)
-    # 4-bit: quantize from 16 bits and keep the embedding in 16 bits (the 4-bit codes lose more anyway).
-    storage = dtype if quant == "none" else (torch.bfloat16 if dev.type == "cpu" else torch.float16)
+    dtype = compute_dtype_for(dev, dtype)
+    # 4-bit: quantize from 16 bits and keep the embedding in 16 bits (the 4-bit codes lose more anyway); on CUDA the
+    # 16 bits of the activations, so nothing is converted per step.
+    storage = dtype if quant == "none" else (torch.bfloat16 if dev.type == "cpu" or dtype == torch.float32 else dtype)
     metadata = cached_metadata_folder(source.path) if source.gguf_file else None
     config = read_decoder_config(source, metadata)
     tokenizer = load_tokenizer(source, metadata)
@@ -132,5 +154,6 @@ def describe(loaded: LoadedModel) -> str:
     return (
         f"{loaded.name} ({c.model_type}, {c.num_hidden_layers} layers, {c.num_attention_heads} q / "
         f"{c.num_key_value_heads} kv heads) from {os.path.basename(loaded.source.path)}, quant {loaded.quant}, "
-        f"weights {loaded.weight_bytes / 2**20:.1f} MiB on {loaded.device}, loaded in {loaded.load_seconds:.1f} s"
+        f"weights {loaded.weight_bytes / 2**20:.1f} MiB on {loaded.device}, activations "
+        f"{str(loaded.dtype).removeprefix('torch.')}, loaded in {loaded.load_seconds:.1f} s"
     )

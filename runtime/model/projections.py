@@ -117,8 +117,67 @@ def _cpu_kernel(quant_type: str):
     return getattr(lib, f"gemv_4bit_inference_cpu_{quant_type}_bf16", None)
 
 
+# Bytes each 4-bit weight moves per projection call of `rows` rows, by path (codes are 0.5 B; absmax is ~1/64 B more
+# and the same for all paths). Dequantizing writes a 16-bit copy of the weight and reads it back: 0.5 + 2 + 2.
+DEQUANTIZE_BYTES_PER_WEIGHT = 4.5
+FUSED_ROWS = 4  # rows bitsandbytes' fused gemm_4bit (>= 0.50) always takes fused, on every GPU it supports
+
+
+def weight_bytes_moved(rows: int, fused_gemm: bool) -> dict[str, float]:
+    """Bytes per 4-bit weight moved by each way of multiplying `rows` rows: the table Chunked4bit chooses from.
+
+    fused_chunks: ceil(rows / FUSED_ROWS) calls of bnb's fused 4-bit GEMM, each reading the codes once;
+    gemv_rows: one 4-bit GEMV per row (every bitsandbytes); dequantize: a 16-bit copy of the weight, then a matmul.
+    """
+    table = {"dequantize": DEQUANTIZE_BYTES_PER_WEIGHT, "gemv_rows": 0.5 * rows}  # first wins a tie: one call
+    if fused_gemm:
+        table["fused_chunks"] = 0.5 * -(-rows // FUSED_ROWS)
+    return table
+
+
+def chunk_rows(rows: int, fused_gemm: bool) -> int:
+    """Rows per call that move the fewest weight bytes for a `rows`-row input (rows itself: one call)."""
+    table = weight_bytes_moved(rows, fused_gemm)
+    best = min(table, key=table.get)
+    if best == "dequantize" or rows <= (FUSED_ROWS if fused_gemm else 1):
+        return rows
+    return FUSED_ROWS if best == "fused_chunks" else 1
+
+
+class Chunked4bit:
+    """A bitsandbytes Linear4bit on a GPU, called in the row chunks that move the fewest weight bytes.
+
+    Why: for more than a few rows, bitsandbytes' matmul_4bit either runs its fused 4-bit GEMM or, where it has no
+    calibrated fused kernel for that many rows (compute capability 8.7, the Orin, among them: bnb 0.50 takes its fused
+    kernel up to 4 rows there), dequantizes the whole weight to 16 bits first: 4.5 bytes per weight instead of 0.5,
+    ~9x the traffic of a decode step that is bound by reading weights. Splitting a batch of 8 into two calls of 4
+    moves 1 byte per weight. With a bitsandbytes older than its fused GEMM, one 4-bit GEMV per row does the same up to
+    8 rows (0.5 B x rows < 4.5). Above those sizes one call (bnb's own choice) is kept. Same arithmetic per row: each
+    output row depends only on its input row. Under a CUDA graph the extra calls cost no host time.
+    """
+
+    def __init__(self, module: torch.nn.Module, fused_gemm: bool | None = None) -> None:
+        self.module = module
+        self.fused_gemm = _has_fused_gemm() if fused_gemm is None else fused_gemm
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else 1
+        step = chunk_rows(rows, self.fused_gemm)
+        if step >= rows:
+            return self.module(x)
+        return torch.cat([self.module(x[first:first + step]) for first in range(0, rows, step)])
+
+
+def _has_fused_gemm() -> bool:
+    from .quantize import import_bitsandbytes
+
+    import_bitsandbytes()
+    return hasattr(torch.ops.bitsandbytes, "gemm_4bit")
+
+
 def bind_projection(module: torch.nn.Module) -> Projection:
-    """The fastest exact way to call `module`: the packed 4-bit kernel when it applies, else the module itself."""
+    """The fastest exact way to call `module`: the packed 4-bit kernel when it applies, row chunks of the module on a
+    GPU (Chunked4bit), else the module itself."""
     state = getattr(getattr(module, "weight", None), "quant_state", None)
     packed = (
         state is not None
@@ -129,7 +188,11 @@ def bind_projection(module: torch.nn.Module) -> Projection:
         and getattr(state, "absmax", None) is not None
         and state.absmax.dtype == torch.bfloat16  # what the fused kernel reads
     )
-    return PackedCpu4bit(module) if packed else module
+    if packed:
+        return PackedCpu4bit(module)
+    if state is not None and module.weight.device.type == "cuda" and not module.training:
+        return Chunked4bit(module)
+    return module
 
 
 def bind_norm(module: torch.nn.Module) -> Projection:

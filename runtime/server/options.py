@@ -26,18 +26,22 @@ class EngineSpec:
     attention: str
     server: dict  # the config file's [server] table (host, port, ...), for the command to read
     decode_step: str = "static"
+    cuda_graphs: bool = True
+    dtype: str = "auto"
 
     def engine_config(self):
         from oval_edge.runtime.engine.setup import EngineConfig
 
         return EngineConfig(max_batch=self.max_batch, max_queue=self.max_queue, prefill_chunk=self.prefill_chunk,
-                            attention=self.attention, max_model_len=self.max_context, decode_step=self.decode_step)
+                            attention=self.attention, max_model_len=self.max_context, decode_step=self.decode_step,
+                            cuda_graphs=self.cuda_graphs)
 
     def load(self):
         """Load the model and build the engine (seconds to minutes; call it off the event loop)."""
         from oval_edge.runtime.engine.engine import Engine
 
-        return Engine.load(self.model, self.quant, self.device, oval=self.oval, config=self.engine_config())
+        return Engine.load(self.model, self.quant, self.device, oval=self.oval, config=self.engine_config(),
+                           dtype=self.dtype)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +72,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="static (the default: fixed shapes, no host sync, run eager), compiled (the same step "
                             "through torch.compile: faster steps after a one-time compile per batch bucket, ~50 s each "
                             "on a 2-core CPU), eager (the forward whose shapes follow the context)")
+    group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                       help="on CUDA, capture the static decode step per batch bucket at startup and replay it "
+                            "(default: on); --no-cuda-graphs runs it eager")
+    group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                       help="activations on CUDA: auto (the default) is bfloat16 on compute capability 8.0+ (Orin: "
+                            "8.7) and float16 below; the CPU runs float32")
     group.add_argument("--attention", choices=("oval", "dense"),
                        help="oval (sparse decode, the default) or dense (reads every cached token: the baseline)")
 
@@ -122,12 +132,16 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         attention=_pick(args.attention, server_t, "attention", "oval"),
         server=dict(server_t),
         decode_step=_pick(getattr(args, "decode_step", None), server_t, "decode_step", "static"),
+        cuda_graphs=_pick(getattr(args, "cuda_graphs", None), server_t, "cuda_graphs", True),
+        dtype=_pick(getattr(args, "dtype", None), model_t, "dtype", "auto"),
     )
     device = spec.device
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise ValueError(f"device={device!r} is not a device; use auto, cpu, cuda or cuda:N")
     if spec.quant not in QUANT_TYPES:
         raise ValueError(f"quant={spec.quant!r} is unknown; allowed: {', '.join(QUANT_TYPES)}")
+    if spec.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={spec.dtype!r} is unknown; allowed: auto, float32, bfloat16, float16")
     spec.engine_config()  # validates max_batch, max_queue, prefill_chunk, max_context now, before any loading
     return spec
 
@@ -136,5 +150,6 @@ def describe_spec(spec: EngineSpec) -> str:
     o = spec.oval
     return (f"page_size {o.page_size}, top_k {o.top_k}, sink {o.sink_pages}, window {o.window_min}..{o.window_max}, "
             f"dense_layers {o.dense_layers}, scorer {o.scorer}, attention {spec.attention}, decode step "
-            f"{spec.decode_step}, max_batch "
+            f"{spec.decode_step}{' (CUDA graphs on CUDA)' if spec.cuda_graphs and spec.decode_step == 'static' else ''}, "
+            f"dtype {spec.dtype}, max_batch "
             f"{spec.max_batch}, max_queue {spec.max_queue}")

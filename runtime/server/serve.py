@@ -74,6 +74,7 @@ def startup_report(engine, spec, url: str, api_key: bool) -> str:
         f"request {engine.token_limit()} tokens (prompt + max_tokens)",
         f"  engine    {describe_spec(spec)}",
         f"  kernels   {describe_kernels(engine.loaded.device)}",
+        f"  decode    {engine.describe_decode_step()}",
         f"  serving   {url}/v1 (OpenAI API), {url}/health, {url}/metrics, {url}/docs"
         + ("; API key required" if api_key else ""),
     ]

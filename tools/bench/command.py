@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-step", default="static", choices=("static", "compiled", "eager"),
                         help="this runtime's decode step: static (default), compiled (torch.compile), eager (the "
                              "shape-following forward)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="on CUDA, replay the static step from CUDA graphs (default); --no-cuda-graphs: eager")
     parser.add_argument("--reuse-tau", default=None,
                         help="comma-separated cosines: also run oval with selection reuse at each (oval+reuse@TAU)")
     parser.add_argument("--hf-dtype", default="float32", choices=HF_DTYPES,
@@ -124,7 +126,7 @@ def build_settings(args: argparse.Namespace) -> BenchSettings:
         contexts=parse_int_list(args.contexts, "--contexts"), engines=engines, gen=args.gen, runs=args.runs,
         model=args.model, model_dir=source.directory, gguf_file=source.gguf_file, quant=args.quant, device=device,
         threads=args.threads if args.threads is not None else default_threads(), page_size=args.page_size,
-        top_k=args.top_k, decode_step=args.decode_step, hf_dtype=args.hf_dtype, timeout_s=args.timeout, skipped=skipped,
+        top_k=args.top_k, decode_step=args.decode_step, cuda_graphs=args.cuda_graphs, hf_dtype=args.hf_dtype, timeout_s=args.timeout, skipped=skipped,
     )
 
 
@@ -182,6 +184,6 @@ def _meta(settings: BenchSettings, bandwidth: float | None, bandwidth_note: str,
         "contexts": list(settings.contexts), "engines": list(settings.engines), "skipped": settings.skipped,
         "gen": settings.gen, "runs": settings.runs, "model": settings.model, "quant": settings.quant,
         "device": settings.device, "threads": settings.threads, "page_size": settings.page_size,
-        "top_k": settings.top_k, "decode_step": settings.decode_step, "hf_dtype": settings.hf_dtype, "bandwidth_gb_s": bandwidth,
+        "top_k": settings.top_k, "decode_step": settings.decode_step, "cuda_graphs": settings.cuda_graphs, "hf_dtype": settings.hf_dtype, "bandwidth_gb_s": bandwidth,
         "bandwidth_note": bandwidth_note, "versions": versions, "notes": notes,
     }

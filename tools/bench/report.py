@@ -9,10 +9,10 @@ REFERENCE = "oval"
 # Per-run numbers whose median becomes the row's figure.
 MEDIAN_FIELDS = ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_mb", "run_peak_rss_mb", "rss_after_load_mb",
                  "peak_device_mb", "run_peak_device_mb", "kv_bytes_per_step", "weight_bytes", "prefill_s", "decode_s",
-                 "reuse_hit_rate", "ops_per_decode_step")
+                 "reuse_hit_rate", "ops_per_decode_step", "gpu_kernels_per_decode_step")
 # Per-run facts that do not vary between runs: taken from the first successful run.
 FIRST_FIELDS = ("label", "prompt_tokens", "gen_tokens", "decode_steps", "kv_bytes_source", "kv_dtype", "device",
-                "threads", "pool_pages", "pool_bytes", "n_ctx", "output_ids")
+                "threads", "pool_pages", "pool_bytes", "n_ctx", "output_ids", "ops_counted", "decode_path")
 
 
 def median(values) -> float | None:
@@ -156,7 +156,9 @@ def _footnotes(rows: list[dict], meta: dict, show_bw: bool) -> str:
     notes.append("KV MiB/step: K/V bytes read at the last decode step, all layers; * = computed for a dense cache "
                  "(tokens x bytes per token), not measured")
     notes.append("ops/step: torch ops one decode step dispatches (counted by a TorchDispatchMode around the step, this "
-                 "runtime only); each costs launch overhead a CUDA graph removes")
+                 "runtime only); each costs launch overhead a CUDA graph removes. On CUDA: the step's launch calls "
+                 "(torch.profiler: one per kernel eager, one per graph replay); JSON gpu_kernels_per_decode_step "
+                 "counts the kernels the GPU ran")
     notes.append("OVAL decode x = OVAL decode tok/s / this engine's; OVAL RSS x = OVAL peak RSS / this engine's")
     if show_bw:
         bw = meta.get("bandwidth_gb_s")

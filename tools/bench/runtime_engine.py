@@ -22,7 +22,7 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
 
     from oval_edge.config import OvalConfig
     from oval_edge.runtime import Engine, EngineConfig, SamplingParams
-    from oval_edge.runtime.engine.op_trace import OpTrace
+    from oval_edge.runtime.engine.op_trace import LaunchCount, OpTrace
 
     torch.set_num_threads(int(job["threads"]))
     prompt, gen = list(job["prompt_ids"]), int(job["gen"])
@@ -33,14 +33,16 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
     engine = Engine.load(
         model=job["model"], quant=job["quant"], device=job["device"], oval=oval,
         config=EngineConfig(max_batch=1, max_queue=1, attention="dense" if job["engine"] == "dense" else "oval",
-                            num_pages=pages, decode_step=job.get("decode_step", "static")),
+                            num_pages=pages, decode_step=job.get("decode_step", "static"),
+                            cuda_graphs=bool(job.get("cuda_graphs", True))),
     )
     engine.generate(list(job["warmup_ids"]), SamplingParams(max_tokens=WARMUP_GEN_TOKENS, ignore_eos=True))
     meter.after_load()
 
     # One decode step past the timed ones is counted by a dispatch mode: the request asks for gen + COUNTED_STEPS
     # tokens, the clock takes the first gen, and the step that makes the last one runs under the trace (untimed).
-    trace = OpTrace()
+    # On CUDA the step's cost is launches (one per kernel eager, one per graph replay), counted by the profiler.
+    trace = LaunchCount() if engine.loaded.device.type == "cuda" else OpTrace()
     ticks = []
 
     def on_token(_request, token_id: int, _text: str) -> None:
@@ -59,13 +61,18 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
     geometry = engine.pool.geometry
     # Selection reuse counts (the 32-token warm-up fits the token budget: dense, so it looks nothing up).
     counts = engine.runner.reuse.counts if engine.runner.reuse is not None else None
-    label = f"{job['engine']} ({engine.loaded.quant}, {engine.config.decode_step} decode step)"
+    graphed = engine.static is not None and engine.static.graphs is not None
+    label = f"{job['engine']} ({engine.loaded.quant}, {engine.config.decode_step} decode step" \
+            f"{', CUDA graphs' if graphed else ''})"
     if counts is not None:
         label = f"oval + selection reuse at tau={oval.reuse_tau:g} ({engine.loaded.quant}), " \
                 f"{counts.hit_rate:.1%} of row-layer steps reused"
     return {
         "label": label,
         "ops_per_decode_step": trace.count or None,
+        "ops_counted": "CUDA launches (profiler)" if isinstance(trace, LaunchCount) else "dispatched torch ops",
+        "gpu_kernels_per_decode_step": getattr(trace, "kernels", None),
+        "decode_path": engine.describe_decode_step(),
         "decode_step": engine.config.decode_step,
         "reuse_hit_rate": counts.hit_rate if counts is not None else None,
         "reuse_lookups": counts.lookups if counts is not None else None,

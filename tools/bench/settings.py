@@ -61,6 +61,7 @@ class BenchSettings:
     page_size: int = 32
     top_k: int = 4
     decode_step: str = "static"  # EngineConfig.decode_step of the runtime's engines
+    cuda_graphs: bool = True  # EngineConfig.cuda_graphs (on CUDA: the static step replayed from CUDA graphs)
     hf_dtype: str = "float32"
     timeout_s: float = 3600.0
     skipped: dict = field(default_factory=dict)  # engine -> why it does not run (printed, kept in the JSON)

@@ -16,7 +16,7 @@ from oval_edge.jetson.modules import ORIN_MODULES, ModuleSpec, get_module, modul
 from oval_edge.runtime.model.source import quant_choices
 from oval_edge.units import parse_bytes
 
-from .compute import DevicePlan, PlanRequest, plan_device
+from .compute import DEFAULT_SPEED_TOLERANCE, DevicePlan, PlanRequest, plan_device
 from .model import read_model_shape
 from .report import format_all_table, format_device_plan, report_json
 
@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"prefill chunk in tokens (default {DEFAULT_PREFILL_CHUNK})")
     parser.add_argument("--desktop", action="store_true", help="reserve memory for the desktop (default: headless)")
     parser.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (overrides the table)")
+    parser.add_argument("--speed-tolerance", type=float, default=DEFAULT_SPEED_TOLERANCE,
+                        help="page sizes whose predicted step is within this fraction of the fastest tie, and the "
+                             "one attending the most K/V tokens is recommended (default "
+                             f"{DEFAULT_SPEED_TOLERANCE:g}, i.e. {DEFAULT_SPEED_TOLERANCE * 100:g}%%)")
     parser.add_argument("--runtime-overhead", default=None,
                         help="resident bytes of the loaded server besides its weights (default: 650MiB CPU, 800MiB CUDA)")
     parser.add_argument("--root", default="/", help="read /proc and /etc under this folder (recorded files)")
@@ -62,7 +66,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         memory_budget=parse_bytes(args.memory_budget, "--memory-budget") if args.memory_budget else None,
         desktop=args.desktop,
         runtime_overhead=parse_bytes(args.runtime_overhead, "--runtime-overhead") if args.runtime_overhead else None,
-        prefill_chunk=args.prefill_chunk, bandwidth_gbps=args.bandwidth,
+        prefill_chunk=args.prefill_chunk, bandwidth_gbps=args.bandwidth, speed_tolerance=args.speed_tolerance,
     )
 
 
@@ -138,8 +142,11 @@ def config_sections(plan: DevicePlan, model_arg: str | None) -> dict:
         "predicted_serving_peak_bytes": best.predicted_serving_peak_bytes, "load_peak_bytes": plan.load_peak_bytes,
         "budget_bytes": plan.budget_bytes, "budget_source": plan.budget_source,
     }
-    if best.decode_tok_s is not None:
-        plan_info["decode_tok_s_roofline"] = round(best.decode_tok_s, 2)
+    if best.roofline_tok_s is not None:
+        plan_info["decode_tok_s_roofline"] = round(best.roofline_tok_s, 2)
+    if best.decode_tok_s is not None:  # bytes / bandwidth + the fixed cost of the served path (step_cost.py)
+        plan_info["decode_tok_s_predicted"] = round(best.decode_tok_s, 2)
+        plan_info["decode_path"] = best.step_cost["served"]
     return {
         "model": {"path": model_path, "quant": r.quant},
         "oval": r.oval.replace(page_size=best.page_size).to_dict(),

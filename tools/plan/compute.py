@@ -10,12 +10,17 @@ from oval_edge.geometry import size_pool
 from oval_edge.jetson.modules import ModuleSpec
 from oval_edge.units import format_bytes
 
+from oval_edge.tools.profile.choice import DEFAULT_SPEED_TOLERANCE, check_speed_tolerance, speed_tie
+
 from .memory import (
     RUNTIME_OVERHEAD, PagePlan, decode_reads, geometry_for, load_peak_bytes,
     reserved_workspace_bytes, target_of, workspace_bytes,
 )
 from .model import ModelShape
+from .step_cost import STEP_COSTS, DeviceStepCost, OpCount
 from .weights import WeightBreakdown, weight_bytes
+
+FORMULA = "tok/s = batch / (bytes per step / bandwidth + fixed cost per step); per sequence: 1 / step"
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,7 @@ class PlanRequest:
     runtime_overhead: int | None = None  # None: RUNTIME_OVERHEAD of the target
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     bandwidth_gbps: float | None = None  # None: the device table's figure
+    speed_tolerance: float = DEFAULT_SPEED_TOLERANCE  # predicted steps within this fraction of the fastest tie
 
     def __post_init__(self) -> None:
         for name in ("context", "batch", "prefill_chunk"):
@@ -40,6 +46,20 @@ class PlanRequest:
             raise ValueError("page_sizes is empty; give at least one of 16, 32, 64, 128")
         for p in self.page_sizes:
             self.oval.replace(page_size=p)  # validates: power of two in range, with the reason
+        check_speed_tolerance(self.speed_tolerance)
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The recommendation rule's outcome (issue #26's rule, by predicted figures): the rows tied for the fastest
+    predicted step, the fastest, and the runner-up (the next by the same order)."""
+
+    chosen: PagePlan
+    runner_up: PagePlan | None
+    fastest: PagePlan
+    tied: tuple[PagePlan, ...]
+    tolerance: float
+    by: str  # what speed was ranked by: the served path's predicted step, or bytes per step
 
 
 @dataclass(frozen=True)
@@ -56,6 +76,9 @@ class DevicePlan:
     rows: tuple[PagePlan, ...]
     recommended: PagePlan | None
     longest_context: tuple[int, int]  # (largest context that fits at the requested batch, its page size)
+    step_cost: DeviceStepCost  # the device kind's fixed-cost figures (step_cost.py)
+    op_count: OpCount
+    choice: PlanChoice | None = None
 
     @property
     def fits(self) -> bool:
@@ -98,12 +121,14 @@ def plan_device(shape: ModelShape, device: ModuleSpec, request: PlanRequest,
                   f"({'desktop' if request.desktop else 'headless'}: {device.reserve_note or 'none'})")
     bandwidth = request.bandwidth_gbps if request.bandwidth_gbps is not None else device.bandwidth_gbps
     load_peak = load_peak_bytes(shape, weights, request.quant, target, overhead)
-    rows = tuple(_page_plan(shape, request, p, target, weights, budget, overhead, bandwidth, load_peak)
+    rows = tuple(_page_plan(shape, request, p, target, weights, budget, overhead, bandwidth, load_peak, device.kind)
                  for p in request.page_sizes)
     longest = max(((longest_context(shape, request, p, target, weights.total, budget, overhead, weights.layout), p)
                    for p in request.page_sizes), key=lambda t: (t[0], -abs(math.log2(t[1] / 32))))
+    choice = recommend(rows, request.speed_tolerance)
     return DevicePlan(device, shape, request, weights, budget, source, overhead, bandwidth, load_peak, rows,
-                      recommend(rows), longest)
+                      choice.chosen if choice else None, longest, STEP_COSTS.for_kind(device.kind),
+                      STEP_COSTS.op_count(request.quant), choice)
 
 
 def longest_context(shape: ModelShape, request: PlanRequest, page_size: int, target: str, weights: int,
@@ -115,7 +140,7 @@ def longest_context(shape: ModelShape, request: PlanRequest, page_size: int, tar
     oval = request.oval.replace(page_size=page_size)
 
     def fits(tokens: int) -> bool:
-        work = max(reserved_workspace_bytes(shape, geometry, target, request.prefill_chunk, tokens),
+        work = max(reserved_workspace_bytes(shape, geometry, target, request.prefill_chunk, tokens, request.batch),
                    workspace_bytes(shape, oval, geometry, target, tokens, request.batch, request.prefill_chunk,
                                    layout)["total"])
         left = budget - weights - work - overhead
@@ -129,10 +154,11 @@ def longest_context(shape: ModelShape, request: PlanRequest, page_size: int, tar
 
 
 def _page_plan(shape: ModelShape, request: PlanRequest, page_size: int, target: str, weights: WeightBreakdown,
-               budget: int, overhead: int, bandwidth: float | None, load_peak: int) -> PagePlan:
+               budget: int, overhead: int, bandwidth: float | None, load_peak: int, kind: str) -> PagePlan:
     oval = request.oval.replace(page_size=page_size)
     geometry = geometry_for(shape, oval, target)
-    serve_work = reserved_workspace_bytes(shape, geometry, target, request.prefill_chunk, request.context)
+    serve_work = reserved_workspace_bytes(shape, geometry, target, request.prefill_chunk, request.context,
+                                          request.batch)
     parts = workspace_bytes(shape, oval, geometry, target, request.context, request.batch, request.prefill_chunk,
                             weights.layout)
     transient = parts["total"]
@@ -153,6 +179,9 @@ def _page_plan(shape: ModelShape, request: PlanRequest, page_size: int, target: 
     reads = decode_reads(shape, oval, geometry, request.context, request.batch)
     step_bytes = weights.read_per_decode_step + reads["kv_bytes"] + reads["summary_bytes"]
     tok_s = request.batch * bandwidth * 1e9 / step_bytes if bandwidth else None
+    paths = STEP_COSTS.predict(kind, request.quant, shape.layers, min(oval.dense_layers, shape.layers), step_bytes,
+                               bandwidth, request.batch)
+    served = next(p for p in paths if p.served)
     pool = pages * geometry.bytes_per_page
     serving = overhead + weights.total + transient + pool
     return PagePlan(
@@ -161,7 +190,9 @@ def _page_plan(shape: ModelShape, request: PlanRequest, page_size: int, target: 
         pages_needed=needed,
         minimum_budget=weights.total + work + overhead + needed * geometry.bytes_per_page,
         tokens_read_per_step=reads["tokens_per_step"], kv_bytes_read_per_step=reads["kv_bytes"],
-        summary_bytes_read_per_step=reads["summary_bytes"], bytes_per_step=step_bytes, decode_tok_s=tok_s,
+        summary_bytes_read_per_step=reads["summary_bytes"], bytes_per_step=step_bytes, roofline_tok_s=tok_s,
+        decode_tok_s=served.tok_s, decode_tok_s_per_sequence=served.tok_s_per_sequence,
+        step_cost={"formula": FORMULA, "served": served.path, "paths": [p.as_dict() for p in paths]},
         workspace_bytes=work, serve_workspace_bytes=serve_work, transient_bytes=transient, seal_bytes=parts["seal"],
         serve_memory_budget=budget - (work - serve_work) - (overhead if target == "cuda" else 0),
         predicted_serving_peak_bytes=serving,
@@ -169,11 +200,28 @@ def _page_plan(shape: ModelShape, request: PlanRequest, page_size: int, target: 
     )
 
 
-def recommend(rows: tuple[PagePlan, ...]) -> PagePlan | None:
-    """Among page sizes where the requested context fits: fewest bytes streamed per decode step (the roofline
-    order, so it holds when the bandwidth is unknown too), then the longest context, then the page size nearest
-    32 (the size the reference fidelity figures were measured at)."""
+def predicted_step_s(row: PagePlan) -> float | None:
+    """The served path's predicted step time in seconds (None when the bandwidth is unknown)."""
+    served = next(p for p in row.step_cost["paths"] if p["served"])
+    return None if served["step_ms"] is None else served["step_ms"] / 1e3
+
+
+def recommend(rows: tuple[PagePlan, ...], tolerance: float = DEFAULT_SPEED_TOLERANCE) -> PlanChoice | None:
+    """Issue #26's rule by predicted figures. Among page sizes where the requested context fits, those whose
+    predicted step (the served path's; bytes streamed per step when the bandwidth is unknown, the roofline order)
+    is within `tolerance` of the fastest tie; of them, the best predicted quality wins: the most K/V tokens
+    attended per step (fidelity rises with the tokens attended: DESIGN §4, k = 4 -> 8 at page 32 halves the KL;
+    plan cannot measure KL, `oval-edge profile` does), then the smaller page (at equal reads smaller pages select
+    better: README's profile runs), then the longest context."""
     fitting = [r for r in rows if r.fits]
     if not fitting:
         return None
-    return min(fitting, key=lambda r: (r.bytes_per_step, -r.max_context_per_sequence, abs(math.log2(r.page_size / 32))))
+    timed = all(predicted_step_s(r) is not None for r in fitting)
+    speed = predicted_step_s if timed else (lambda r: float(r.bytes_per_step))
+    fastest = min(fitting, key=lambda r: (speed(r), abs(math.log2(r.page_size / 32))))
+    tied = speed_tie(fitting, speed, tolerance)
+    quality = sorted(tied, key=lambda r: (-r.tokens_read_per_step, r.page_size, -r.max_context_per_sequence))
+    rest = sorted((r for r in fitting if r not in tied), key=lambda r: (speed(r), r.page_size))
+    order = quality + rest
+    return PlanChoice(order[0], order[1] if len(order) > 1 else None, fastest, tuple(quality), tolerance,
+                      "predicted step" if timed else "bytes per step")

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from oval_edge.config import OvalConfig
-from oval_edge.geometry import KVGeometry, prefill_workspace_bytes, seal_chunk_pages, seal_workspace_bytes
+from oval_edge.geometry import (
+    KVGeometry, decode_graph_bytes, prefill_workspace_bytes, seal_chunk_pages, seal_workspace_bytes,
+)
 
 from .model import ModelShape
 from .weights import ACTIVATION_BYTES, WeightBreakdown
@@ -34,6 +36,9 @@ RUNTIME_OVERHEAD = {"cpu": 385 * MiB, "cuda": 800 * MiB}
 # 4 MiB chunk -> 78-81 MiB; 80 MiB kept. Safetensors folders parse only JSON: the same figure is an upper bound.
 LOAD_FIXED_TRANSIENT = 80 * MiB
 ATTENTION_TILE = 512  # kv tokens per block of the fused (flash / memory-efficient) SDPA kernels
+
+
+CHUNKED_ROWS = 32  # rows up to which Chunked4bit avoids the dequantizing path (projections.chunk_rows, fused GEMM)
 
 
 def target_of(kind: str) -> str:
@@ -64,12 +69,18 @@ def decode_reads(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, cont
             "tokens_per_step": sum(per_layer), "kv_bytes": kv, "summary_bytes": summaries}
 
 
-def reserved_workspace_bytes(shape: ModelShape, geometry: KVGeometry, target: str, chunk: int, context: int) -> int:
+def reserved_workspace_bytes(shape: ModelShape, geometry: KVGeometry, target: str, chunk: int, context: int,
+                             batch: int = 1) -> int:
     """The workspace serve sets aside when it sizes its pool (oval_edge.geometry.prefill_workspace_bytes, as
-    runtime/engine/setup.build_pool calls it). It assumes materialised attention scores, so it is an upper bound on
+    runtime/engine/setup.build_pool calls it, plus on CUDA what the captured decode graphs of `batch` rows keep:
+    oval_edge.geometry.decode_graph_bytes). It assumes materialised attention scores, so it is an upper bound on
     what `workspace_bytes` below expects to be really used."""
-    return prefill_workspace_bytes(shape.hidden, shape.intermediate, shape.heads, geometry, chunk, context,
-                                   ACTIVATION_BYTES[target])
+    act = ACTIVATION_BYTES[target]
+    reserved = prefill_workspace_bytes(shape.hidden, shape.intermediate, shape.heads, geometry, chunk, context, act)
+    if target == "cuda":  # serve captures the static step into CUDA graphs by default (runtime/engine/cuda_graph.py)
+        reserved += decode_graph_bytes(shape.hidden, shape.intermediate, shape.heads, shape.vocab, geometry, batch,
+                                       context, act)
+    return reserved
 
 
 def seal_transient_bytes(shape: ModelShape, geometry: KVGeometry, pages_per_step: int) -> int:
@@ -107,8 +118,11 @@ def workspace_bytes(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, t
         tile = rows * hq * min(tokens // max(rows, 1), 512) * min(kv_tokens, ATTENTION_TILE) * 4
         attention = qkv + gathered + index + tile + tokens * kv_tokens  # + bool causal mask
         mlp = 3 * tokens * i * a  # gate, up, act(gate) * up
-        # bitsandbytes on CUDA dequantizes the whole weight for more than one row; the packed CPU kernel does not.
-        dequant = max(n * k for _, n, k in shape.projections()) * 2 if layout == "nested" and tokens > 1 else 0
+        # bitsandbytes on CUDA dequantizes the whole weight for many rows (a prefill chunk); a decode step's rows go in
+        # calls of <= 4 through its fused 4-bit GEMM up to CHUNKED_ROWS (runtime/model/projections.Chunked4bit);
+        # the packed CPU kernel never dequantizes.
+        dequant = max(n * k for _, n, k in shape.projections()) * 2 \
+            if layout == "nested" and tokens > CHUNKED_ROWS else 0
         logits = rows * shape.vocab * 4
         return resid + max(attention, mlp) + dequant + logits
 
@@ -147,7 +161,10 @@ class PagePlan:
     kv_bytes_read_per_step: int  # whole batch
     summary_bytes_read_per_step: int
     bytes_per_step: int  # weights + KV + summaries streamed per decode step
-    decode_tok_s: float | None  # roofline, whole batch; None when the bandwidth is unknown
+    roofline_tok_s: float | None  # bytes / bandwidth alone, whole batch; None when the bandwidth is unknown
+    decode_tok_s: float | None  # predicted for the path serve runs (step_cost.py), whole batch; None: no bandwidth
+    decode_tok_s_per_sequence: float | None
+    step_cost: dict  # the formula, the path served, and each path's fixed cost with its parts (step_cost.py)
     workspace_bytes: int  # set aside by this plan: max(serve's formula, the expected transient)
     serve_workspace_bytes: int  # what serve's own formula (geometry.prefill_workspace_bytes) sets aside
     transient_bytes: int  # expected to be really used by the largest step (peak prediction)

@@ -6,8 +6,9 @@ from dataclasses import asdict
 
 from oval_edge.units import format_bytes
 
-from .compute import DevicePlan
+from .compute import FORMULA, DevicePlan, PlanChoice, predicted_step_s
 from .memory import PagePlan, geometry_for
+from .step_cost import GRAPHED
 
 
 def _tok_s(value: float | None) -> str:
@@ -65,29 +66,98 @@ def format_device_plan(plan: DevicePlan) -> str:
                          "OOM-killed; quantize on another machine or load layer by layer")
     if s.max_context and r.context > s.max_context:
         lines.insert(-1, f"warning  : context {r.context} exceeds the model's trained context {s.max_context}")
+    paths = [p["path"] for p in plan.rows[0].step_cost["paths"]]
     header = ["page", "pages", "pool", "tokens", "max ctx/seq", f"fits {r.context}x{r.batch}", "read tok/step",
-              "KV read/step", "bytes/step", "decode tok/s", "workspace", "transient", "peak"]
+              "KV read/step", "bytes/step", "roofline tok/s"] + [f"{name} tok/s" + ("*" if served else "")
+                                                                   for name, served in zip(paths, _served(plan))] \
+        + ["workspace", "transient", "peak"]
     rows = [[str(p.page_size), str(p.pages), format_bytes(p.pool_bytes), str(p.tokens_in_pool),
              str(p.max_context_per_sequence), "yes" if p.fits else "no", str(p.tokens_read_per_step),
              format_bytes(p.kv_bytes_read_per_step + p.summary_bytes_read_per_step), format_bytes(p.bytes_per_step),
-             _tok_s(p.decode_tok_s), format_bytes(p.workspace_bytes), format_bytes(p.transient_bytes),
-             format_bytes(p.predicted_peak_bytes)]
+             _tok_s(p.roofline_tok_s)] + [_tok_s(path["tok_s"]) for path in p.step_cost["paths"]]
+            + [format_bytes(p.workspace_bytes), format_bytes(p.transient_bytes), format_bytes(p.predicted_peak_bytes)]
             for p in plan.rows]
     lines.append(_table(header, rows))
+    lines.append(f"  * the path serve runs here. tok/s: whole batch of {r.batch}; see 'decode' below")
+    lines.append("")
+    lines.extend(decode_lines(plan))
     lines.append("")
     if plan.recommended is not None:
         p = plan.recommended
         lines.append(
             f"recommendation: page_size {p.page_size} -> {p.pages} pages, up to {p.max_context_per_sequence} tokens "
-            f"per sequence at batch {r.batch}, roofline decode {_tok_s(p.decode_tok_s)} tok/s, predicted peak "
+            f"per sequence at batch {r.batch}, predicted decode {_tok_s(p.decode_tok_s)} tok/s "
+            f"({p.step_cost['served']}; roofline {_tok_s(p.roofline_tok_s)}), predicted peak "
             f"{format_bytes(p.predicted_peak_bytes)}"
         )
+        if plan.choice is not None:
+            lines.append(f"  why: {choice_text(plan.choice)}")
         lines.append(f"  {p.explain}")
     else:
         lines.append(plan.does_not_fit_message())
     if plan.bandwidth_gbps is None:
-        lines.append("note: decode tok/s needs the memory bandwidth; pass --bandwidth GB/s to get the roofline")
+        lines.append("note: decode tok/s needs the memory bandwidth; pass --bandwidth GB/s to get the prediction")
     return "\n".join(lines)
+
+
+def _served(plan: DevicePlan) -> list[bool]:
+    return [p["served"] for p in plan.rows[0].step_cost["paths"]]
+
+
+def decode_lines(plan: DevicePlan) -> list[str]:
+    """How decode tok/s is predicted: the formula, the op count, each path's fixed cost and every figure's kind
+    and source (measured or estimate)."""
+    c, ops, s = plan.step_cost, plan.op_count, plan.shape
+    row = plan.recommended or plan.rows[0]
+    dense = min(plan.request.oval.dense_layers, s.layers)
+    count = ops.ops(s.layers, dense)
+    lines = [f"decode   : {FORMULA}",
+             f"  ops per step {count} = {ops.base.value:g} + {ops.per_dense_layer.value:g} x {dense} dense + "
+             f"{ops.per_sparse_layer.value:g} x {s.layers - dense} sparse layers ({ops.quant} count, "
+             f"{ops.base.kind}{'' if ops.quant == plan.request.quant else f'; {plan.request.quant} taken as nf4'})",
+             f"  serve runs the {c.served} step on {c.kind} (CUDA graphs on CUDA, the static step eager on a CPU); "
+             f"host figures for {c.host}"]
+    for path in row.step_cost["paths"]:
+        parts = " + ".join(f"{name} {ms:.3g} ms" for name, ms in path["fixed_parts_ms"].items())
+        mark = " (served)" if path["served"] else ""
+        lines.append(f"  {path['path']}{mark}: fixed {path['fixed_ms']:.3g} ms per step = {parts}"
+                     + (f"; bytes/bw {path['bytes_ms']:.3g} ms -> {_tok_s(path['tok_s'])} tok/s at page "
+                        f"{row.page_size}" if path["bytes_ms"] is not None else ""))
+    named = [("op_host", c.op_host_us), ("step_host", c.step_host_us), ("graph_launch", c.graph_launch_us),
+             ("node_gpu", c.node_gpu_us), ("ops/layer", ops.per_sparse_layer)]
+    lines.append("  figures: " + "; ".join(f"{name} {f.label()}" for name, f in named if f is not None))
+    for name, f in named:
+        if f is not None:
+            lines.append(f"    {name}: {f.source}")
+    if c.served == GRAPHED:
+        lines.append("  the kernel count on CUDA is taken as the CPU step's op count (estimate; `make gpu-check` "
+                     "counts launches)")
+    return lines
+
+
+def choice_text(choice: PlanChoice) -> str:
+    """Issue #26's rule in plan: the speed tie, the quality proxy, the runner-up and what was traded."""
+    c, f = choice.chosen, choice.fastest
+
+    def step(row: PagePlan) -> str:
+        t = predicted_step_s(row)
+        return f"{t * 1e3:.2f} ms" if t is not None and choice.by == "predicted step" else \
+            f"{format_bytes(row.bytes_per_step)} per step"
+
+    tied = ", ".join(str(r.page_size) for r in sorted(choice.tied, key=lambda r: r.page_size))
+    text = (f"page size(s) {tied} are within {choice.tolerance:.0%} of the fastest {choice.by} (page {f.page_size}, "
+            f"{step(f)}); of them page {c.page_size} attends the most K/V tokens per step ({c.tokens_read_per_step}: "
+            "plan's quality proxy, since it cannot measure KL; `oval-edge profile` does)")
+    other = choice.runner_up
+    if other is not None:
+        key = predicted_step_s if choice.by == "predicted step" else (lambda r: float(r.bytes_per_step))
+        dt = key(c) / key(other) - 1
+        speed = f"gives up {dt:.1%} of speed" if dt > 0 else f"is {-dt:.1%} faster"
+        where = "tied" if other in choice.tied else "outside the tie"
+        text += (f". Runner-up: page {other.page_size} ({where}, {step(other)}, {other.tokens_read_per_step} "
+                 f"tokens): this choice {speed} for {c.tokens_read_per_step / max(other.tokens_read_per_step, 1):.2f}x "
+                 "the tokens attended")
+    return text
 
 
 def best_row(plan: DevicePlan) -> PagePlan:
@@ -97,21 +167,24 @@ def best_row(plan: DevicePlan) -> PagePlan:
 def format_all_table(plans: list[DevicePlan]) -> str:
     r = plans[0].request
     header = ["device", "DRAM", "GB/s", "budget", "weights", "page", "pages", f"longest ctx x{r.batch}",
-              f"fits {r.context}x{r.batch}", "decode tok/s", "serve peak", "load peak", "min budget"]
+              f"fits {r.context}x{r.batch}", "roofline tok/s", "decode tok/s", "path", "serve peak", "load peak",
+              "min budget"]
     rows = []
     for plan in plans:
         p = best_row(plan)
         bw = f"{plan.bandwidth_gbps:g}" if plan.bandwidth_gbps else "n/a"
         rows.append([plan.device.name, format_bytes(plan.device.dram_bytes), bw, format_bytes(plan.budget_bytes),
                      format_bytes(plan.weights.total), str(p.page_size), str(p.pages),
-                     str(plan.longest_context[0]), "yes" if p.fits else "no", _tok_s(p.decode_tok_s),
+                     str(plan.longest_context[0]), "yes" if p.fits else "no", _tok_s(p.roofline_tok_s),
+                     _tok_s(p.decode_tok_s), p.step_cost["served"],
                      format_bytes(p.predicted_serving_peak_bytes),
                      format_bytes(plan.load_peak_bytes) + (" (!)" if plan.load_exceeds_budget else ""),
                      format_bytes(min(row.minimum_budget for row in plan.rows))])
     s = plans[0].shape
     title = (f"{s.name}, {r.quant}, context {r.context} x batch {r.batch} "
              f"(budget = DRAM - {'desktop' if r.desktop else 'headless'} OS reserve; best page size per module)")
-    text = title + "\n" + _table(header, rows)
+    text = title + "\n" + _table(header, rows) + (f"\ndecode tok/s: {FORMULA}, for the path serve runs; "
+                                                  "`--device NAME` shows the fixed costs and their sources")
     if any(plan.load_exceeds_budget for plan in plans):
         text += ("\n(!) loading as runtime/model/loader.py does (whole dense model, then quantize) needs more than the "
                  "budget on this module")
@@ -134,6 +207,12 @@ def plan_json(plan: DevicePlan) -> dict:
         "load_peak_bytes": plan.load_peak_bytes,
         "page_sizes": [p.as_dict() for p in plan.rows],
         "recommended": plan.recommended.as_dict() if plan.recommended else None,
+        "recommendation_rule": _choice_json(plan.choice),
+        "step_cost": {"formula": FORMULA, "served": plan.step_cost.served, "host": plan.step_cost.host,
+                      "figures": plan.step_cost.figures(),
+                      "ops": {"quant": plan.op_count.quant, "base": plan.op_count.base.as_dict(),
+                              "per_dense_layer": plan.op_count.per_dense_layer.as_dict(),
+                              "per_sparse_layer": plan.op_count.per_sparse_layer.as_dict()}},
         "fits": plan.fits,
         "longest_context": plan.longest_context[0],
         "longest_context_page_size": plan.longest_context[1],
@@ -155,3 +234,14 @@ def report_json(plans: list[DevicePlan]) -> dict:
     if len(plans) == 1:
         out["predicted_peak_bytes"] = out["devices"][0]["predicted_peak_bytes"]
     return out
+
+
+def _choice_json(choice: PlanChoice | None) -> dict | None:
+    if choice is None:
+        return None
+    return {"rule": "within the speed tolerance of the fastest, the most K/V tokens attended per step (quality "
+                    "proxy), then the smaller page, then the longest context",
+            "ranked_by": choice.by, "speed_tolerance": choice.tolerance, "fastest_page_size": choice.fastest.page_size,
+            "tied_page_sizes": [r.page_size for r in choice.tied],
+            "runner_up_page_size": choice.runner_up.page_size if choice.runner_up else None,
+            "explanation": choice_text(choice)}

@@ -7,16 +7,26 @@ B tokens per step, top_k is the k >= 1 whose T is nearest B (a tie goes to the s
 k = 0 is not offered: a step that selects no page is the window-only policy, not OVAL. Large pages can
 therefore read more than B (page 128, window 64, one sink page: T = 384 at k = 1).
 
-The choice: among page sizes that hold the target context in the budget and whose KL(dense || OVAL) is at most
-max_kl, the one with the lowest median decode step wins; a tie goes to the lower KL, then the fewer tokens read.
+The choice (issue #26): quality first within a speed tie. Among page sizes that hold the target context in the
+budget and whose KL(dense || OVAL) is at most max_kl (a hard ceiling), those whose median decode step is within a
+tie tolerance of the fastest one's are equally fast, and of them the lowest KL wins (then the faster median, the
+fewer tokens read). The tolerance is --speed-tolerance (default 10%), widened to the fastest row's p25-p75 spread
+relative to its median when that is wider: medians that lie inside the step-to-step noise do not rank. "Fastest
+under a ceiling" would turn a loose ceiling into the worst-quality choice (page 64 at 3x the KL of page 32 for 4%
+of speed, in the issue's run).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 from oval_edge.config import OvalConfig
+
+T = TypeVar("T")
+DEFAULT_SPEED_TOLERANCE = 0.10
 
 # The fields every JSON row carries first (issue #7), then the supporting figures.
 ROW_FIELDS = ("page_size", "top_k", "tokens_per_step", "pages", "max_context", "summary_bytes", "decode_ms_median",
@@ -88,16 +98,74 @@ def top_k_for(page_size: int, tokens_per_step: int, base: OvalConfig) -> int:
     return min(candidates, key=lambda k: (abs(fixed + k * page_size - tokens_per_step), k))
 
 
+def check_speed_tolerance(value: float, option: str = "--speed-tolerance") -> float:
+    """A tie tolerance as a fraction of the fastest step (0.1 = 10%); ValueError saying what is allowed."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{option}={value!r} must be a fraction of the fastest step in [0, 1], e.g. 0.1 for 10% "
+                         "(0: only the fastest, or what its p25-p75 spread admits)")
+    return float(value)
+
+
+def speed_tie(items: Sequence[T], step_of: Callable[[T], float], tolerance: float) -> list[T]:
+    """The items whose step (lower is faster) is within `tolerance` (a fraction) of the fastest's, in input order.
+
+    Shared with `oval-edge plan`, which ranks page sizes by predicted step times the same way."""
+    fastest = min(step_of(i) for i in items)
+    bound = fastest * (1 + tolerance) * (1 + 1e-12)  # the margin keeps a step at exactly +10% inside despite rounding
+    return [i for i in items if step_of(i) <= bound]
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """The rule applied to measured rows: `order[0]` is the choice, `order[1]` (if any) the runner-up.
+
+    order: the tied rows by KL (then median), then the rest under the KL ceiling by median (then KL).
+    tolerance: the tie tolerance applied, max(asked, spread); spread: the fastest row's (p75 - p25) / median."""
+
+    order: tuple[ProfileRow, ...]
+    tied: tuple[ProfileRow, ...]
+    fastest: ProfileRow
+    asked: float
+    spread: float | None
+    tolerance: float
+
+    @property
+    def chosen(self) -> ProfileRow:
+        return self.order[0]
+
+    @property
+    def runner_up(self) -> ProfileRow | None:
+        return self.order[1] if len(self.order) > 1 else None
+
+
 def qualifying(rows: list[ProfileRow], max_kl: float) -> list[ProfileRow]:
     return [r for r in rows if r.fits_context and r.decode_ms_median is not None and r.kl is not None
             and r.kl <= max_kl]
 
 
-def choose(rows: list[ProfileRow], max_kl: float, tokens_per_step: int) -> ProfileRow:
-    """The fastest row with KL <= max_kl that holds the context; NoConfiguration (saying what to change) if none."""
+def rank(rows: list[ProfileRow], max_kl: float, tokens_per_step: int,
+         speed_tolerance: float = DEFAULT_SPEED_TOLERANCE) -> Ranking:
+    """Rank the rows that hold the context and keep KL <= max_kl; NoConfiguration (saying what to change) if none."""
+    asked = check_speed_tolerance(speed_tolerance)
     ok = qualifying(rows, max_kl)
-    if ok:
-        return min(ok, key=lambda r: (r.decode_ms_median, r.kl, r.tokens_per_step, r.page_size))
+    if not ok:
+        _no_configuration(rows, max_kl, tokens_per_step)
+    fastest = min(ok, key=lambda r: (r.decode_ms_median, r.kl, r.tokens_per_step, r.page_size))
+    spread = _spread(fastest)
+    tolerance = max(asked, spread or 0.0)
+    tied = speed_tie(ok, lambda r: r.decode_ms_median, tolerance)
+    by_quality = sorted(tied, key=lambda r: (r.kl, r.decode_ms_median, r.tokens_per_step, r.page_size))
+    rest = sorted((r for r in ok if r not in tied), key=lambda r: (r.decode_ms_median, r.kl, r.page_size))
+    return Ranking(tuple(by_quality + rest), tuple(by_quality), fastest, asked, spread, tolerance)
+
+
+def choose(rows: list[ProfileRow], max_kl: float, tokens_per_step: int,
+           speed_tolerance: float = DEFAULT_SPEED_TOLERANCE) -> ProfileRow:
+    """The lowest-KL row among those tied for speed (see the module's docstring)."""
+    return rank(rows, max_kl, tokens_per_step, speed_tolerance).chosen
+
+
+def _no_configuration(rows: list[ProfileRow], max_kl: float, tokens_per_step: int) -> None:
     measured = [r for r in rows if r.fits_context and r.kl is not None]
     if not measured:
         raise NoConfiguration(
@@ -111,22 +179,28 @@ def choose(rows: list[ProfileRow], max_kl: float, tokens_per_step: int) -> Profi
         f"{best.kl:.3g} or more; no configuration was written")
 
 
-def explain(chosen: ProfileRow, rows: list[ProfileRow], max_kl: float, context: int) -> str:
-    """One paragraph: what won, by how much, what the others lost on (too slow, over the KL bar, no room)."""
+def explain(chosen: ProfileRow, rows: list[ProfileRow], max_kl: float, context: int,
+            speed_tolerance: float = DEFAULT_SPEED_TOLERANCE, tokens_per_step: int = 0) -> str:
+    """One paragraph: what won and why, the runner-up and what was traded, what the others lost on."""
+    ranking = rank(rows, max_kl, tokens_per_step, speed_tolerance)
     ok = qualifying(rows, max_kl)
+    wider = ranking.spread is not None and ranking.spread > ranking.asked
+    widened = (f", widened from --speed-tolerance {ranking.asked:.0%} to the fastest step's p25-p75 spread"
+               if wider else " (--speed-tolerance)")
+    within = f"{ranking.tolerance:.1%}" if wider else f"{ranking.tolerance:.0%}"  # 10.2% must not read as 10%
     parts = [f"Chose page_size {chosen.page_size} with top_k {chosen.top_k} ({chosen.tokens_per_step} K/V tokens "
-             f"read per step): the fastest median decode step at {context} tokens of context "
-             f"({chosen.decode_ms_median:.1f} ms) among the {len(ok)} page size(s) whose KL against dense is at most "
-             f"{max_kl:g} (its KL {chosen.kl:.4g}, top-1 {chosen.top1:.1%})."]
-    rivals = sorted((r for r in ok if r is not chosen), key=lambda r: r.decode_ms_median)
-    if rivals:
-        runner = rivals[0]
-        gap = runner.decode_ms_median / chosen.decode_ms_median - 1
-        spread = _spread(chosen)
-        within = (f"; that gap is within the step-to-step spread ({spread:.0%} interquartile), so treat the two as "
-                  "equally fast" if spread is not None and gap <= spread else "")
-        parts.append(f"Next was page_size {runner.page_size} at {runner.decode_ms_median:.1f} ms (+{gap:.0%}, KL "
-                     f"{runner.kl:.4g}){within}.")
+             f"read per step), {chosen.decode_ms_median:.1f} ms per decode step at {context} tokens of context, KL "
+             f"{chosen.kl:.4g} against dense (top-1 {chosen.top1:.1%}): the lowest KL among the "
+             f"{len(ranking.tied)} page size(s) whose median step is within {within} of the fastest"
+             f"{widened}, of the {len(ok)} that hold the context with KL at most {max_kl:g}."]
+    runner = ranking.runner_up
+    if runner is not None:
+        where = "also within the tie" if runner in ranking.tied else "outside the tie"
+        parts.append(f"Runner-up: page_size {runner.page_size} with top_k {runner.top_k} "
+                     f"({runner.decode_ms_median:.1f} ms, KL {runner.kl:.4g}; {where}): {_trade(chosen, runner)}.")
+    if ranking.fastest is not chosen and ranking.fastest is not runner:
+        f = ranking.fastest
+        parts.append(f"The fastest, page_size {f.page_size} ({f.decode_ms_median:.1f} ms), has KL {f.kl:.4g}.")
     over = [r for r in rows if r.kl is not None and r.kl > max_kl]
     if over:
         parts.append("Over the KL bar: " + ", ".join(f"page_size {r.page_size} (KL {r.kl:.4g})" for r in over) + ".")
@@ -137,6 +211,22 @@ def explain(chosen: ProfileRow, rows: list[ProfileRow], max_kl: float, context: 
     parts.append(f"The pool holds {chosen.pages} pages ({chosen.max_context} tokens per request), of which page "
                  f"summaries take {chosen.summary_bytes / 2**20:.1f} MiB.")
     return " ".join(parts)
+
+
+def _trade(chosen: ProfileRow, other: ProfileRow) -> str:
+    """What choosing `chosen` over `other` costs and buys, in step time and KL."""
+    dt = chosen.decode_ms_median / other.decode_ms_median - 1
+    times = f"{chosen.decode_ms_median:.1f} vs {other.decode_ms_median:.1f} ms"
+    figures = f"{chosen.kl:.4g} vs {other.kl:.4g}"
+    if other.kl > chosen.kl:
+        kl = (f"{other.kl / chosen.kl:.1f}x lower KL" if chosen.kl > 0 else "lower KL") + f" ({figures})"
+    elif other.kl == chosen.kl:
+        kl = f"the same KL ({figures})"
+    else:
+        kl = (f"{chosen.kl / other.kl:.1f}x the KL" if other.kl > 0 else "a higher KL") + f" ({figures})"
+    if dt > 0:
+        return f"this choice gives up {dt:.0%} of step time ({times}) for {kl}"
+    return f"this choice is {-dt:.0%} faster ({times}) with {kl}"
 
 
 def _spread(row: ProfileRow) -> float | None:

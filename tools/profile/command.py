@@ -1,10 +1,11 @@
 """`oval-edge profile`: measure each page size (with the top-k that reads about B tokens per step) on this device
-and pick the fastest one that keeps quality.
+and pick the best-quality one among those tied for the fastest step.
 
 Per page size: the pool the memory budget buys (pages, longest request, summary memory), the median decode step
 at the target context and the seal cost (tools/profile/measure.py: a real engine, prefilled to the context), and
-KL / top-1 against dense on a short calibration text (the eval harness). Then the fastest page size whose KL is at
-most --max-kl is chosen (tools/profile/choice.py), explained, and written as a TOML for `serve --config`.
+KL / top-1 against dense on a short calibration text (the eval harness). Then, among the page sizes that hold the
+context with KL <= --max-kl, those within --speed-tolerance of the fastest step tie and the lowest KL of them is
+chosen (tools/profile/choice.py), explained with its runner-up, and written as a TOML for `serve --config`.
 Exit status: 0 with a choice, 1 when no page size qualifies (nothing is written to --write-config), 2 on bad input.
 """
 
@@ -20,6 +21,8 @@ from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.runtime.model.source import quant_choices
 from oval_edge.tools.eval.policies import parse_int_list
 from oval_edge.units import format_bytes, parse_bytes
+
+from .choice import DEFAULT_SPEED_TOLERANCE  # choice.py imports no torch: --help stays fast
 
 # (full, --quick) defaults of the options that size the run; --quick finishes in minutes on 2 CPU cores.
 RUN_DEFAULTS = {
@@ -48,8 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"tokens per KV head (sink_pages {base.sink_pages}, window {base.window_max}: the serve defaults); k is the "
         "k >= 1 whose T is nearest --tokens-per-step, a tie taking the smaller k. Large pages can read more than "
         f"asked: at page 128, k = 1 already reads {wide}.",
-        "choice: the fastest median decode step among the page sizes that hold --context in the budget and have "
-        "KL <= --max-kl. When none does, the command says what to change, writes no config and exits 1.",
+        "choice: among the page sizes that hold --context in the budget and have KL <= --max-kl (a hard ceiling), "
+        "those whose median decode step is within --speed-tolerance of the fastest (never less than the fastest "
+        "step's p25-p75 spread) are equally fast, and the lowest KL of them wins; the explanation names the "
+        "runner-up and what was traded. When none qualifies, the command says what to change, writes no config and "
+        "exits 1.",
         "decode is timed on a real engine sized from the budget as serve sizes it, its context filled by a dense "
         "prefill once per page size; KL and top-1 come from the eval harness (teacher-forced, same weights).",
     ))
@@ -69,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--max-kl", type=float, default=DEFAULT_MAX_KL,
                      help=f"largest mean KL(dense || OVAL) per token, in nats, that a choice may have (default "
                           f"{DEFAULT_MAX_KL})")
+    run.add_argument("--speed-tolerance", type=float, default=DEFAULT_SPEED_TOLERANCE,
+                     help="page sizes whose median step is within this fraction of the fastest count as equally "
+                          "fast, and the lowest KL of them wins (default "
+                          f"{DEFAULT_SPEED_TOLERANCE:g}, i.e. {DEFAULT_SPEED_TOLERANCE * 100:g}%%; widened to the measured "
+                          "p25-p75 spread when that is wider)")
     run.add_argument("--quick", action="store_true",
                      help="fewer page sizes, a shorter context, fewer steps and a shorter calibration text")
     how = parser.add_argument_group("measurement")
@@ -101,7 +112,7 @@ def _check_int(name: str, value, low: int, high: int) -> int:
 
 def settings_from(args: argparse.Namespace) -> dict:
     """Every option resolved (--quick defaults) and validated before the model loads."""
-    from .choice import top_k_for
+    from .choice import check_speed_tolerance, top_k_for
 
     pick = {name: getattr(args, name) if getattr(args, name) is not None else pair[1 if args.quick else 0]
             for name, pair in RUN_DEFAULTS.items()}
@@ -115,7 +126,8 @@ def settings_from(args: argparse.Namespace) -> dict:
     tokens = _check_int("--tokens-per-step", args.tokens_per_step, 1, 1 << 20)
     top_ks = {p: top_k_for(p, tokens, base) for p in page_sizes}
     s = dict(page_sizes=page_sizes, top_ks=top_ks, memory_budget=budget, tokens_per_step=tokens,
-             max_kl=float(args.max_kl), context=_check_int("--context", pick["context"], 2, 1 << 24),
+             max_kl=float(args.max_kl), speed_tolerance=check_speed_tolerance(args.speed_tolerance),
+             context=_check_int("--context", pick["context"], 2, 1 << 24),
              steps=_check_int("--steps", pick["steps"], 1, 100_000),
              warmup=_check_int("--warmup", pick["warmup"], 0, 100_000),
              calib_tokens=_check_int("--calib-tokens", pick["calib_tokens"], 2, 1 << 24),
@@ -221,20 +233,21 @@ def _measure(loaded, s: dict, text_ids: list[int], show_progress: bool):
 def _conclude(args, s: dict, loaded, device: dict, rows, seconds: float) -> int:
     from oval_edge.tools.bench.report import write_json_report
 
-    from .choice import NoConfiguration, choose, explain
+    from .choice import NoConfiguration, explain, rank
     from .report import config_sections, format_table, report_json, write_config
 
     try:
-        chosen, failure = choose(rows, s["max_kl"], s["tokens_per_step"]), None
-        explanation = explain(chosen, rows, s["max_kl"], s["context"])
+        ranking = rank(rows, s["max_kl"], s["tokens_per_step"], s.get("speed_tolerance", DEFAULT_SPEED_TOLERANCE))
+        chosen, failure = ranking.chosen, None
+        explanation = explain(chosen, rows, s["max_kl"], s["context"], ranking.asked, s["tokens_per_step"])
     except NoConfiguration as exc:
-        chosen, failure, explanation = None, str(exc), str(exc)
-    print("\n" + format_table(rows, chosen))
+        ranking, chosen, failure, explanation = None, None, str(exc), str(exc)
+    print("\n" + format_table(rows, chosen, ranking.runner_up if ranking is not None else None))
     print("\n" + explanation)
     settings = {k: v for k, v in s.items() if k != "top_ks"}
     settings.update(model=loaded.name, quant=loaded.quant, seconds=round(seconds, 1))
     if args.json_path:
-        write_json_report(args.json_path, report_json(device, settings, rows, chosen, explanation))
+        write_json_report(args.json_path, report_json(device, settings, rows, chosen, explanation, ranking))
     if args.plot:
         from .device import describe_record
         from .plot import write_plot

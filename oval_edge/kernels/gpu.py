@@ -1,0 +1,120 @@
+"""The Triton GPU kernels (triton_scoring.py, triton_attention.py): typed entry points, their switch, self-check.
+
+Why: on CUDA the torch ops gather every selected K/V row and every listed page record into fresh buffers before
+computing on them; the Triton kernels read the pool in place (DESIGN §9). They are an optimisation only:
+`gpu_kernels(device)` is None (and callers keep their torch code) when the device is not CUDA, when Triton does
+not import (it is optional on a Jetson), when OVAL_EDGE_TRITON=0, or when a small startup self-check against the
+torch reference fails; the reason is logged once and shown by `describe_gpu_kernels`. Under TRITON_INTERPRET=1
+(Triton's CPU interpreter, used by the tests) the kernels are also offered for CPU tensors.
+
+The first call for a device loads, compiles and checks the kernels (it synchronises): make it before any CUDA graph
+capture (serve's startup report does, through describe_kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+TRITON_ENV = "OVAL_EDGE_TRITON"  # "0": never use the Triton kernels (A/B measurements, debugging)
+INTERPRET_ENV = "TRITON_INTERPRET"  # "1": Triton runs kernels in its interpreter, on CPU tensors
+FLOAT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
+
+log = logging.getLogger(__name__)
+
+
+class TritonKernels:
+    """Typed entry points with the same contracts as NativeKernels' (oval_edge/kernels/cpu.py). Each returns None
+    for inputs it does not take (tensors on different devices, a non-contiguous pool view, a page size that is not
+    a power of two), so the caller runs its torch code instead."""
+
+    def __init__(self, scoring, attention, version: str) -> None:
+        self._scoring, self._attention = scoring, attention  # the kernel modules (a reload keeps these objects)
+        self.version = version
+
+    def oval_scores(self, q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, page_table: torch.Tensor,
+                    scale: float, counts: torch.Tensor | None = None) -> torch.Tensor | None:
+        """q [B, Hkv, G, D]; basis U^T [Hkv, pages, r, D]; coords C^T [Hkv, pages, r, P] (one layer);
+        page_table [B, Np] -> [B, Hkv, Np] fp32. counts [B]: pages at or past counts[b] score -3e38, unread."""
+        page = coords.shape[-1]
+        if not (_same_device(q, basis, coords, page_table, counts) and _floats(q, basis, coords)
+                and basis.is_contiguous() and coords.is_contiguous() and (page & (page - 1)) == 0):
+            return None
+        return self._scoring.oval_scores(q, basis, coords, page_table, scale, counts)
+
+    def quest_scores(self, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_table: torch.Tensor,
+                     scale: float, counts: torch.Tensor | None = None) -> torch.Tensor | None:
+        """q [B, Hkv, G, D]; kmin, kmax [pages, Hkv, D] (one layer); page_table [B, Np] -> [B, Hkv, Np] fp32."""
+        if not (_same_device(q, kmin, kmax, page_table, counts) and _floats(q, kmin, kmax)
+                and kmin.is_contiguous() and kmax.is_contiguous()):
+            return None
+        return self._scoring.quest_scores(q, kmin, kmax, page_table, scale, counts)
+
+    def attend_slots(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
+                     valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None,
+                     splits: int | None = None) -> torch.Tensor | None:
+        """q [B, Hq, D] over the valid slots flat [B, Hkv, T] of one layer's rows [rows, D] -> [B, Hq, D] in q's
+        dtype. limits [B]: row b visits only its first limits[b] slots. splits: see triton_attention.split_count."""
+        if not (_same_device(q, k_rows, v_rows, flat, valid, limits) and _floats(q, k_rows, v_rows)
+                and valid.dtype == torch.bool and k_rows.is_contiguous() and v_rows.is_contiguous()):
+            return None
+        return self._attention.attend_slots(q, k_rows, v_rows, flat, valid, scale, limits, splits)
+
+
+def gpu_kernels(device: torch.device) -> TritonKernels | None:
+    """The Triton kernels for tensors on `device`, or None where they are off or unavailable (logged once)."""
+    loaded = _loaded(torch.device(device))
+    return loaded if isinstance(loaded, TritonKernels) else None
+
+
+def describe_gpu_kernels(device: torch.device) -> str:
+    """Which decode path runs on a non-CPU `device`, for logs and serve's startup report."""
+    loaded = _loaded(torch.device(device))
+    if isinstance(loaded, TritonKernels):
+        return f"Triton scoring + attention (triton {loaded.version})"
+    return f"torch ops ({loaded})"
+
+
+def _loaded(device: torch.device) -> TritonKernels | str:
+    """The kernels, or why not (a short reason for the startup report)."""
+    if os.environ.get(TRITON_ENV, "1").strip() == "0":
+        return f"{TRITON_ENV}=0"
+    interpret = os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+    if device.type == "cuda" or (device.type == "cpu" and interpret):
+        return _load(device.type, interpret)
+    return f"the Triton kernels run on CUDA only, not {device.type}"
+
+
+@functools.cache
+def _load(device_type: str, interpret: bool) -> TritonKernels | str:
+    """Import, compile and check the kernels once per device type (and interpreter mode)."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return "CUDA is not available"
+    try:
+        import triton
+
+        from . import triton_attention, triton_scoring
+        from .triton_check import self_check
+    except Exception as exc:  # ImportError, or a Triton that fails on import (no driver, a broken install)
+        log.warning("Triton kernels unavailable (%s); decoding with torch ops", exc)
+        return f"Triton absent: {exc}"
+    kernels = TritonKernels(triton_scoring, triton_attention, ".".join(triton.__version__.split(".")[:2]))
+    try:
+        problem = self_check(kernels, torch.device(device_type))  # triton_check.py
+    except Exception as exc:  # a compile or launch error is a failed check, not a failed server
+        problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    if problem:
+        log.warning("Triton kernels disagree with the torch reference (%s); decoding with torch ops", problem)
+        return f"self-check failed: {problem}"
+    return kernels
+
+
+def _same_device(first: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    return all(t is None or t.device == first.device for t in others)
+
+
+def _floats(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype in FLOAT_DTYPES for t in tensors)

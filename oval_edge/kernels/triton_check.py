@@ -1,0 +1,87 @@
+"""The Triton kernels' startup self-check: each kernel against a plain-torch statement of what it computes, on a small
+random case per pool dtype, on the device it will serve (gpu.py runs it once, before any graph capture).
+
+The references here are written from the definitions (einsum and logsumexp, no tricks) rather than imported from
+oval_edge.sparse: the sparse package imports the kernels, and the kernels must not import it back (no cycles). The
+tests (tests/test_triton_kernels.py) check the kernels against the sparse package's own torch code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SELF_CHECK_TOLERANCE = 1e-4  # fp32 queries and accumulation on both sides, inputs rounded to the pool dtype once
+CHECKED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # pool dtypes the self-check covers
+UNSCORED_BELOW = -1e38  # a page past a row's count scores -3e38
+
+
+def oval_reference(q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, table: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """logsumexp over the page's tokens p and the group's heads g of scale * sum_r (q_g . U^T_r) C^T_rp.
+    q [B, Hkv, G, D]; basis [Hkv, pages, r, D]; coords [Hkv, pages, r, P]; table [B, Np] -> [B, Hkv, Np]."""
+    u, c = basis[:, table].movedim(0, 1).float(), coords[:, table].movedim(0, 1).float()  # [B, Hkv, Np, r, *]
+    logits = torch.einsum("bhgd,bhnrd,bhnrp->bhngp", q.float(), u, c) * scale
+    return logits.flatten(3).logsumexp(-1)
+
+
+def quest_reference(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, table: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """logsumexp over the group of scale * sum_d max(q_d kmax_d, q_d kmin_d). kmin, kmax [pages, Hkv, D]."""
+    lo, hi = kmin[table].float()[:, :, :, None], kmax[table].float()[:, :, :, None]  # [B, Np, Hkv, 1, D]
+    qe = q.float()[:, None]  # [B, 1, Hkv, G, D]
+    bound = torch.maximum(qe * hi, qe * lo).sum(-1)  # [B, Np, Hkv, G]
+    return (bound * scale).logsumexp(-1).transpose(1, 2)
+
+
+def attend_reference(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
+                     valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax over the valid slots of scale * q . k, times v. q [B, Hq, D]; flat, valid [B, Hkv, T] -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv = flat.shape[1]
+    k, v = k_rows[flat].float(), v_rows[flat].float()  # [B, Hkv, T, D]
+    logits = torch.einsum("bhgd,bhtd->bhgt", q.float().view(b, hkv, hq // hkv, d), k) * scale
+    weights = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1)
+    return torch.einsum("bhgt,bhtd->bhgd", weights, v).reshape(b, hq, d)
+
+
+def self_check(kernels, device: torch.device) -> str | None:
+    """None when every kernel agrees with its reference (with counts, limits, one and two splits); else what
+    disagreed. kernels: gpu.TritonKernels."""
+    gen = torch.Generator().manual_seed(0)
+    b, hkv, group, dim, rank, page, pages, slots = 2, 2, 3, 32, 3, 16, 6, 40
+
+    def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    q = rand(b, hkv, group, dim)
+    table = torch.tensor([[4, 1, 3], [0, 5, 2]], device=device)
+    counts = torch.tensor([2, 3], device=device)
+    flat = torch.randint(0, pages * hkv * page, (b, hkv, slots), generator=gen).to(device)
+    valid = (torch.rand(b, hkv, slots, generator=gen) < 0.7).to(device)
+    valid[..., 0] = True
+    limits = torch.tensor([25, slots], device=device)
+    bounded = valid & (torch.arange(slots, device=device) < limits[:, None, None])
+    for dtype in CHECKED_DTYPES:
+        if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            continue
+        basis, coords = rand(hkv, pages, rank, dim, dtype=dtype), rand(hkv, pages, rank, page, dtype=dtype)
+        want = oval_reference(q, basis, coords, table, 0.125)
+        got = kernels.oval_scores(q, basis, coords, table, 0.125, counts)
+        if got is None or not _close(got[1], want[1]) or not _close(got[0, :, :2], want[0, :, :2]) \
+                or not bool((got[0, :, 2] < UNSCORED_BELOW).all()):
+            return f"oval_scores {dtype}"
+        kmin, kmax = rand(pages, hkv, dim, dtype=dtype), rand(pages, hkv, dim, dtype=dtype)
+        got = kernels.quest_scores(q, kmin, kmax, table, 0.125)
+        if got is None or not _close(got, quest_reference(q, kmin, kmax, table, 0.125)):
+            return f"quest_scores {dtype}"
+        k_rows, v_rows = rand(pages * hkv * page, dim, dtype=dtype), rand(pages * hkv * page, dim, dtype=dtype)
+        want = attend_reference(q.view(b, -1, dim), k_rows, v_rows, flat, bounded, 0.125)
+        for splits in (1, 2):
+            got = kernels.attend_slots(q.view(b, -1, dim), k_rows, v_rows, flat, valid, 0.125, limits, splits)
+            if got is None or not _close(got, want):
+                return f"attend_slots {dtype} splits={splits}"
+    return None
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool(torch.allclose(got.float(), want.float(), rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE))

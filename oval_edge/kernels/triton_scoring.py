@@ -1,0 +1,168 @@
+"""Page scoring in Triton (DESIGN §4.3, §9): oval and quest scores read from one layer's records in place.
+
+Why: the torch scorers (oval_edge/sparse/scoring.py) first gather every listed page's record into a new buffer
+([B, Hkv, Np, r, D + P] for oval), widen it to fp32, then run a matmul, r multiply-adds and a log-sum-exp, each a
+pass over memory. Here each listed page's record is read once, straight from the pool through the page table, and
+the logits live in registers. Same arithmetic as the C kernel (oval_kernels.c): fp32 accumulation, logits in log2
+units, the page's log-sum-exp over its P tokens and the group's G query heads, returned in natural-log units.
+
+No host synchronisation and no data-dependent shapes (the static step is captured into a CUDA graph): the output
+is sized from the page table's shape, block sizes from the tensor shapes, and counts[b] (pages a row really has)
+is read by the kernel itself. Pages a row's count leaves out, and page-table entries outside the pool (a kernel in
+a graph cannot raise), are not read and score UNSCORED; callers mask non-candidates anyway.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_ops import MAX, SUM
+
+UNSCORED = -3.0e38  # a page not scored (past counts[b]): finite, like the C kernel, so softmaxes over it stay finite
+LOG2_E = 1.0 / math.log(2.0)
+TILE_ELEMENTS = 4096  # largest [pages, G, max(D, P)] tile one program holds (fp32: 16 KB of registers for 4 warps)
+MAX_PAGES_PER_PROGRAM = 32
+_UNSCORED = tl.constexpr(UNSCORED)  # the kernels' copy: Triton reads only constexpr globals
+
+
+@triton.jit
+def _oval_kernel(q_ptr, basis_ptr, coords_ptr, table_ptr, counts_ptr, out_ptr,
+                 kv_heads, group, dim, rank, num_pages, pages_total, scale_log2,
+                 HAS_COUNTS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """One program: row b, KV head h (axis 0 = b * Hkv + h), BLOCK_N listed pages (axis 1).
+
+    q [B, Hkv, G, D]; basis U^T [Hkv, pages_total, r, D]; coords C^T [Hkv, pages_total, r, P];
+    table [B, Np] int64; counts [B] int64 (HAS_COUNTS); out [B, Hkv, Np] fp32.
+    logits[n, g, p] = sum_i (scale * log2e * q_g . U^T[n, i]) * C^T[n, i, p], accumulated over the rank i
+    (r is small: 1..16), so the tiles stay [BLOCK_N, G, D] and [BLOCK_N, G, P] whatever r is.
+    """
+    bh = tl.program_id(0)
+    b = bh // kv_heads
+    h = bh % kv_heads
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    p = tl.arange(0, PAGE)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g_ok, d_ok = g < group, d < dim
+    q = tl.load(q_ptr + (bh * group + g[:, None]) * dim + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(tl.float32) * scale_log2  # [G, D], log2 units
+    listed = n < num_pages
+    if HAS_COUNTS:
+        listed = listed & (n < tl.load(counts_ptr + b))
+    page = tl.load(table_ptr + b.to(tl.int64) * num_pages + n, mask=listed, other=0)  # [N] int64
+    inside = listed & (page >= 0) & (page < pages_total)
+    record = (h * pages_total + page).to(tl.int64) * rank  # [N]: row of (h, page, 0) in the [Hkv*pages*r, *] views
+    logits = tl.full([BLOCK_N, BLOCK_G, PAGE], 0.0, dtype=tl.float32)
+    for i in range(rank):
+        u = tl.load(basis_ptr + (record + i)[:, None] * dim + d[None, :], mask=inside[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)  # [N, D]
+        proj = tl.reduce(u[:, None, :] * q[None, :, :], 2, SUM)  # [N, G]: the group's queries on basis vector i
+        c = tl.load(coords_ptr + (record + i)[:, None] * PAGE + p[None, :], mask=inside[:, None],
+                    other=0.0).to(tl.float32)  # [N, P]
+        logits += proj[:, :, None] * c[:, None, :]
+    logits = tl.where(g_ok[None, :, None], logits, float("-inf"))  # padded query heads take no mass
+    peak = tl.reduce(tl.reduce(logits, 2, MAX), 1, MAX)  # [N]
+    total = tl.reduce(tl.reduce(tl.exp2(logits - peak[:, None, None]), 2, SUM), 1, SUM)
+    score = (tl.log2(total) + peak) * 0.6931471805599453  # natural-log units, as the torch scorer
+    tl.store(out_ptr + bh.to(tl.int64) * num_pages + n, tl.where(inside, score, _UNSCORED), mask=n < num_pages)
+
+
+@triton.jit
+def _quest_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, counts_ptr, out_ptr,
+                  kv_heads, group, dim, num_pages, pages_total, scale_log2,
+                  HAS_COUNTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program: row b, KV head h (axis 0), BLOCK_N listed pages (axis 1). Quest's bound per query head,
+    bound[n, g] = sum_d max(q_gd * kmax_nd, q_gd * kmin_nd), then the log-sum-exp over the group of scale * bound.
+
+    q [B, Hkv, G, D]; kmin, kmax [pages_total, Hkv, D] (one layer, page-major as the pool stores them);
+    table [B, Np] int64; counts [B] int64 (HAS_COUNTS); out [B, Hkv, Np] fp32.
+    """
+    bh = tl.program_id(0)
+    b = bh // kv_heads
+    h = bh % kv_heads
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g_ok, d_ok = g < group, d < dim
+    q = tl.load(q_ptr + (bh * group + g[:, None]) * dim + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(tl.float32)[None, :, :]  # [1, G, D]
+    listed = n < num_pages
+    if HAS_COUNTS:
+        listed = listed & (n < tl.load(counts_ptr + b))
+    page = tl.load(table_ptr + b.to(tl.int64) * num_pages + n, mask=listed, other=0)
+    inside = listed & (page >= 0) & (page < pages_total)
+    row = ((page * kv_heads + h).to(tl.int64) * dim)[:, None] + d[None, :]  # [N, D]
+    mask = inside[:, None] & d_ok[None, :]
+    kmax = tl.load(kmax_ptr + row, mask=mask, other=0.0).to(tl.float32)[:, None, :]  # [N, 1, D]
+    kmin = tl.load(kmin_ptr + row, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    bound = tl.reduce(tl.maximum(q * kmax, q * kmin), 2, SUM) * scale_log2  # [N, G], log2 units
+    bound = tl.where(g_ok[None, :], bound, float("-inf"))
+    peak = tl.reduce(bound, 1, MAX)
+    score = (tl.log2(tl.reduce(tl.exp2(bound - peak[:, None]), 1, SUM)) + peak) * 0.6931471805599453
+    tl.store(out_ptr + bh.to(tl.int64) * num_pages + n, tl.where(inside, score, _UNSCORED), mask=n < num_pages)
+
+
+def _pages_per_program(group: int, width: int, num_pages: int) -> int:
+    """How many pages one program scores: as many as keep the [pages, G, width] tile within TILE_ELEMENTS (each
+    page's record is independent, so more pages per program only amortise loading the group's queries)."""
+    per_page = triton.next_power_of_2(group) * width
+    fits = max(1, TILE_ELEMENTS // per_page)
+    return min(1 << (fits.bit_length() - 1), MAX_PAGES_PER_PROGRAM, triton.next_power_of_2(max(num_pages, 1)))
+
+
+def _counts_arg(counts: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
+    """The kernels' counts pointer: the given [B] int64, or any int64 tensor when HAS_COUNTS is off (not read)."""
+    if counts is None:
+        return table
+    return counts if counts.dtype == torch.int64 and counts.is_contiguous() else counts.to(torch.int64).contiguous()
+
+
+def _table_arg(page_table: torch.Tensor) -> torch.Tensor:
+    if page_table.dtype == torch.int64 and page_table.is_contiguous():
+        return page_table
+    return page_table.to(torch.int64).contiguous()
+
+
+def oval_scores(q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, page_table: torch.Tensor, scale: float,
+                counts: torch.Tensor | None = None) -> torch.Tensor:
+    """scoring.oval_scores over the pages page_table [B, Np] lists, reading one layer's records in place.
+
+    q [B, Hkv, G, D]; basis U^T [Hkv, pages, r, D]; coords C^T [Hkv, pages, r, P] (contiguous, any float dtype)
+    -> [B, Hkv, Np] fp32. counts [B] int64: pages at or past counts[b] are not read and score UNSCORED.
+    """
+    b, hkv, group, dim = q.shape
+    _, pages_total, rank, page = coords.shape
+    table = _table_arg(page_table)
+    num_pages = table.shape[1]
+    out = torch.empty((b, hkv, num_pages), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(dim)
+    block_n = _pages_per_program(group, max(block_d, page), num_pages)
+    grid = (b * hkv, triton.cdiv(num_pages, block_n))
+    _oval_kernel[grid](q.contiguous(), basis, coords, table, _counts_arg(counts, table), out,
+                       hkv, group, dim, rank, num_pages, pages_total, float(scale) * LOG2_E,
+                       HAS_COUNTS=counts is not None, PAGE=page, BLOCK_N=block_n,
+                       BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d)
+    return out
+
+
+def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_table: torch.Tensor, scale: float,
+                 counts: torch.Tensor | None = None) -> torch.Tensor:
+    """scoring.quest_scores over the pages page_table [B, Np] lists, reading one layer's kmin, kmax
+    [pages, Hkv, D] in place. q [B, Hkv, G, D] -> [B, Hkv, Np] fp32; counts as in oval_scores."""
+    b, hkv, group, dim = q.shape
+    table = _table_arg(page_table)
+    num_pages = table.shape[1]
+    out = torch.empty((b, hkv, num_pages), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(dim)
+    block_n = _pages_per_program(group, block_d, num_pages)
+    grid = (b * hkv, triton.cdiv(num_pages, block_n))
+    _quest_kernel[grid](q.contiguous(), kmin, kmax, table, _counts_arg(counts, table), out,
+                        hkv, group, dim, num_pages, kmin.shape[0], float(scale) * LOG2_E,
+                        HAS_COUNTS=counts is not None, BLOCK_N=block_n, BLOCK_G=triton.next_power_of_2(group),
+                        BLOCK_D=block_d)
+    return out

@@ -1,0 +1,311 @@
+"""The Triton decode kernels (oval_edge/kernels/triton_*.py) against the torch reference, in Triton's interpreter on
+CPU tensors (no GPU here), and their loader's switch and fallbacks (oval_edge/kernels/gpu.py).
+
+The matrix is a chosen set of cases rather than the full product (the interpreter is slow), but every listed value
+appears: GQA 9/3 (a group of 3: padded query-head lanes) and 32/8, page sizes 16/32/64, batch 1 and batch 3 with
+unequal lengths (padded page tables with counts / limits), fp32/bf16/fp16 with bf16 and fp16 under both GQA shapes,
+K/V in a dtype other than q's, and both the single-split and the split-K (flash-decoding) attention.
+
+Tolerances. The reference runs in fp32 on the same inputs (already rounded to the case's dtype), so only the
+summation order and the output's rounding differ:
+- scores are fp32 whatever the input dtype (fp32 accumulation on both sides): 1e-4 x max(1, |ref|);
+- attention output is in q's dtype: fp32 1e-4; bf16 1e-2 and fp16 2e-3 x max(1, |ref|), i.e. ~2.5x and ~4x
+  the rounding of a value below 2 to that dtype (half an ulp: 2^-8 = 3.9e-3 for bf16, 2^-11 = 4.9e-4 for fp16).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed (the x86_64 test extra has it); the torch ops cover "
+                                     "decoding without it")
+
+# TRITON_INTERPRET is read when @triton.jit runs, i.e. when the kernel modules are imported: set it first, reload
+# them if this worker imported them earlier without it, then put the variable back for the other test files.
+_PREVIOUS = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from oval_edge.kernels import gpu, triton_attention, triton_check, triton_ops, triton_scoring  # noqa: E402
+
+if not all(isinstance(f, InterpretedFunction) for f in (triton_ops._add, triton_scoring._oval_kernel,
+                                                         triton_attention._attend_kernel)):
+    for _module in (triton_ops, triton_scoring, triton_attention):  # in import order: each binds the one before
+        importlib.reload(_module)
+if _PREVIOUS is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _PREVIOUS
+
+from oval_edge.kernels import cpu as native  # noqa: E402
+from oval_edge.sparse import attention, scoring, step_ops  # noqa: E402
+from oval_edge.sparse.attention import attend, gather_rows  # noqa: E402
+from oval_edge.sparse.scoring import oval_scores, quest_scores  # noqa: E402
+
+DIM, RANK = 64, 4
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def _near(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    error = float((actual.double() - expected.double()).abs().max())
+    assert error <= tol * max(1.0, float(expected.abs().max())), f"max abs diff {error:.3g}"
+
+
+def _table(gen: torch.Generator, batch: int, width: int, pages: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A page table [B, width] of distinct physical pages per row, and counts [B] (None for one row): unequal row
+    lengths, the tails padded with page 0 as the static step pads them."""
+    table = torch.stack([torch.randperm(pages, generator=gen)[:width] for _ in range(batch)])
+    if batch == 1:
+        return table, None
+    counts = torch.tensor([width, width - 3, 2])[:batch]
+    table[torch.arange(width) >= counts[:, None]] = 0
+    return table, counts
+
+
+# (Hq, Hkv, page size, batch, dtype of q and of the records)
+SCORE_CASES = [
+    (9, 3, 16, 1, F32), (32, 8, 32, 1, F32),
+    (9, 3, 32, 3, BF16), (32, 8, 16, 3, BF16),
+    (32, 8, 64, 3, F16), (9, 3, 64, 3, F16),
+]
+SCORE_IDS = [f"{hq}of{hkv}-P{p}-B{b}-{str(dt)[6:]}" for hq, hkv, p, b, dt in SCORE_CASES]
+
+
+@pytest.mark.parametrize("hq,hkv,page,batch,dtype", SCORE_CASES, ids=SCORE_IDS)
+def test_oval_scores_equal_the_torch_scorer(hq, hkv, page, batch, dtype):
+    gen = torch.Generator().manual_seed(hq + page + batch)
+    pages, width = 24, 9
+    q = torch.randn(batch, hkv, hq // hkv, DIM, generator=gen).to(dtype)
+    basis = torch.randn(hkv, pages, RANK, DIM, generator=gen).to(dtype)
+    coords = (3 * torch.randn(hkv, pages, RANK, page, generator=gen)).to(dtype)
+    table, counts = _table(gen, batch, width, pages)
+    scale = DIM**-0.5
+    expected = oval_scores(q.float(), basis[:, table].movedim(0, 1).float(), coords[:, table].movedim(0, 1).float(),
+                           scale)
+    actual = triton_scoring.oval_scores(q, basis, coords, table, scale, counts)
+    assert actual.shape == (batch, hkv, width) and actual.dtype == torch.float32
+    _check_counted(actual, expected, counts)
+
+
+@pytest.mark.parametrize("hq,hkv,page,batch,dtype", SCORE_CASES, ids=SCORE_IDS)
+def test_quest_scores_equal_the_torch_scorer(hq, hkv, page, batch, dtype):
+    gen = torch.Generator().manual_seed(hq + page + batch + 1)
+    pages, width = 24, 9
+    q = torch.randn(batch, hkv, hq // hkv, DIM, generator=gen).to(dtype)
+    keys = torch.randn(pages, hkv, page, DIM, generator=gen)
+    kmin, kmax = keys.amin(2).to(dtype), keys.amax(2).to(dtype)  # [pages, Hkv, D] as the pool stores them
+    table, counts = _table(gen, batch, width, pages)
+    expected = quest_scores(q.float(), kmin[table].float(), kmax[table].float(), DIM**-0.5)
+    actual = triton_scoring.quest_scores(q, kmin, kmax, table, DIM**-0.5, counts)
+    _check_counted(actual, expected, counts)
+
+
+def _check_counted(actual: torch.Tensor, expected: torch.Tensor, counts: torch.Tensor | None) -> None:
+    """Pages before counts[b] equal the reference; the rest are UNSCORED (not candidates, not read)."""
+    listed = torch.ones(actual.shape[0], actual.shape[2], dtype=torch.bool) if counts is None else \
+        torch.arange(actual.shape[2]) < counts[:, None]
+    listed = listed[:, None].expand_as(actual)
+    _near(actual[listed], expected[listed], 1e-4)
+    assert bool((actual[~listed] == triton_scoring.UNSCORED).all())
+
+
+def test_pages_outside_the_pool_are_not_read():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 3, DIM, generator=gen)
+    basis, coords = torch.randn(2, 6, RANK, DIM, generator=gen), torch.randn(2, 6, RANK, 16, generator=gen)
+    table = torch.tensor([[1, 6, 2, -1]])  # 6 and -1 lie outside the 6-page pool
+    actual = triton_scoring.oval_scores(q, basis, coords, table, 0.125)
+    expected = oval_scores(q, basis[:, table.clamp(0, 5)].movedim(0, 1), coords[:, table.clamp(0, 5)].movedim(0, 1),
+                           0.125)
+    _near(actual[..., [0, 2]], expected[..., [0, 2]], 1e-4)
+    assert bool((actual[..., [1, 3]] == triton_scoring.UNSCORED).all())
+
+
+# (Hq, Hkv, page size, batch, q dtype, K/V dtype, splits (None: the rule), layout)
+ATTEND_CASES = [
+    (9, 3, 16, 1, F32, F32, 1, "sparse"),
+    (32, 8, 32, 1, F32, BF16, 2, "dense"),
+    (9, 3, 16, 3, F32, F16, None, "dense"),
+    (9, 3, 32, 3, BF16, BF16, 3, "dense"),
+    (32, 8, 16, 3, BF16, BF16, 1, "sparse"),
+    (9, 3, 64, 3, F16, F16, 4, "dense"),
+    (32, 8, 64, 3, F16, F16, 1, "sparse"),
+    (32, 8, 16, 3, F16, BF16, 2, "sparse"),
+    (9, 3, 64, 1, BF16, BF16, None, "long"),  # 1536 slots: the rule picks 3 splits
+]
+ATTEND_IDS = [f"{hq}of{hkv}-P{p}-B{b}-{str(qd)[6:]}-kv{str(kd)[6:]}-S{s}-{lay}"
+              for hq, hkv, p, b, qd, kd, s, lay in ATTEND_CASES]
+
+
+@pytest.mark.parametrize("hq,hkv,page,batch,q_dtype,kv_dtype,splits,layout", ATTEND_CASES, ids=ATTEND_IDS)
+def test_attention_over_slots_equals_gather_then_attend(hq, hkv, page, batch, q_dtype, kv_dtype, splits, layout):
+    gen = torch.Generator().manual_seed(hq + page + batch + (splits or 0))
+    pages = 24
+    rows = pages * hkv * page
+    k_rows = (2 * torch.randn(rows, DIM, generator=gen)).to(kv_dtype)
+    v_rows = torch.randn(rows, DIM, generator=gen).to(kv_dtype)
+    q = torch.randn(batch, hq, DIM, generator=gen).to(q_dtype)
+    if layout == "sparse":
+        flat, valid, limits = _sparse(gen, batch, hkv, page, pages)
+    else:
+        flat, valid, limits = _dense(gen, batch, hkv, page, pages, width=24 if layout == "long" else 6)
+    if splits is None:
+        assert triton_attention.split_count(batch, hkv, flat.shape[-1]) == (3 if layout == "long" else 1)
+    bounded = valid if limits is None else valid & (torch.arange(flat.shape[-1]) < limits[:, None, None])
+    k, v = gather_rows(k_rows, v_rows, flat)
+    expected = attend(q.float(), k.float(), v.float(), bounded, DIM**-0.5)
+    actual = triton_attention.attend_slots(q, k_rows, v_rows, flat, valid, DIM**-0.5, limits, splits)
+    assert actual.shape == q.shape and actual.dtype == q_dtype
+    _near(actual, expected, TOL[q_dtype])
+
+
+def _dense(gen: torch.Generator, batch: int, hkv: int, page: int, pages: int, width: int = 6):
+    """A dense layer of the static step: every slot of a padded `width`-page table, valid below each row's length,
+    and limits = lengths; past the last row's limit the slots are marked valid on purpose (they must not be read)."""
+    table = torch.stack([torch.randperm(pages, generator=gen)[:width] for _ in range(batch)])  # [B, Np]
+    heads = torch.arange(hkv)[None, :, None, None]
+    flat = ((table[:, None, :, None] * hkv + heads) * page + torch.arange(page)).flatten(2)  # [B, Hkv, Np * P]
+    lengths = torch.tensor([width * page - 3, 2 * page + 5, 7])[:batch]
+    valid = (torch.arange(flat.shape[-1]) < lengths[:, None, None]).expand(flat.shape).clone()
+    valid[-1, :, lengths[-1]:] = True  # garbage past the last row's limit
+    return flat, valid, lengths
+
+
+def _sparse(gen: torch.Generator, batch: int, hkv: int, page: int, pages: int):
+    """A sparse layer's selection: sink + 2 pages + a 20-slot window, some slots invalid, slot 0 always valid."""
+    slots = 3 * page + 20
+    flat = torch.randint(0, pages * hkv * page, (batch, hkv, slots), generator=gen)
+    valid = torch.rand(batch, hkv, slots, generator=gen) < 0.8
+    valid[..., 0] = True
+    return flat, valid, None
+
+
+def test_slots_outside_the_layer_count_as_invalid():
+    gen = torch.Generator().manual_seed(9)
+    k_rows, v_rows = torch.randn(64, DIM, generator=gen), torch.randn(64, DIM, generator=gen)
+    q = torch.randn(1, 4, DIM, generator=gen)
+    flat = torch.randint(0, 64, (1, 2, 30), generator=gen)
+    flat[0, 0, 5], flat[0, 1, 7] = 64, -2
+    valid = torch.ones(1, 2, 30, dtype=torch.bool)
+    k, v = gather_rows(k_rows, v_rows, flat.clamp(0, 63))
+    expected = attend(q, k, v, valid & (flat >= 0) & (flat < 64), 0.125)
+    _near(triton_attention.attend_slots(q, k_rows, v_rows, flat, valid, 0.125), expected, 1e-4)
+
+
+def test_split_count_follows_length_and_occupancy():
+    rule = triton_attention.split_count
+    assert rule(1, 8, 300) == 1  # a sparse layer's selection: one split
+    assert rule(1, 8, 8192) == 16  # one row, dense at 8k: 16 x 8 = 128 programs
+    assert rule(4, 8, 8192) == 4  # four rows already give 32 programs
+    assert rule(1, 2, 1500) == 2  # each split keeps >= 512 slots
+    assert rule(64, 8, 8192) == 1  # the batch alone fills the GPU
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """gpu._load's cache emptied before and after (it caches the outcome per device type and interpreter mode)."""
+    monkeypatch.delenv(gpu.TRITON_ENV, raising=False)
+    gpu._load.cache_clear()
+    yield
+    gpu._load.cache_clear()
+
+
+def test_the_interpreter_offers_checked_kernels_for_cpu_tensors(fresh_loader, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels = gpu.gpu_kernels(torch.device("cpu"))
+    assert isinstance(kernels, gpu.TritonKernels)
+    assert gpu.describe_gpu_kernels(torch.device("cpu")).startswith("Triton scoring + attention (triton ")
+
+
+def test_no_kernels_for_cpu_tensors_outside_the_interpreter(fresh_loader, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert gpu.gpu_kernels(torch.device("cpu")) is None
+    assert gpu.gpu_kernels(torch.device("meta")) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(gpu.TRITON_ENV, "0")
+    assert gpu.gpu_kernels(torch.device("cpu")) is None
+    assert gpu.describe_gpu_kernels(torch.device("cpu")) == f"torch ops ({gpu.TRITON_ENV}=0)"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="describes this machine's CUDA, which it has")
+def test_describe_on_cuda_without_cuda(fresh_loader):
+    assert native.describe_kernels(torch.device("cuda")) == "torch ops (CUDA is not available)"
+
+
+def test_triton_absent_or_failing_its_check_means_torch_ops(fresh_loader, monkeypatch, caplog):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    with caplog.at_level(logging.WARNING, logger=gpu.__name__):
+        assert gpu.gpu_kernels(torch.device("cpu")) is None
+        assert gpu.describe_gpu_kernels(torch.device("cpu")).startswith("torch ops (Triton absent: ")
+    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1  # logged once
+    monkeypatch.undo()
+    gpu._load.cache_clear()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_check, "self_check", lambda kernels, device: "oval_scores torch.float16")
+    assert gpu.describe_gpu_kernels(torch.device("cpu")) == "torch ops (self-check failed: oval_scores torch.float16)"
+    gpu._load.cache_clear()
+
+    def broken(kernels, device):
+        raise RuntimeError("PTX for sm_87 failed\nmore")
+
+    monkeypatch.setattr(triton_check, "self_check", broken)
+    expected = "torch ops (self-check failed: RuntimeError: PTX for sm_87 failed)"  # the message's first line
+    assert gpu.describe_gpu_kernels(torch.device("cpu")) == expected
+
+
+def _decode_inputs():
+    """One layer of pool-shaped records and rows (bf16), a padded batch of 3 with counts and limits."""
+    gen = torch.Generator().manual_seed(11)
+    layers, hkv, group, page, pages = 2, 3, 3, 16, 10
+    basis = torch.randn(layers, hkv, pages, RANK, DIM, generator=gen).to(BF16)
+    coords = torch.randn(layers, hkv, pages, RANK, page, generator=gen).to(BF16)
+    keys = torch.randn(layers, pages, hkv, page, DIM, generator=gen).to(BF16)
+    summaries = {"basis": basis, "coords": coords, "kmin": keys.amin(3), "kmax": keys.amax(3)}
+    table, counts = _table(gen, 3, 5, pages)
+    q = torch.randn(3, hkv * group, DIM, generator=gen)
+    flat, valid, limits = _dense(gen, 3, hkv, page, pages)
+    return dict(summaries=summaries, keys=keys, values=keys.flip(0), table=table, counts=counts, q=q, flat=flat,
+                valid=valid, limits=limits, hkv=hkv)
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_score_pages_and_attend_rows_route_through_the_kernels_or_fall_back(path, monkeypatch):
+    """The call sites (score_pages, attend_rows, step_ops' operator bodies) with the Triton kernels standing in for a
+    CUDA device's, and with no kernels at all (Triton absent, native kernels off): both equal the torch reference."""
+    if path == "triton":
+        kernels = gpu.TritonKernels(triton_scoring, triton_attention, "interpreted")
+    else:
+        kernels = None
+        monkeypatch.setattr(gpu, "_load", lambda device_type, interpret: "Triton absent: test")
+        monkeypatch.setenv(native.NATIVE_ENV, "0")
+        assert native.decode_kernels(torch.device("cpu")) is None
+    for module in (scoring, attention):
+        monkeypatch.setattr(module, "decode_kernels", lambda device: kernels)
+    c = _decode_inputs()
+    layer, scale, table, counts = 1, DIM**-0.5, c["table"], c["counts"]
+    grouped = scoring.group_queries(c["q"], c["hkv"])
+    listed = (torch.arange(table.shape[1]) < counts[:, None])[:, None].expand(-1, c["hkv"], -1)
+    s = c["summaries"]
+    want = {"oval": oval_scores(grouped, s["basis"][layer][:, table].movedim(0, 1).float(),
+                                s["coords"][layer][:, table].movedim(0, 1).float(), scale),
+            "quest": quest_scores(grouped, s["kmin"][layer][table].float(), s["kmax"][layer][table].float(), scale)}
+    for scorer in ("oval", "quest"):
+        got = scoring.score_pages(scorer, grouped, s, layer, table, scale, counts)
+        _near(got[listed], want[scorer][listed], 1e-4)
+    got = step_ops._page_scores(grouped, s["basis"], s["coords"], layer, table, counts, scale)
+    _near(got[listed], want["oval"][listed], 1e-4)
+    k_rows, v_rows = c["keys"][layer].reshape(-1, DIM), c["values"][layer].reshape(-1, DIM)
+    bounded = c["valid"] & (torch.arange(c["flat"].shape[-1]) < c["limits"][:, None, None])
+    k, v = gather_rows(k_rows, v_rows, c["flat"])
+    want = attend(c["q"], k.float(), v.float(), bounded, scale)
+    _near(attention.attend_rows(c["q"], k_rows, v_rows, c["flat"], c["valid"], scale, c["limits"]), want, 1e-4)
+    got = step_ops._attend_slots(c["q"], c["keys"], c["values"], layer, c["flat"], c["valid"], c["limits"], scale)
+    _near(got, want, 1e-4)
