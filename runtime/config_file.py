@@ -85,7 +85,7 @@ MODEL_KEYS = {"path": _str, "quant": _quant, "dtype": _choice("auto", "float32",
 ENGINE_KEYS = {
     "max_batch": _int(1, 1024), "max_queue": _int(0, 1_000_000), "prefill_chunk": _int(16, 65536),
     "max_model_len": _int(2, 1 << 24), "attention": _attention, "decode_step": _decode_step,
-    "cuda_graphs": _bool,
+    "cuda_graphs": _bool, "prefix_cache": _bool,
 }
 # runtime/server/options.py reads max_context (cap on prompt + max_tokens) and falls back to max_model_len.
 ENGINE_ALIASES = {"max_context": "max_model_len"}

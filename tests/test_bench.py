@@ -279,3 +279,33 @@ def test_clients_over_http_classify_streams_and_503s():
     assert outcomes == ["busy", "busy", "completed", "completed", "completed", "completed"]
     done = [r for r in results if r.outcome == "completed"]
     assert all(r.completion_tokens == 3 and r.ttft_s is not None and r.finish_reason == "length" for r in done)
+
+
+def test_multiturn_clients_resend_the_whole_conversation():
+    """run_multiturn against a small ASGI app: each turn carries every earlier message plus a new passage, and the
+    assistant message it appends is the text the server streamed."""
+    httpx = pytest.importorskip("httpx")
+    from oval_edge.tools.load.multiturn import format_turns, passages, per_turn, run_multiturn
+
+    calls = []
+
+    async def app(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        calls.append(body)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for line in [_chunk(), _chunk("a"), _chunk("b", "length"), "data: [DONE]"]:
+            await send({"type": "http.response.body", "body": (line + "\n\n").encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    results, _ = asyncio.run(run_multiturn("http://test", "m", clients=2, turns=3, turn_tokens=50, max_tokens=2,
+                                           headers={}, time_limit_s=30, transport=httpx.ASGITransport(app=app)))
+    assert len(results) == 6 and all(r.outcome == "completed" and r.text == "ab" for r in results)
+    first = [c for c in calls if len(c["messages"]) == 2]
+    third = [c for c in calls if len(c["messages"]) == 6]
+    assert len(first) == 2 and len(third) == 2
+    conversation = third[0]["messages"]
+    assert [m["role"] for m in conversation] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert conversation[2]["content"] == "ab" and conversation[1]["content"] in [c["messages"][1]["content"] for c in first]
+    assert len(passages(3, 50)[0]) == 200 and passages(1, 50, offset=1)[0] == passages(2, 50)[1]
+    rows = per_turn(results, 3)
+    assert [r["completed"] for r in rows] == [2, 2, 2] and "last turn / first turn" in format_turns(rows)

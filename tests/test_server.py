@@ -47,6 +47,7 @@ def test_health_models_and_metrics(server):
     assert values["oval_edge_ready"] == 1
     assert values["oval_edge_kv_pages_total"] == 48 and values["oval_edge_kv_page_size_tokens"] == 16
     assert values["oval_edge_token_limit"] == 512
+    assert values["oval_edge_prefix_cache_enabled"] == 1 and "oval_edge_prefix_cache_hit_tokens_total" in values
 
 
 def test_api_key_is_required(server):
@@ -61,6 +62,9 @@ def test_api_key_is_required(server):
 
 
 def test_openai_chat_completion_and_usage(server, client):
+    # Both requests below then map the same cached prompt pages (prefix caching) and compute the same tail: a cold
+    # request computes the whole prompt in one chunk instead, whose bf16/nf4 rounding can flip a near-tie (docs).
+    client.chat.completions.create(model="smol-test", messages=MESSAGES, max_tokens=1, temperature=0)
     result = client.chat.completions.create(model="smol-test", messages=MESSAGES, max_tokens=8, temperature=0)
     choice = result.choices[0]
     assert result.object == "chat.completion" and result.model == "smol-test" and result.id.startswith("chatcmpl-")
@@ -73,6 +77,9 @@ def test_openai_chat_completion_and_usage(server, client):
     # The same prompt as token ids on /v1/completions decodes the same greedy text: one engine behind both routes.
     same = client.completions.create(model="smol-test", prompt=prompt_ids, max_tokens=8, temperature=0)
     assert same.choices[0].text == choice.message.content
+    values = metrics(server.url, AUTH)  # the last two requests mapped the first one's full prompt pages
+    assert values["oval_edge_prefix_cache_hit_tokens_total"] >= 2 * 32
+    assert values["oval_edge_kv_pages_free"] == values["oval_edge_kv_pages_total"]  # cached pages count as free
     assert same.usage.prompt_tokens == len(prompt_ids)
 
 

@@ -18,8 +18,10 @@ import torch
 
 from oval_edge.geometry import KVGeometry, PoolSizing, seal_chunk_pages
 
+from .invariants import check_pool_invariants
+from .prefix_cache import PrefixLedger, page_hashes
 from .step_index import StepIndex
-from .summaries import oval_summary, quest_summary
+from .summaries import seal_pages
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,6 +34,7 @@ class PagePool:
         device: str | torch.device = "cpu",
         eta: float = 0.5,
         sizing: PoolSizing | None = None,
+        prefix_salt: bytes | None = None,
     ) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages} must be >= 1")
@@ -67,6 +70,10 @@ class PagePool:
         self._tables: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
         self._sealed: dict[Hashable, int] = {}
+        # Prefix caching (prefix_cache.py): refcounts, page names, the LRU of cached pages. prefix_salt None: off.
+        self.ledger = PrefixLedger(prefix_salt)
+        self._tail: dict[Hashable, list[int]] = {}  # token ids written past the last named page (None: unknown)
+        self._parent: dict[Hashable, bytes | None] = {}  # name of the sequence's last named page
 
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
@@ -75,11 +82,18 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take now: the free list and the cached pages it may reclaim."""
+        return len(self._free) + len(self.ledger.lru)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages no sequence holds that keep their contents for a later prefix hit (part of num_free)."""
+        return len(self.ledger.lru)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages some sequence holds (a shared prefix page counts once)."""
+        return len(self.ledger.refs)
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -93,21 +107,44 @@ class PagePool:
 
     # ---- allocation --------------------------------------------------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
-        """Whether allocate(seq, num_tokens) would succeed now (a new sequence always takes >= 1 page)."""
-        return self.pages_needed(max(num_tokens, 1)) <= len(self._free)
+        """Whether allocate(seq, num_tokens) would succeed now without a prefix hit (>= 1 page per sequence)."""
+        return self.pages_needed(max(num_tokens, 1)) <= self.num_free
 
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int] | None:
-        """Reserve pages for `num_tokens` positions of a new sequence; None if they do not fit now."""
+    def allocate(self, seq_id: Hashable, num_tokens: int, tokens: Sequence[int] | None = None) -> list[int] | None:
+        """Reserve pages for `num_tokens` positions of a new sequence; None if they do not fit now.
+
+        tokens: the prompt's ids. With prefix caching on, the longest run of its full pages already in the pool is
+        mapped (not copied) and the sequence starts at that length (`length(seq_id)`): only the rest is prefilled.
+        At least one prompt token is left to compute (its logits start the answer); the open page is never shared."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already owns pages; free it first or use grow()")
-        need = self.pages_needed(max(num_tokens, 1))
-        if need > len(self._free):
+        hits: list[int] = []
+        names: list[bytes] = []
+        if tokens is not None and self.ledger.enabled:
+            names = page_hashes(tokens, self.page_size, self.ledger.salt)[: (len(tokens) - 1) // self.page_size]
+            hits = self.ledger.lookup(names)
+        need = self.pages_needed(max(num_tokens, 1)) - len(hits)
+        if need > self.num_free - self.ledger.cached_among(hits):
             return None
-        pages = [self._free.pop() for _ in range(need)]
+        for page in hits:
+            self.ledger.take(page)
+        pages = hits + [self._take() for _ in range(need)]
         self._tables[seq_id] = pages
-        self._lengths[seq_id] = 0
-        self._sealed[seq_id] = 0
+        self._lengths[seq_id] = self._sealed[seq_id] = 0
+        self._tail[seq_id], self._parent[seq_id] = ([] if tokens is not None else None), None
+        if hits:
+            self._lengths[seq_id], self._sealed[seq_id] = len(hits) * self.page_size, len(hits)
+            self._parent[seq_id] = names[len(hits) - 1]
+        if tokens is not None and self.ledger.enabled:
+            self.ledger.stats.count(len(tokens), len(hits) * self.page_size)
         return list(pages)
+
+    def _take(self) -> int:
+        """One page for a sequence: from the free list, else the least recently used cached page (its name
+        dropped). Callers checked num_free first."""
+        page = self._free.pop() if self._free else self.ledger.reclaim()
+        self.ledger.take(page)
+        return page
 
     def grow(self, seq_id: Hashable, num_tokens: int) -> bool:
         """Make room for `num_tokens` positions in total; False (and nothing taken) if the pool is short."""
@@ -115,20 +152,30 @@ class PagePool:
         need = self.pages_needed(num_tokens) - len(table)
         if need <= 0:
             return True
-        if need > len(self._free):
+        if need > self.num_free:
             return False
-        table.extend(self._free.pop() for _ in range(need))
+        table.extend(self._take() for _ in range(need))
         return True
 
     def free(self, seq_id: Hashable) -> int:
-        """Return every page of the sequence to the free list; returns how many. Unknown ids free nothing."""
+        """Release every page of the sequence; returns how many it held. Unknown ids free nothing. A page goes back
+        to the free list when no other sequence holds it, or to the cached LRU if it is named (prefix caching)."""
         pages = self._tables.pop(seq_id, None)
         self._lengths.pop(seq_id, None)
         self._sealed.pop(seq_id, None)
+        self._tail.pop(seq_id, None)
+        self._parent.pop(seq_id, None)
         if not pages:
             return 0
-        self._free.extend(reversed(pages))
+        self._free.extend(p for p in reversed(pages) if self.ledger.release(p))
         return len(pages)
+
+    def record_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """The ids of the tokens the next step writes for this sequence, in order: sealed pages are named by them
+        (prefix caching). A sequence allocated without tokens is never named."""
+        tail = self._tail.get(seq_id)
+        if tail is not None:
+            tail.extend(int(t) for t in token_ids)
 
     def owns(self, seq_id: Hashable) -> bool:
         return seq_id in self._tables
@@ -213,52 +260,34 @@ class PagePool:
                 continue
             self._lengths[sid] = length
             full = length // self.page_size
-            to_seal.extend(self._tables[sid][self._sealed[sid] : full])
+            sealed_now = self._tables[sid][self._sealed[sid] : full]
+            to_seal.extend(sealed_now)
             self._sealed[sid] = full
+            self._name_pages(sid, sealed_now)
         if to_seal:
             self.seal(to_seal)
         return len(to_seal)
 
-    @torch.no_grad()
+    def _name_pages(self, seq_id: Hashable, pages: Sequence[int]) -> None:
+        """Name the pages a step sealed for this sequence from the token ids recorded for them (prefix caching)."""
+        tail = self._tail.get(seq_id)
+        if pages and tail is not None and self.ledger.enabled:
+            parent = self.ledger.name_run(pages, tail, self.page_size, self._parent[seq_id])
+            self._tail[seq_id], self._parent[seq_id] = (tail, parent) if parent is not None else (None, None)
+
     def seal(self, pages: Sequence[int], eta: float | None = None, kinds: Sequence[str] | None = None) -> None:
-        """Build the summaries of full physical pages, for every layer and KV head at once.
+        """Build the summaries of full physical pages, for every layer and KV head at once (summaries.seal_pages).
 
         eta: the oval basis's output-aware mix for these pages (default: the pool's); kinds: which of the pool's
         summaries to build (default: all of them). `oval-edge eval` seals each row's pages with its own.
         """
-        g = self.geometry
-        chunk = self.seal_chunk
-        eta = self.eta if eta is None else float(eta)
-        quest = "kmin" in self.summaries and (kinds is None or "quest" in kinds)
-        oval = "basis" in self.summaries and (kinds is None or "oval" in kinds)
-        for i in range(0, len(pages), chunk):
-            idx = torch.tensor(pages[i : i + chunk], dtype=torch.long, device=self.device)
-            keys = self.k.index_select(1, idx)  # [layers, n, kv_heads, P, D]
-            flat = keys.reshape(-1, g.page_size, g.head_dim)
-            lead = keys.shape[:3]
-            if quest:
-                kmin, kmax = quest_summary(flat)
-                self.summaries["kmin"].index_copy_(1, idx, kmin.view(*lead, g.head_dim))
-                self.summaries["kmax"].index_copy_(1, idx, kmax.view(*lead, g.head_dim))
-            if oval:
-                values = self.v.index_select(1, idx).reshape(-1, g.page_size, g.head_dim)
-                basis, coords = oval_summary(flat, values, g.rank, eta)
-                basis_t = basis.transpose(1, 2).reshape(*lead, g.rank, g.head_dim).transpose(1, 2)  # [L, Hkv, n, r, D]
-                coords_t = coords.transpose(1, 2).reshape(*lead, g.rank, g.page_size).transpose(1, 2)  # [L, Hkv, n, r, P]
-                self.summaries["basis"].index_copy_(2, idx, basis_t)
-                self.summaries["coords"].index_copy_(2, idx, coords_t)
+        seal_pages(self, pages, self.eta if eta is None else float(eta), kinds)
 
     def storage_pointers(self) -> tuple[int, ...]:
         """Data pointers of every pool tensor: equal across calls proves nothing was reallocated."""
         return tuple(t.data_ptr() for t in (self.k, self.v, *self.summaries.values()))
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if a page is owned twice, lost, or a table is inconsistent (used by tests)."""
-        owned = [p for t in self._tables.values() for p in t]
-        assert len(owned) == len(set(owned)), "a page is owned by two sequences"
-        assert not set(owned) & set(self._free), "a page is both owned and free"
-        assert len(owned) + len(self._free) == self.num_pages, "pages were lost or duplicated"
-        assert len(set(self._free)) == len(self._free), "free list holds a page twice"
-        for sid, table in self._tables.items():
-            assert self._lengths[sid] <= len(table) * self.page_size, f"{sid}: length beyond its pages"
-            assert self._sealed[sid] <= self._lengths[sid] // self.page_size, f"{sid}: sealed a page not full"
+        """Raise AssertionError if a page is lost, in two states, shared without its refcount, or a table is
+        inconsistent (used by tests; invariants.py). Free + cached + owned = all pages."""
+        check_pool_invariants(self)

@@ -54,3 +54,29 @@ def oval_summary(keys: torch.Tensor, values: torch.Tensor, rank: int, eta: float
 def _trace(x: torch.Tensor) -> torch.Tensor:
     # A page of identical keys (or constant values) has trace 0; clamp so it yields a zero matrix, not NaN.
     return x.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+@torch.no_grad()
+def seal_pages(pool, pages, eta: float, kinds=None) -> None:
+    """Build pool.summaries for the full physical `pages`, every layer and KV head at once, pool.seal_chunk pages a
+    batch (bounded transient memory). kinds: which of the pool's summaries to build (None: all)."""
+    g = pool.geometry
+    chunk = pool.seal_chunk
+    quest = "kmin" in pool.summaries and (kinds is None or "quest" in kinds)
+    oval = "basis" in pool.summaries and (kinds is None or "oval" in kinds)
+    for i in range(0, len(pages), chunk):
+        idx = torch.tensor(pages[i : i + chunk], dtype=torch.long, device=pool.device)
+        keys = pool.k.index_select(1, idx)  # [layers, n, kv_heads, P, D]
+        flat = keys.reshape(-1, g.page_size, g.head_dim)
+        lead = keys.shape[:3]
+        if quest:
+            kmin, kmax = quest_summary(flat)
+            pool.summaries["kmin"].index_copy_(1, idx, kmin.view(*lead, g.head_dim))
+            pool.summaries["kmax"].index_copy_(1, idx, kmax.view(*lead, g.head_dim))
+        if oval:
+            values = pool.v.index_select(1, idx).reshape(-1, g.page_size, g.head_dim)
+            basis, coords = oval_summary(flat, values, g.rank, eta)
+            basis_t = basis.transpose(1, 2).reshape(*lead, g.rank, g.head_dim).transpose(1, 2)  # [L, Hkv, n, r, D]
+            coords_t = coords.transpose(1, 2).reshape(*lead, g.rank, g.page_size).transpose(1, 2)  # [L, Hkv, n, r, P]
+            pool.summaries["basis"].index_copy_(2, idx, basis_t)
+            pool.summaries["coords"].index_copy_(2, idx, coords_t)

@@ -191,8 +191,11 @@ def prefill_attention(
         start = end - n
         qs = q[offset : offset + n].transpose(0, 1)[None]  # [1, Hq, n, D]
         if start == 0:
-            ks = k_new[offset : offset + n].transpose(0, 1)[None]  # [1, Hkv, n, D]
-            vs = v_new[offset : offset + n].transpose(0, 1)[None]
+            # The chunk's own K/V as the pool stores them (rounded to its dtype), the values every later reader
+            # sees: a later chunk, decode, and a request that maps these pages from the prefix cache, whose
+            # greedy tokens must equal this one's.
+            ks = _as_stored(k_new[offset : offset + n], pool.k.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D]
+            vs = _as_stored(v_new[offset : offset + n], pool.v.dtype).transpose(0, 1)[None]
             res = _causal(qs, ks.to(q.dtype), vs.to(q.dtype), scale)
         else:
             flat = step.history_slots.get(row)
@@ -205,6 +208,10 @@ def prefill_attention(
         out[offset : offset + n] = res[0].transpose(0, 1)
         offset += n
     return out
+
+
+def _as_stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 HISTORY_QUERY_BLOCK = 128  # queries per masked SDPA call over a long history: its float mask is 128 x context x 4 B

@@ -151,6 +151,7 @@ class Engine:
         began = time.perf_counter()
         step = self.pool.prepare([request.request_id], [len(chunk)])
         logits, _ = self.runner.forward(step, torch.tensor(chunk, dtype=torch.long), decode=False)
+        self.pool.record_tokens(request.request_id, chunk)  # names the pages it seals (prefix caching)
         self.pool.commit(step)
         if self.pool.device.type == "cpu":
             release_heap()  # a chunk's transients (tens of MB at 8k) would stay mapped and fragment the heap
@@ -166,6 +167,8 @@ class Engine:
         began = time.perf_counter()
         trace, self.next_decode_trace = self.next_decode_trace, None
         seq_ids, tokens = [r.request_id for r in requests], [r.output_ids[-1] for r in requests]
+        for seq_id, token in zip(seq_ids, tokens):
+            self.pool.record_tokens(seq_id, (token,))
         if self.static is not None and self.runner.hooks.empty():
             logits, step_stats, lengths = self.static.decode(seq_ids, tokens, trace)
             self.pool.advance(seq_ids, lengths)

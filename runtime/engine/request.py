@@ -41,6 +41,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     prefilled: int = 0  # prompt tokens already in the pool
+    cached_tokens: int = 0  # of them, tokens a prefix hit mapped (not prefilled)
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None

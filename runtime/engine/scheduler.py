@@ -33,8 +33,10 @@ class Scheduler:
         """Move waiting requests into the active set while a batch slot is free and their pages fit."""
         while self.waiting and len(self.active) < self.max_batch:
             request = self.waiting[0]
-            if self.pool.allocate(request.request_id, request.reserved_tokens) is None:
+            if self.pool.allocate(request.request_id, request.reserved_tokens, request.prompt_ids) is None:
                 return  # head of line waits for pages (FIFO keeps long prompts from starving)
+            # A prefix hit (oval_edge/kv/prefix_cache.py) starts the sequence past the pages it mapped.
+            request.prefilled = request.cached_tokens = self.pool.length(request.request_id)
             self.waiting.popleft()
             request.status = PREFILL
             self.active.append(request)

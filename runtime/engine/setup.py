@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,8 @@ class EngineConfig:
                   while a decode hook is installed)
     cuda_graphs   on CUDA, capture the static step of every batch bucket at startup and replay it (cuda_graph.py);
                   False runs it eager (A/B measurements, debugging)
+    prefix_cache  map a new prompt's longest run of full pages already in the pool (oval_edge/kv/prefix_cache.py)
+                  and prefill only the rest; pages a request leaves stay cached until the room is needed
     """
 
     max_batch: int = 4
@@ -46,6 +49,7 @@ class EngineConfig:
     summary_kinds: tuple[str, ...] | None = None
     decode_step: str = "static"
     cuda_graphs: bool = True
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_batch", 1, 1024), ("max_queue", 0, 1_000_000), ("prefill_chunk", 16, 65536)):
@@ -56,8 +60,9 @@ class EngineConfig:
             raise ValueError(f"attention={self.attention!r} is unknown; allowed: oval, dense")
         if self.decode_step not in DECODE_STEPS:
             raise ValueError(f"decode_step={self.decode_step!r} is unknown; allowed: {', '.join(DECODE_STEPS)}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs={self.cuda_graphs!r} must be true or false")
+        for name in ("cuda_graphs", "prefix_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 1):
             raise ValueError(f"num_pages={self.num_pages!r} must be a positive integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
@@ -82,8 +87,9 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
     # before the reserve below is measured.
     log.info("decode kernels: %s", describe_kernels(loaded.device))
     geometry = pool_geometry(c, oval, config, loaded.device, loaded.dtype)
+    salt = prefix_salt(loaded, oval, geometry) if config.prefix_cache else None
     if config.num_pages is not None:
-        pool = PagePool(geometry, config.num_pages, loaded.device, eta=oval.eta)
+        pool = PagePool(geometry, config.num_pages, loaded.device, eta=oval.eta, prefix_salt=salt)
         log.info("KV pool: %d pages fixed by num_pages (%s)", config.num_pages, format_bytes(pool.nbytes()))
         return pool
     act_bytes = torch.finfo(loaded.dtype).bits // 8
@@ -107,4 +113,16 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         budget = min(wanted, held + int(0.8 * available_bytes(loaded.device)))
     sizing = size_pool(budget, loaded.weight_bytes, geometry, workspace, reserve)
     log.info("KV pool: %s", sizing.explain())
-    return PagePool(geometry, sizing.pages, loaded.device, eta=oval.eta, sizing=sizing)
+    return PagePool(geometry, sizing.pages, loaded.device, eta=oval.eta, sizing=sizing, prefix_salt=salt)
+
+
+def prefix_salt(loaded: LoadedModel, oval: OvalConfig, geometry: KVGeometry) -> bytes:
+    """What decides a page's K/V and summary besides its tokens: a cached page is only found by a request that would
+    have computed the same (the model file, its quantization and dtypes, the page geometry, the record's eta)."""
+    path = getattr(loaded.source, "path", None)
+    try:
+        stamp = os.stat(path)
+        identity = f"{path}|{stamp.st_size}|{stamp.st_mtime_ns}"
+    except (OSError, TypeError):  # no file behind the model (built in-process): this model object alone
+        identity = f"{path or 'in-process model'}@{id(loaded.model)}"
+    return "|".join((identity, loaded.quant, str(loaded.dtype), repr(geometry), f"eta={oval.eta}")).encode()

@@ -34,7 +34,7 @@ class _EngineCollector:
         total, free = pool.num_pages, pool.num_free  # read the pool itself: a cancel frees pages between steps
         yield _gauge("kv_pages_total", "KV pages in the pool (allocated once at startup)", total)
         yield _gauge("kv_pages_used", "KV pages held by requests", total - free)
-        yield _gauge("kv_pages_free", "KV pages on the free list", free)
+        yield _gauge("kv_pages_free", "KV pages a request can take: the free list and the cached pages (below)", free)
         yield _gauge("kv_usage_ratio", "used / total KV pages", (total - free) / total if total else 0.0)
         yield _gauge("kv_page_size_tokens", "tokens per KV page", pool.page_size)
         yield _gauge("kv_pool_bytes", "bytes of the KV pool (K, V and page summaries)", pool.nbytes())
@@ -62,6 +62,21 @@ class _EngineCollector:
                      stats.kv_bytes_last_step)
         yield _counter("sparse_layer_steps", "layer-steps decoded with OVAL page selection", stats.sparse_layer_steps)
         yield from _reuse_metrics(getattr(getattr(engine, "runner", None), "reuse", None))
+        yield from _prefix_metrics(pool)
+
+
+def _prefix_metrics(pool):
+    """Prefix caching (oval_edge/kv/prefix_cache.py): always exported, zero when it is off."""
+    ledger = pool.ledger
+    stats = ledger.stats
+    yield _gauge("prefix_cache_enabled", "1 when full pages are shared between requests by prefix", float(ledger.enabled))
+    yield _gauge("kv_pages_cached", "pages no request holds, kept for prefix hits (reclaimed when needed)",
+                 pool.num_cached)
+    yield _counter("prefix_cache_queries", "prompts looked up in the prefix cache", stats.queries)
+    yield _counter("prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache", stats.query_tokens)
+    yield _counter("prefix_cache_hit_tokens", "prompt tokens mapped from cached pages instead of prefilled",
+                   stats.hit_tokens)
+    yield _counter("prefix_cache_evictions", "cached pages reclaimed for new allocations", stats.evictions)
 
 
 def _reuse_metrics(reuse):

@@ -28,13 +28,14 @@ class EngineSpec:
     decode_step: str = "static"
     cuda_graphs: bool = True
     dtype: str = "auto"
+    prefix_cache: bool = True
 
     def engine_config(self):
         from oval_edge.runtime.engine.setup import EngineConfig
 
         return EngineConfig(max_batch=self.max_batch, max_queue=self.max_queue, prefill_chunk=self.prefill_chunk,
                             attention=self.attention, max_model_len=self.max_context, decode_step=self.decode_step,
-                            cuda_graphs=self.cuda_graphs)
+                            cuda_graphs=self.cuda_graphs, prefix_cache=self.prefix_cache)
 
     def load(self):
         """Load the model and build the engine (seconds to minutes; call it off the event loop)."""
@@ -75,6 +76,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="on CUDA, capture the static decode step per batch bucket at startup and replay it "
                             "(default: on); --no-cuda-graphs runs it eager")
+    group.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                       help="share full KV pages between requests whose prompts start alike (default: on); "
+                            "--no-prefix-cache prefills every prompt in full")
     group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        help="activations on CUDA: auto (the default) is bfloat16 on compute capability 8.0+ (Orin: "
                             "8.7) and float16 below; the CPU runs float32")
@@ -134,6 +138,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         decode_step=_pick(getattr(args, "decode_step", None), server_t, "decode_step", "static"),
         cuda_graphs=_pick(getattr(args, "cuda_graphs", None), server_t, "cuda_graphs", True),
         dtype=_pick(getattr(args, "dtype", None), model_t, "dtype", "auto"),
+        prefix_cache=_pick(getattr(args, "prefix_cache", None), server_t, "prefix_cache", True),
     )
     device = spec.device
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):

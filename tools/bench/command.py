@@ -61,6 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--clients", type=int, default=32, help="concurrent streaming clients (default 32)")
     serve.add_argument("--requests-per-client", type=int, default=4, help="requests each client sends (default 4)")
     serve.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request (default 32)")
+    serve.add_argument("--scenario", choices=("burst", "multiturn", "shared-prefix"), default="burst",
+                       help="burst: every client sends its requests back to back (default); multiturn: each client "
+                            "holds a chat and resends the whole conversation every turn; shared-prefix: burst with "
+                            "one long system prompt (--turn-tokens long) shared by every request")
+    serve.add_argument("--turns", type=int, default=8, help="turns per conversation with --scenario multiturn (8)")
+    serve.add_argument("--turn-tokens", type=int, default=300,
+                       help="new tokens of text each turn adds with --scenario multiturn, or the shared system "
+                            "prompt's length with --scenario shared-prefix (default 300)")
     serve.add_argument("--time-limit", type=float, default=600.0, help="seconds before the load test gives up")
     serve.add_argument("--api-key", default=None, help="bearer token for the server (or OVAL_EDGE_API_KEY)")
     serve.add_argument("--serve-args", default="",

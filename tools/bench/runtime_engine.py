@@ -34,7 +34,8 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
         model=job["model"], quant=job["quant"], device=job["device"], oval=oval,
         config=EngineConfig(max_batch=1, max_queue=1, attention="dense" if job["engine"] == "dense" else "oval",
                             num_pages=pages, decode_step=job.get("decode_step", "static"),
-                            cuda_graphs=bool(job.get("cuda_graphs", True))),
+                            cuda_graphs=bool(job.get("cuda_graphs", True)),
+                            prefix_cache=False),  # the warm-up must not serve the timed prompt's prefill
     )
     engine.generate(list(job["warmup_ids"]), SamplingParams(max_tokens=WARMUP_GEN_TOKENS, ignore_eos=True))
     meter.after_load()

@@ -111,6 +111,8 @@ class RequestResult:
     well_formed: bool | None = None  # None: not a stream (an error status came back instead)
     problem: str | None = None
     error: str | None = None
+    prompt_tokens: int = 0  # as the server's usage counted them (0 when it sent none)
+    text: str = ""  # the streamed content
 
     @property
     def outcome(self) -> str:
@@ -154,16 +156,29 @@ async def stream_chat(client, base_url: str, body: dict, headers: dict, client_i
         result.error = f"error in stream: {check.error}"
     usage = check.usage or {}
     result.completion_tokens = int(usage.get("completion_tokens") or check.content_chunks)
+    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    result.text = "".join(check.text)
     return result
+
+
+async def run_within(coroutines: list, time_limit_s: float) -> None:
+    """Run the clients concurrently; those still going after `time_limit_s` are cancelled (their requests are then
+    missing from the results, and the caller records them as errors)."""
+    tasks = [asyncio.create_task(c) for c in coroutines]
+    _done, pending = await asyncio.wait(tasks, timeout=time_limit_s)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def run_clients(base_url: str, model: str, clients: int, requests_per_client: int, max_tokens: int,
                       headers: dict, time_limit_s: float, include_usage: bool = True,
-                      transport=None) -> tuple[list[RequestResult], float]:
+                      transport=None, system_prompt: str | None = None) -> tuple[list[RequestResult], float]:
     """`clients` concurrent clients, each sending its requests one after another. Returns (results, wall s).
 
     Bounded twice: each request has a read timeout, and the whole run stops at `time_limit_s` (requests still
     open then are recorded as errors). `transport` replaces the network (httpx.ASGITransport in the tests).
+    system_prompt: one system message every request starts with (the shared-prefix scenario).
     """
     import httpx
 
@@ -178,17 +193,15 @@ async def run_clients(base_url: str, model: str, clients: int, requests_per_clie
                 "messages": [{"role": "user", "content": f"Client {client_id}, request {index}: describe a ferry "
                                                           "crossing on a windy morning in a few sentences."}],
             }
+            if system_prompt:
+                body["messages"].insert(0, {"role": "system", "content": system_prompt})
             if include_usage:
                 body["stream_options"] = {"include_usage": True}
             results.append(await stream_chat(http, base_url, body, headers, client_id, index))
 
     began = time.perf_counter()
     async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as http:
-        tasks = [asyncio.create_task(one_client(i, http)) for i in range(clients)]
-        _done, pending = await asyncio.wait(tasks, timeout=time_limit_s)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await run_within([one_client(i, http) for i in range(clients)], time_limit_s)
     wall = time.perf_counter() - began
     seen = {(r.client, r.index) for r in results}
     for client_id in range(clients):  # requests that never finished inside the time limit

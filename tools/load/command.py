@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 from oval_edge.tools.bench.report import write_json_report
 
 from .client import run_clients
+from .multiturn import format_turns, passages, per_turn, run_multiturn
 from .report import format_summary, kv_pages, pages_returned, parse_metrics, summarize, verdict
 from .server import AutoServer, wait_healthy
 
@@ -26,7 +27,8 @@ PAGES_SETTLE_S = 10.0  # a disconnect frees pages at the next engine step; give 
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name, low, high in (("clients", 1, 4096), ("requests_per_client", 1, 100_000), ("max_tokens", 1, 1_000_000)):
+    for name, low, high in (("clients", 1, 4096), ("requests_per_client", 1, 100_000), ("max_tokens", 1, 1_000_000),
+                            ("turns", 1, 1000), ("turn_tokens", 1, 100_000)):
         value = getattr(args, name)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise ValueError(f"--{name.replace('_', '-')}={value!r} is out of range: allowed integers in [{low}, {high}]")
@@ -83,15 +85,29 @@ async def _drive(url: str, args: argparse.Namespace, headers: dict, time_left_s:
     async with httpx.AsyncClient(timeout=30.0, headers=headers) as http:
         model = await _model_id(http, url)
         before = await _pages(http, url)
-    results, wall = await run_clients(url, model, args.clients, args.requests_per_client, args.max_tokens, headers,
-                                      time_left_s)
+        hits_before = await _prefix_counts(http, url)
+    scenario = getattr(args, "scenario", "burst")
+    if scenario == "multiturn":
+        results, wall = await run_multiturn(url, model, args.clients, args.turns, args.turn_tokens, args.max_tokens,
+                                            headers, time_left_s)
+    else:  # burst, or shared-prefix: the same, every request opening with one long system prompt
+        system = " ".join(passages(1, args.turn_tokens)) if scenario == "shared-prefix" else None
+        results, wall = await run_clients(url, model, args.clients, args.requests_per_client, args.max_tokens,
+                                          headers, time_left_s, system_prompt=system)
     async with httpx.AsyncClient(timeout=30.0, headers=headers) as http:
         after, ok = await _settled_pages(http, url, before)
+        hits_after = await _prefix_counts(http, url)
     summary = summarize(results, wall)
-    setup = {"url": url, "model": model, "clients": args.clients, "requests_per_client": args.requests_per_client,
+    if hits_before and hits_after and hits_after[1] > hits_before[1]:  # this server counts prefix-cache hits
+        summary["prefix_hit_ratio"] = (hits_after[0] - hits_before[0]) / (hits_after[1] - hits_before[1])
+    setup = {"url": url, "model": model, "scenario": scenario, "clients": args.clients,
+             "requests_per_client": args.turns if scenario == "multiturn" else args.requests_per_client,
              "max_tokens": args.max_tokens, "time_limit_s": args.time_limit}
     print(format_summary(summary, after, ok, setup))
-    return {"setup": setup, "summary": summary, "pages_before": before, "pages_after": after,
+    turns = per_turn(results, args.turns) if scenario == "multiturn" else None
+    if turns:
+        print(format_turns(turns))
+    return {"setup": setup, "summary": summary, "turns": turns, "pages_before": before, "pages_after": after,
             "pages_returned": ok, "problems": verdict(summary, ok),
             "requests": [vars(r) | {"outcome": r.outcome} for r in results]}
 
@@ -118,6 +134,23 @@ async def _pages(http, url: str) -> dict:
     if response.status_code != 200:
         return {"total": None, "free": None, "used": None, "error": f"/metrics answered {response.status_code}"}
     return kv_pages(parse_metrics(response.text))
+
+
+async def _prefix_counts(http, url: str) -> tuple[float, float] | None:
+    """(prompt tokens served from cached pages, prompt tokens looked up) from this runtime's /metrics; None for a
+    server that exports neither."""
+    import httpx
+
+    try:
+        response = await http.get(f"{url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    metrics = parse_metrics(response.text)
+    hit = next((v for k, v in metrics.items() if k.endswith("prefix_cache_hit_tokens_total")), None)
+    asked = next((v for k, v in metrics.items() if k.endswith("prefix_cache_query_tokens_total")), None)
+    return None if hit is None or asked is None else (hit, asked)
 
 
 async def _settled_pages(http, url: str, before: dict) -> tuple[dict, bool | None]:

@@ -125,6 +125,8 @@ def format_summary(summary: dict, pages: dict, pages_ok: bool | None, setup: dic
         f"  KV pages after      total {_int(pages.get('total'))}, free {_int(pages.get('free'))}, used "
         f"{_int(pages.get('used'))}: " + {True: "all returned", False: "NOT all returned", None: "unknown"}[pages_ok],
     ]
+    if summary.get("prefix_hit_ratio") is not None:
+        lines.append(f"  prefix cache        {summary['prefix_hit_ratio']:.1%} of prompt tokens served from cached pages")
     lines += [f"  ! {e}" for e in summary["first_errors"]]
     return "\n".join(lines)
 

@@ -50,7 +50,7 @@ def _probe(folder: str, quant: str, attention: str, steps: int, dense_layers: in
 
     engine = Engine.load(folder, quant=quant, device="cpu", oval=OvalConfig(page_size=32, top_k=4, dense_layers=dense_layers),
                          config=EngineConfig(max_batch=1, max_model_len=PROMPT + steps + 64, attention=attention,
-                                             num_pages=(PROMPT + steps + 64) // 32 + 2))
+                                             num_pages=(PROMPT + steps + 64) // 32 + 2, prefix_cache=False))
     prompt = [100 + (i * 7919) % (VOCAB - 200) for i in range(PROMPT)]
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
     engine.generate(prompt[:64], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up: lazy inits, buffers
