@@ -183,7 +183,9 @@ async def run_clients(base_url: str, model: str, clients: int, requests_per_clie
     import httpx
 
     results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    # No keep-alive: a server may close an idle connection between a client's requests (llama-server did: 15 of 128
+    # requests failed with "Server disconnected"), and httpx does not retry a POST on a dead connection.
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=0)
     timeout = httpx.Timeout(connect=10.0, read=max(30.0, time_limit_s), write=10.0, pool=max(30.0, time_limit_s))
 
     async def one_client(client_id: int, http) -> None:
