@@ -131,11 +131,12 @@ class PagePool:
         pages = hits + [self._take() for _ in range(need)]
         self._tables[seq_id] = pages
         self._lengths[seq_id] = self._sealed[seq_id] = 0
-        self._tail[seq_id], self._parent[seq_id] = ([] if tokens is not None else None), None
+        naming = tokens is not None and self.ledger.enabled  # else no id is kept for this sequence
+        self._tail[seq_id], self._parent[seq_id] = ([] if naming else None), None
         if hits:
             self._lengths[seq_id], self._sealed[seq_id] = len(hits) * self.page_size, len(hits)
             self._parent[seq_id] = names[len(hits) - 1]
-        if tokens is not None and self.ledger.enabled:
+        if naming:
             self.ledger.stats.count(len(tokens), len(hits) * self.page_size)
         return list(pages)
 
@@ -271,7 +272,7 @@ class PagePool:
     def _name_pages(self, seq_id: Hashable, pages: Sequence[int]) -> None:
         """Name the pages a step sealed for this sequence from the token ids recorded for them (prefix caching)."""
         tail = self._tail.get(seq_id)
-        if pages and tail is not None and self.ledger.enabled:
+        if pages and tail is not None:
             parent = self.ledger.name_run(pages, tail, self.page_size, self._parent[seq_id])
             self._tail[seq_id], self._parent[seq_id] = (tail, parent) if parent is not None else (None, None)
 

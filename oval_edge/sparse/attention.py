@@ -194,8 +194,8 @@ def prefill_attention(
             # The chunk's own K/V as the pool stores them (rounded to its dtype), the values every later reader
             # sees: a later chunk, decode, and a request that maps these pages from the prefix cache, whose
             # greedy tokens must equal this one's.
-            ks = _as_stored(k_new[offset : offset + n], pool.k.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D]
-            vs = _as_stored(v_new[offset : offset + n], pool.v.dtype).transpose(0, 1)[None]
+            ks = as_dtype(k_new[offset : offset + n], pool.k.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D]
+            vs = as_dtype(v_new[offset : offset + n], pool.v.dtype).transpose(0, 1)[None]
             res = _causal(qs, ks.to(q.dtype), vs.to(q.dtype), scale)
         else:
             flat = step.history_slots.get(row)
@@ -210,7 +210,8 @@ def prefill_attention(
     return out
 
 
-def _as_stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, without an op when it already is (a same-dtype .to() is still one dispatched op)."""
     return t if t.dtype == dtype else t.to(dtype)
 
 

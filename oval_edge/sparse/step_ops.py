@@ -26,7 +26,7 @@ import torch
 
 from oval_edge.kernels.cpu import cpu_kernels
 
-from .attention import attend_rows
+from .attention import as_dtype, attend_rows
 from .scoring import score_pages
 from .selection import DecodePlan, window_slots
 
@@ -43,8 +43,8 @@ def _write_kv(k: torch.Tensor, v: torch.Tensor, layer: int, slots: torch.Tensor,
               v_new: torch.Tensor) -> None:
     """k_new, v_new [N, Hkv, D] into rows `slots` [N * Hkv] of the layer's [pages * Hkv * P, D] view."""
     d = k.shape[-1]
-    k[layer].view(-1, d).index_copy_(0, slots, _as(k_new.reshape(-1, d), k.dtype))
-    v[layer].view(-1, d).index_copy_(0, slots, _as(v_new.reshape(-1, d), v.dtype))
+    k[layer].view(-1, d).index_copy_(0, slots, as_dtype(k_new.reshape(-1, d), k.dtype))
+    v[layer].view(-1, d).index_copy_(0, slots, as_dtype(v_new.reshape(-1, d), v.dtype))
 
 
 def _page_scores(q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, layer: int, page_table: torch.Tensor,
@@ -117,15 +117,10 @@ def select_slots(plan: DecodePlan, scores: torch.Tensor, sealed: torch.Tensor):
         kernels = cpu_kernels()
     if kernels is not None:
         config = plan.config
-        picked = kernels.select_slots(_as(scores, torch.float32), plan.page_table, plan.lengths, sealed,
+        picked = kernels.select_slots(as_dtype(scores, torch.float32), plan.page_table, plan.lengths, sealed,
                                       plan.start.view(plan.batch, 1), config.page_size, config.sink_pages,
                                       config.top_k, window_slots(config), config.window_min)
         if picked is not None:
             return (*picked, plan.window)
     selection = plan.select(scores, detail=False)
     return selection.flat, selection.valid, selection.window
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # A same-dtype .to() is still one dispatched op; this runs twice per layer per step.
-    return t if t.dtype == dtype else t.to(dtype)
