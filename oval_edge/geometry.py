@@ -106,9 +106,11 @@ def seal_workspace_bytes(geometry: KVGeometry) -> int:
 
 
 def prefill_workspace_bytes(
-    hidden: int, intermediate: int, q_heads: int, geometry: KVGeometry, chunk: int, context: int, act_bytes: int
+    hidden: int, intermediate: int, q_heads: int, geometry: KVGeometry, chunk: int, context: int, act_bytes: int,
+    step_tokens: int | None = None,
 ) -> int:
-    """Transient memory of one prefill chunk of `chunk` tokens against `context` cached tokens.
+    """Transient memory of one prefill chunk of `chunk` tokens against `context` cached tokens, in a step whose
+    forward carries `step_tokens` tokens in all (default: the chunk alone; decode rows and other chunks add rows).
 
     Largest live set in a layer: the residual + normed input + q/k/v/o (≈ 6 x hidden), the MLP's gate/up/act
     (3 x intermediate), the K/V of the whole context gathered for the chunk (2 x kv_heads x context x D, fp32),
@@ -117,14 +119,14 @@ def prefill_workspace_bytes(
     per_token = (6 * hidden + 3 * intermediate) * act_bytes
     gathered = 2 * geometry.kv_heads * context * geometry.head_dim * 4
     scores = q_heads * chunk * context * 4
-    return chunk * per_token + gathered + scores
+    return max(chunk, step_tokens or 0) * per_token + gathered + scores
 
 
 def decode_graph_bytes(
     hidden: int, intermediate: int, q_heads: int, vocab: int, geometry: KVGeometry, max_batch: int, context: int,
     act_bytes: int,
 ) -> int:
-    """Device memory the CUDA graphs of the static decode step keep for their whole life (runtime/engine/cuda_graph.py).
+    """Device memory the CUDA graphs of the static decode step keep for their whole life (runtime/engine/forward/cuda_graph.py).
 
     A captured graph owns the blocks its step allocated: with one pool shared by all buckets, about the largest
     bucket's live set plus every bucket's outputs. Per row: the layer's activations (6 x hidden + 3 x intermediate),

@@ -5,7 +5,7 @@
               eta, kv_dtype, reuse_tau, reuse_slots, window_module) - validated by OvalConfig itself; a relative
               window_module path is taken relative to the config file's folder
     [server]  memory_budget (bytes or "1.5GiB": what the process may use for weights + workspace + KV pool),
-              the EngineConfig settings max_batch, max_queue, prefill_chunk, max_model_len (or its alias
+              the EngineConfig settings max_batch, max_queue, prefill_chunk, max_step_tokens, max_model_len (or its alias
               max_context, as runtime/server/options.py reads it), attention, decode_step, and device ("auto",
               "cpu", "cuda", "cuda:N"), host, port
     [plan]    what the planner predicted (numbers and strings; informational, serve does not act on it)
@@ -84,6 +84,7 @@ MODEL_KEYS = {"path": _str, "quant": _quant, "dtype": _choice("auto", "float32",
 # Ranges as runtime/engine/setup.EngineConfig checks them, so a file that loads also builds an engine.
 ENGINE_KEYS = {
     "max_batch": _int(1, 1024), "max_queue": _int(0, 1_000_000), "prefill_chunk": _int(16, 65536),
+    "max_step_tokens": _int(2, 1 << 20),
     "max_model_len": _int(2, 1 << 24), "attention": _attention, "decode_step": _decode_step,
     "cuda_graphs": _bool, "prefix_cache": _bool,
 }

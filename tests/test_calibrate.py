@@ -16,7 +16,7 @@ from oval_edge.geometry import KVGeometry
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.summaries import oval_summary
 from oval_edge.runtime.config_file import load_config_file, oval_config
-from oval_edge.runtime.engine.paged_llama import PagedLlama
+from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.runtime.model.loader import LoadedModel
 from oval_edge.runtime.model.source import ModelSource
 from oval_edge.sparse.scoring import score_pages

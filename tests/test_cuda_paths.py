@@ -1,6 +1,6 @@
 """The CUDA code paths, exercised on the CPU wherever their logic does not need a GPU (issue: GPU decode).
 
-- Graph capture and replay (runtime/engine/cuda_graph.py): a stand-in backend "replays" by re-running the step into
+- Graph capture and replay (runtime/engine/forward/cuda_graph.py): a stand-in backend "replays" by re-running the step into
   the tensors the capture returned, so what is checked is the logic around torch.cuda.CUDAGraph: every bucket is
   captured once at startup while the pool is empty, capture writes nothing but page 0's first rows, later steps
   reuse the same input buffer and the same output tensors, the bucket for a batch is the smallest that holds it,
@@ -21,7 +21,7 @@ import torch
 from oval_edge import OvalConfig
 from oval_edge.geometry import decode_graph_bytes
 from oval_edge.runtime import EngineConfig
-from oval_edge.runtime.engine.cuda_graph import WARMUP_RUNS, CudaGraphs, GraphedStep
+from oval_edge.runtime.engine.forward.cuda_graph import WARMUP_RUNS, CudaGraphs, GraphedStep
 from oval_edge.runtime.engine.setup import uses_cuda_graphs
 from oval_edge.runtime.model.loader import compute_dtype_for
 from oval_edge.runtime.model.projections import Chunked4bit, chunk_rows, weight_bytes_moved

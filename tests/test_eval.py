@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from oval_edge import OvalConfig
 from oval_edge.cli import main
 from oval_edge.kv.summaries import oval_summary, quest_summary
-from oval_edge.runtime.engine.paged_llama import PagedLlama
+from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.runtime.model.loader import LoadedModel
 from oval_edge.tools.eval.fidelity import run_fidelity
 from oval_edge.tools.eval.policies import POLICY_NAMES, Policy, build_policies

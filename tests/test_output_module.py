@@ -12,7 +12,7 @@ from oval_edge import OvalConfig
 from oval_edge.cli import main
 from oval_edge.kv.pool import PagePool
 from oval_edge.runtime.config_file import load_config_file
-from oval_edge.runtime.engine.paged_llama import PagedLlama
+from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.sparse.window_module import (ModuleCard, OutputAwareModule, WindowHook, load_module, save_module,
                                             window_hook, window_lengths)
 from oval_edge.tools.eval.runtime import geometry_for

@@ -164,9 +164,13 @@ def test_planner_and_runtime_share_their_arithmetic():
     geo_small = KVGeometry(30, 3, 64, 32, "bfloat16")
     assert PagePool(geo_small, 4).seal_chunk == seal_chunk_pages(geo_small)
     geo = KVGeometry(shape.layers, shape.kv_heads, shape.head_dim, 32, "float16")
-    prefill = prefill_workspace_bytes(shape.hidden, shape.intermediate, shape.heads, geo, 512, 4096, 2)
+    # A step carries max_batch decode rows beside the chunk (EngineConfig.step_tokens, as build_pool passes it).
+    step_tokens = EngineConfig(max_batch=4, prefill_chunk=512).step_tokens
+    prefill = prefill_workspace_bytes(shape.hidden, shape.intermediate, shape.heads, geo, 512, 4096, 2,
+                                      step_tokens=step_tokens)
     assert reserved_workspace_bytes(shape, geo, "cpu", 512, 4096) == prefill_workspace_bytes(
-        shape.hidden, shape.intermediate, shape.heads, geo, 512, 4096, 4)
+        shape.hidden, shape.intermediate, shape.heads, geo, 512, 4096, 4,
+        step_tokens=EngineConfig(max_batch=1, prefill_chunk=512).step_tokens)
     # On CUDA serve also keeps what its captured decode graphs hold (runtime/engine/setup.build_pool).
     graphs = decode_graph_bytes(shape.hidden, shape.intermediate, shape.heads, shape.vocab, geo, 4, 4096, 2)
     assert reserved_workspace_bytes(shape, geo, "cuda", 512, 4096, 4) == prefill + graphs

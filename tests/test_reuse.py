@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from oval_reference import make_pool, prefill, structured_kv, write_tokens
 
 from oval_edge import OvalConfig
-from oval_edge.runtime.engine.paged_llama import PagedLlama
+from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.runtime.model.loader import LoadedModel
 from oval_edge.sparse.attention import decode_attention, decode_plan
 from oval_edge.sparse.reuse import SelectionReuse

@@ -201,7 +201,9 @@ def test_cancellation_frees_pages_at_once(fp32_engine):
     request = fp32_engine.submit(ids, SamplingParams(max_tokens=200, ignore_eos=True))
     for _ in range(4):
         fp32_engine.step()
-    assert pool.num_free == pool.num_pages - pool.pages_needed(len(ids) + 200)
+    # Pages come as tokens do: the prompt's at admission, then one page at a time (not prompt + max_tokens).
+    held = pool.pages_needed(pool.length(request.request_id) + 1)
+    assert pool.num_free == pool.num_pages - held and held < pool.pages_needed(len(ids) + 200)
     assert fp32_engine.cancel(request.request_id)
     assert pool.num_free == pool.num_pages
     assert request.finish_reason == "cancelled" and not fp32_engine.has_work()

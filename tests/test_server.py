@@ -190,3 +190,60 @@ def test_chat_command_loop_prints_answers(server):
     first, second = out.getvalue().split("(conversation cleared)\n")
     assert first.strip() and second.strip() and second.endswith("\n")
     assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_tokenizing_runs_off_the_event_loop_and_engine_threads(server, client, monkeypatch):
+    """Chat templating and text tokenizing run on the app's tokenize worker: not on the event loop's thread (a
+    long template would stall every stream's SSE writes), not on the engine thread (it only submits and steps)."""
+    import asyncio
+
+    engine = server.state.engine
+    seen: list[tuple[str, bool]] = []
+
+    def where() -> None:
+        try:
+            asyncio.get_running_loop()
+            seen.append((threading.current_thread().name, True))
+        except RuntimeError:  # no event loop runs in this thread
+            seen.append((threading.current_thread().name, False))
+
+    real_encode_chat = engine.encode_chat
+
+    def encode_chat(messages):
+        where()
+        return real_encode_chat(messages)
+
+    class RecordingTokenizer:  # records where __call__ (encoding) runs; decode etc. pass through untouched
+        def __init__(self, real):
+            self._real = real
+
+        def __call__(self, *args, **kwargs):
+            where()
+            return self._real(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._real, name)
+
+    monkeypatch.setattr(engine, "encode_chat", encode_chat)
+    monkeypatch.setattr(engine, "tokenizer", RecordingTokenizer(engine.tokenizer))
+    chat = client.chat.completions.create(model="smol-test", messages=MESSAGES, max_tokens=2, temperature=0)
+    text = client.completions.create(model="smol-test", prompt="The capital of France is", max_tokens=2,
+                                     temperature=0)
+    assert chat.choices[0].message.content and text.choices[0].text
+    assert len(seen) == 2, seen
+    loop_threads = {server.thread.name, "oval-edge-engine"}
+    for name, in_loop in seen:
+        assert name.startswith("oval-edge-tokenize") and name not in loop_threads and not in_loop, seen
+
+
+def test_chat_template_error_is_still_a_400_on_messages(server, monkeypatch):
+    import jinja2
+
+    def broken(messages):
+        raise jinja2.TemplateError("roles must alternate user/assistant")
+
+    monkeypatch.setattr(server.state.engine, "encode_chat", broken)
+    response = post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}, headers=AUTH)
+    error = assert_error_object(response, 400)
+    assert error["param"] == "messages" and "roles must alternate" in error["message"], error
+    assert get(server.url + "/health").json() == {"status": "ok"}

@@ -1,4 +1,4 @@
-"""The static decode step (runtime/engine/static_step.py, DESIGN §9): the same ops and shapes at every length inside
+"""The static decode step (runtime/engine/forward/static_step.py, DESIGN §9): the same ops and shapes at every length inside
 a batch bucket, no host sync or device copy inside it, traceable whole by torch.compile with no recompiles, and the
 same logits as the eager forward.
 
@@ -14,8 +14,8 @@ import torch
 from oval_edge import OvalConfig
 from oval_edge.kernels.cpu import NATIVE_ENV
 from oval_edge.runtime import Engine, EngineConfig
-from oval_edge.runtime.engine.op_trace import OpTrace
-from oval_edge.runtime.engine.static_step import StaticDecoder, batch_buckets
+from oval_edge.runtime.engine.forward.op_trace import OpTrace
+from oval_edge.runtime.engine.forward.static_step import StaticDecoder, batch_buckets
 
 PAGE = 16
 OVAL = OvalConfig(page_size=PAGE, top_k=4, window_min=32, window_max=32, dense_layers=1, kv_dtype="float32")

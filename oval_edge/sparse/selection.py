@@ -88,7 +88,7 @@ class DecodePlan:
     window slots (and, with a fixed window, their validity) are computed here once instead of once per layer.
     With `page_table` [B, Np] the plan also yields flat pool indices, so the gather needs no extra work.
 
-    static=True (the static decode step, runtime/engine/static_step.py): nothing is decided on the host. Rows that fit
+    static=True (the static decode step, runtime/engine/forward/static_step.py): nothing is decided on the host. Rows that fit
     the token budget are always merged in with `torch.where` (never a `bool()` of a device value), so the ops and
     shapes depend only on B, Np and the config; the eager path instead skips selection when every row is short.
     """

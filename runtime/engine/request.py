@@ -40,7 +40,7 @@ class Request:
     error: str | None = None
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
-    prefilled: int = 0  # prompt tokens already in the pool
+    prefilled: int = 0  # tokens of `prefill_ids` already in the pool
     cached_tokens: int = 0  # of them, tokens a prefix hit mapped (not prefilled)
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -48,12 +48,28 @@ class Request:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0
+    preemptions: int = 0  # times the scheduler freed its pages to make room (it recomputed them)
 
     def __post_init__(self) -> None:
         if not self.request_id:
             self.request_id = f"req-{next(_ids)}"
         self.sampler = RowSampler(self.params)
         self.stream = TextStream(self.tokenizer, self.params.stop)
+        # What must be in the pool before the next decode step: the prompt, and after a preemption also every
+        # generated token but the last (the next decode step feeds that one).
+        self.prefill_ids: list[int] = self.prompt_ids
+
+    def preempt(self) -> None:
+        """Back to the queue with no pages (scheduler.preempt): recompute the prompt and the output so far."""
+        self.status = WAITING
+        self.prefilled = self.cached_tokens = 0
+        self.prefill_ids = self.prompt_ids + self.output_ids[:-1]
+        self.preemptions += 1
+
+    @property
+    def resumes(self) -> bool:
+        """Its prefill recomputes tokens after a preemption: its end continues the output instead of sampling."""
+        return bool(self.output_ids)
 
     @property
     def reserved_tokens(self) -> int:

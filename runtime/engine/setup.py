@@ -25,7 +25,10 @@ DECODE_STEPS = ("static", "compiled", "eager")
 class EngineConfig:
     """max_batch     sequences decoded together in one step
     max_queue     requests that may wait for pages before new ones get 503
-    prefill_chunk prompt tokens per prefill step (bounds prefill memory; long prompts interleave with decode)
+    prefill_chunk prompt tokens of one request per step (bounds prefill memory; long prompts interleave with decode)
+    max_step_tokens tokens one step's forward carries: every running row's next token first, then prompt chunks
+                  of one or more requests in the rest (vLLM's max_num_batched_tokens); default max_batch +
+                  prefill_chunk. Lower it to shorten the pause a prompt causes in running streams
     attention     'oval' or 'dense' (dense reads every cached token: the baseline in the same runtime)
     num_pages     fix the pool size instead of deriving it from the budget (tests, eval)
     max_model_len cap on prompt + max_tokens (default: the model's context length)
@@ -43,6 +46,7 @@ class EngineConfig:
     max_batch: int = 4
     max_queue: int = 64
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    max_step_tokens: int | None = None
     attention: str = "oval"
     num_pages: int | None = None
     max_model_len: int | None = None
@@ -56,6 +60,11 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"{name}={value!r} is out of range: allowed integers in [{low}, {high}]")
+        if self.max_step_tokens is not None:
+            value = self.max_step_tokens
+            if isinstance(value, bool) or not isinstance(value, int) or not self.max_batch < value <= 1 << 20:
+                raise ValueError(f"max_step_tokens={value!r} must be an integer above max_batch={self.max_batch}: "
+                                 "every running row adds one token per step and prompts need the rest")
         if self.attention not in ("oval", "dense"):
             raise ValueError(f"attention={self.attention!r} is unknown; allowed: oval, dense")
         if self.decode_step not in DECODE_STEPS:
@@ -69,6 +78,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2")
 
 
+    @property
+    def step_tokens(self) -> int:
+        """The per-step token budget (max_step_tokens, or its default)."""
+        return self.max_step_tokens if self.max_step_tokens is not None else self.max_batch + self.prefill_chunk
+
+
 def pool_geometry(model_config, oval: OvalConfig, config: EngineConfig, device: torch.device,
                   activations: torch.dtype | None = None) -> KVGeometry:
     """The pool's shape for this model, config and device (the planner predicts the same one)."""
@@ -77,7 +92,7 @@ def pool_geometry(model_config, oval: OvalConfig, config: EngineConfig, device: 
 
 
 def uses_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
-    """The static step is captured into CUDA graphs on CUDA unless turned off (runtime/engine/cuda_graph.py)."""
+    """The static step is captured into CUDA graphs on CUDA unless turned off (runtime/engine/forward/cuda_graph.py)."""
     return device.type == "cuda" and config.decode_step == "static" and config.cuda_graphs
 
 
@@ -95,7 +110,7 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
     act_bytes = torch.finfo(loaded.dtype).bits // 8
     workspace = prefill_workspace_bytes(
         c.hidden_size, c.intermediate_size, c.num_attention_heads, geometry, config.prefill_chunk,
-        max_model_len, act_bytes,
+        max_model_len, act_bytes, step_tokens=config.step_tokens,
     )
     if uses_cuda_graphs(config, loaded.device):  # the captured steps keep their blocks for the process's life
         workspace += decode_graph_bytes(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.vocab_size,

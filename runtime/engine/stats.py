@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from oval_edge.geometry import KVGeometry
 
-from .paged_llama import StepStats
+from .forward.step_rows import StepStats
 
 
 @dataclass
@@ -19,6 +19,8 @@ class EngineStats:
     refused: int = 0
     cancelled: int = 0
     errors: int = 0
+    preemptions: int = 0  # requests sent back to the queue to free pages (scheduler.py)
+    mixed_steps: int = 0  # steps whose forward carried decode rows and prompt chunks together
     prompt_tokens: int = 0
     generated_tokens: int = 0
     decode_steps: int = 0

@@ -1,6 +1,6 @@
 """The runtime's own holder of a Llama-family decoder's weights, laid out as transformers lays them out.
 
-PagedLlama (runtime/engine/paged_llama.py) owns the forward; these modules only hold weights: a fused q/k/v projection,
+PagedLlama (runtime/engine/forward/paged_llama.py) owns the forward; these modules only hold weights: a fused q/k/v projection,
 the output projection, a fused gate/up projection, the down projection, two RMSNorms per layer, the embedding,
 final norm and head, and the rotary frequencies. Attribute paths match transformers' (model.model.layers[i]
 .self_attn.qkv_proj, ...) so the runtime, the eval tools and the tests address both the same way.

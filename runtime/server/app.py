@@ -10,10 +10,13 @@ name is 404 `model_not_found`, as OpenAI and vLLM answer, so a client pointed at
 
 # (no `from __future__ import annotations`: FastAPI and pydantic read these annotations at runtime)
 
+import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .engine_loop import EngineLoop
 from .errors import ApiError, ApiKeyGuard, BodyGuard, error_body, install_error_handlers
-from .generate import Job, respond, sampling_params, stream, submit
+from .generate import Job, chat_prompt_ids, completion_prompt_ids, respond, sampling_params, stream, submit
 from .metrics import ServerMetrics
 from .protocol import request_models
 
@@ -75,6 +78,24 @@ class ServerState:
         self.load_error: str | None = None
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: (self.status, self.engine))
+        # Tokenizing and chat templating run here, off the event loop and off the engine thread. One worker: on
+        # a 2-core board the engine thread and the event loop already want both cores, and more tokenize
+        # threads would only oversubscribe them (requests still overlap: the loop keeps streaming meanwhile).
+        # It also keeps two encodes of the one shared tokenizer from ever running at once. Made per serving run
+        # in the lifespan (started and shut down with the app).
+        self.tokenize_pool: ThreadPoolExecutor | None = None
+
+    async def off_loop(self, fn: Callable, *args):
+        """fn(*args) on the tokenize worker; its exception is raised here."""
+        pool = self.tokenize_pool
+        if pool is None:  # the app is not running; not reached in practice (nothing is READY then)
+            return await asyncio.to_thread(fn, *args)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+        except RuntimeError as exc:  # the pool is shut down: the app is stopping
+            raise ApiError(503, "the server is shutting down and takes no new requests", code="shutting_down",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}) from exc
+        return await future
 
     def begin_drain(self) -> None:
         """SIGTERM: refuse new requests from now on; running ones keep going (EngineLoop.drain ends them)."""
@@ -127,12 +148,17 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oval-edge-tokenize")
         loader = threading.Thread(target=_load, args=(state, load_engine, on_ready, on_load_error),
                                   name="oval-edge-load", daemon=True)
         loader.start()
-        yield
-        if state.loop is not None:
-            state.loop.stop()
+        try:
+            yield
+        finally:
+            if state.loop is not None:
+                state.loop.stop()
+            # No waiting: uvicorn has ended the handlers, so a queued encode has nobody left to answer.
+            state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="oval-edge", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API over a KV page pool with OVAL sparse decode.")
@@ -165,10 +191,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
         try:
             engine = state.require_ready(job.endpoint)
             state.check_model(body.model)
-            try:
-                prompt_ids = engine.encode_chat([m.for_template() for m in body.messages])
-            except Exception as exc:  # noqa: BLE001 - a template error is about these messages (jinja raises many)
-                raise ApiError(400, f"the model's chat template rejected these messages: {exc}", "messages") from exc
+            prompt_ids = await chat_prompt_ids(state, engine, body)
             return await _generate(job, prompt_ids, body, http)
         except ApiError as exc:
             _log_refusal(job, exc)
@@ -180,20 +203,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
         try:
             engine = state.require_ready(job.endpoint)
             state.check_model(body.model)
-            prompt = body.prompt
-            if isinstance(prompt, list) and isinstance(prompt[0], str):  # a list of exactly one text
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                prompt_ids = list(engine.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-            else:
-                vocab = engine.loaded.config.vocab_size
-                bad = [t for t in prompt if t >= vocab]
-                if bad:
-                    raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (ids 0..{vocab - 1})",
-                                   "prompt", "invalid_value")
-                prompt_ids = list(prompt)
-            if not prompt_ids:
-                raise ApiError(400, "prompt: the prompt is empty; send at least one token of text", "prompt")
+            prompt_ids = await completion_prompt_ids(state, engine, body)
             return await _generate(job, prompt_ids, body, http, default_max_tokens=16)
         except ApiError as exc:
             _log_refusal(job, exc)

@@ -1,5 +1,8 @@
 """One generation request from validated body to OpenAI response: prompt ids, sampling, submit, wait or stream.
 
+Prompt ids come from the app's tokenize worker (ServerState.off_loop): tokenizing and chat templating cost
+milliseconds per long conversation, and on the event loop they would delay every other stream's next chunk.
+
 Non-streaming requests wait for the engine's finish and poll for a client disconnect meanwhile; streaming
 requests send Server-Sent Events in OpenAI's chunk format, one per piece of new text, ending in `data: [DONE]`.
 Either way a client that goes away cancels its request, which frees its KV pages before the next engine step.
@@ -71,6 +74,40 @@ def sampling_params(body, prompt_tokens: int, token_limit: int, default_max_toke
 
 def body_is_chat(body) -> bool:
     return hasattr(body, "messages")
+
+
+# ---- prompt ids: the tokenizer and chat template run on the app's tokenize worker, never on the event loop (a
+# long conversation's jinja templating would stall every other stream's SSE writes) nor on the engine thread.
+async def chat_prompt_ids(state, engine, body) -> list[int]:
+    messages = [m.for_template() for m in body.messages]
+    try:
+        return await state.off_loop(engine.encode_chat, messages)
+    except ApiError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a template error is about these messages (jinja raises many)
+        raise ApiError(400, f"the model's chat template rejected these messages: {exc}", "messages") from exc
+
+
+def _encode_text(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+async def completion_prompt_ids(state, engine, body) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and isinstance(prompt[0], str):  # a list of exactly one text
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        prompt_ids = await state.off_loop(_encode_text, engine.tokenizer, prompt)
+    else:  # token ids: a range check, no tokenizer (cheap enough to stay on the loop)
+        vocab = engine.loaded.config.vocab_size
+        bad = [t for t in prompt if t >= vocab]
+        if bad:
+            raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (ids 0..{vocab - 1})",
+                           "prompt", "invalid_value")
+        prompt_ids = list(prompt)
+    if not prompt_ids:
+        raise ApiError(400, "prompt: the prompt is empty; send at least one token of text", "prompt")
+    return prompt_ids
 
 
 async def submit(state, job: Job, prompt_ids: list[int], params: SamplingParams) -> Ticket:

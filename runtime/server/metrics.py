@@ -49,6 +49,10 @@ class _EngineCollector:
         yield _counter("requests_refused", "requests the engine refused (too long, or the queue was full)",
                        stats.refused)
         yield _counter("requests_cancelled", "requests cancelled (client disconnect, shutdown)", stats.cancelled)
+        yield _counter("requests_preempted", "times a request's pages were freed to let older rows grow (it recomputed "
+                       "them when readmitted)", stats.preemptions)
+        yield _counter("mixed_steps", "engine steps that carried decode rows and prompt chunks in one forward",
+                       stats.mixed_steps)
         yield _counter("engine_errors", "engine steps that failed (their requests got an error)", stats.errors)
         yield _counter("prompt_tokens", "prompt tokens prefilled", stats.prompt_tokens)
         yield _counter("generation_tokens", "tokens generated", stats.generated_tokens)

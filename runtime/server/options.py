@@ -29,13 +29,15 @@ class EngineSpec:
     cuda_graphs: bool = True
     dtype: str = "auto"
     prefix_cache: bool = True
+    max_step_tokens: int | None = None
 
     def engine_config(self):
         from oval_edge.runtime.engine.setup import EngineConfig
 
         return EngineConfig(max_batch=self.max_batch, max_queue=self.max_queue, prefill_chunk=self.prefill_chunk,
                             attention=self.attention, max_model_len=self.max_context, decode_step=self.decode_step,
-                            cuda_graphs=self.cuda_graphs, prefix_cache=self.prefix_cache)
+                            cuda_graphs=self.cuda_graphs, prefix_cache=self.prefix_cache,
+                            max_step_tokens=self.max_step_tokens)
 
     def load(self):
         """Load the model and build the engine (seconds to minutes; call it off the event loop)."""
@@ -62,7 +64,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-queue", type=int, help="requests that may wait for pages; more get 503 (default: 64)")
     group.add_argument("--max-context", type=int, metavar="TOKENS",
                        help="cap on prompt + max_tokens per request (default: the model's context length)")
-    group.add_argument("--prefill-chunk", type=int, metavar="TOKENS", help="prompt tokens per prefill step (512)")
+    group.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
+                       help=f"prompt tokens of one request per step ({DEFAULT_PREFILL_CHUNK})")
+    group.add_argument("--max-step-tokens", type=int, metavar="TOKENS",
+                       help="tokens one step's forward carries: each running row's next token, then prompt chunks of "
+                            "one or more requests in the rest (default: --max-batch + --prefill-chunk). Lower: "
+                            "shorter pauses in running streams while a prompt is read; higher: faster bursts")
     group.add_argument("--window-module", metavar="FILE.safetensors",
                        help="a window module fitted by `oval-edge calibrate` (sets each head's window; off by default)"
                        "; without a window range in --config, the range it was calibrated with is used")
@@ -139,6 +146,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         cuda_graphs=_pick(getattr(args, "cuda_graphs", None), server_t, "cuda_graphs", True),
         dtype=_pick(getattr(args, "dtype", None), model_t, "dtype", "auto"),
         prefix_cache=_pick(getattr(args, "prefix_cache", None), server_t, "prefix_cache", True),
+        max_step_tokens=_pick(getattr(args, "max_step_tokens", None), server_t, "max_step_tokens", None),
     )
     device = spec.device
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):

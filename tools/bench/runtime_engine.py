@@ -22,7 +22,7 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
 
     from oval_edge.config import OvalConfig
     from oval_edge.runtime import Engine, EngineConfig, SamplingParams
-    from oval_edge.runtime.engine.op_trace import LaunchCount, OpTrace
+    from oval_edge.runtime.engine.forward.op_trace import LaunchCount, OpTrace
 
     torch.set_num_threads(int(job["threads"]))
     prompt, gen = list(job["prompt_ids"]), int(job["gen"])

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from oval_edge.config import OvalConfig
 from oval_edge.kv.pool import PagePool
-from oval_edge.runtime.engine.paged_llama import PagedLlama
+from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 
 from oval_edge.tools.eval.runtime import capture_kv, geometry_for, prefill
 

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from oval_edge.config import OvalConfig
-from oval_edge.runtime.engine.paged_llama import PagedLlama
+from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 
 from .policies import Policy
 from .runtime import EvalPool, EvalRunner, capture_kv, dense_prefix, geometry_for, load_kv, prefill

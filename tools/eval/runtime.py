@@ -18,7 +18,7 @@ from oval_edge.config import OvalConfig
 from oval_edge.geometry import KVGeometry, kv_dims
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
-from oval_edge.runtime.engine.paged_llama import PagedLlama
+from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.sparse.attention import decode_attention, decode_plan, flat_slots, gather_kv
 from oval_edge.sparse.scoring import group_queries, score_pages
 from oval_edge.sparse.selection import Selection

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from oval_edge.config import OvalConfig
 from oval_edge.kv.pool import PagePool
-from oval_edge.runtime.engine.paged_llama import PagedLlama
+from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.runtime.engine.sampling import RowSampler, SamplingParams
 
 from .runtime import geometry_for, prefill

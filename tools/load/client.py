@@ -3,7 +3,9 @@ the Server-Sent Events it gets back, line by line.
 
 A stream is well-formed when every `data:` line holds an OpenAI `chat.completion.chunk` JSON object (or the
 final `[DONE]`), the last data line is `data: [DONE]` with nothing after it, and some chunk carries a
-finish_reason. Time to first token = request sent -> first chunk with non-empty `delta.content`.
+finish_reason. Time to first token = request sent -> first chunk with non-empty `delta.content`. Inter-token
+latency = the gaps between the arrivals of consecutive such chunks of one request (role-only chunks, the usage
+chunk and [DONE] carry no content and are not timed).
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class RequestResult:
     error: str | None = None
     prompt_tokens: int = 0  # as the server's usage counted them (0 when it sent none)
     text: str = ""  # the streamed content
+    itl_s: list[float] = field(default_factory=list)  # gaps between consecutive content chunks (s)
 
     @property
     def outcome(self) -> str:
@@ -132,6 +135,7 @@ async def stream_chat(client, base_url: str, body: dict, headers: dict, client_i
 
     result = RequestResult(client_id, index)
     check = StreamCheck()
+    arrivals: list[float] = []  # when each chunk with new content text came in
     began = time.perf_counter()
     try:
         async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as response:
@@ -142,13 +146,17 @@ async def stream_chat(client, base_url: str, body: dict, headers: dict, client_i
                 result.error = f"HTTP {response.status_code}: {text[:200]}"
                 return result
             async for line in response.aiter_lines():
+                now, seen = time.perf_counter(), check.content_chunks
                 if check.feed(line) and result.ttft_s is None:
-                    result.ttft_s = time.perf_counter() - began
+                    result.ttft_s = now - began
+                if check.content_chunks > seen:
+                    arrivals.append(now)
         check.close()
     except (httpx.HTTPError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         check.close()
     result.latency_s = time.perf_counter() - began
+    result.itl_s = [b - a for a, b in zip(arrivals, arrivals[1:])]
     result.well_formed = check.well_formed
     result.problem = check.problem
     result.finish_reason = check.finish_reason

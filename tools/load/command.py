@@ -3,9 +3,10 @@
     oval-edge bench --serve auto --clients 32 --requests-per-client 4 --max-tokens 32 --json load.json
     oval-edge bench --serve http://127.0.0.1:8000 --clients 8
 
-Reports p50/p95 time to first token, aggregate tok/s, deliberate 503s (with Retry-After), errors (any other
-5xx, any 4xx, broken connections), whether every stream was well-formed, and whether /metrics shows every KV
-page free again afterwards. Exit status 0 only when all of that holds.
+Reports p50/p95 time to first token and inter-token latency, aggregate tok/s, deliberate 503s (with Retry-After),
+errors (any other 5xx, any 4xx, broken connections), whether every stream was well-formed, and whether /metrics
+shows every KV page free again afterwards; exit status 0 only when all of that holds. From this runtime's /metrics
+it also reports, over the run, the prefix-cache hit ratio, preemptions and mixed steps ("unknown" elsewhere).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from oval_edge.tools.bench.report import write_json_report
 
 from .client import run_clients
 from .multiturn import format_turns, passages, per_turn, run_multiturn
-from .report import format_summary, kv_pages, pages_returned, parse_metrics, summarize, verdict
+from .report import (counter_changes, counters, format_summary, kv_pages, pages_returned, parse_metrics, summarize,
+                     verdict)
 from .server import AutoServer, wait_healthy
 
 PAGES_SETTLE_S = 10.0  # a disconnect frees pages at the next engine step; give the server a moment
@@ -79,27 +81,27 @@ def run_load(args: argparse.Namespace) -> int:
     return 0 if not report["problems"] else 1
 
 
-async def _drive(url: str, args: argparse.Namespace, headers: dict, time_left_s: float) -> dict:
+async def _drive(url: str, args: argparse.Namespace, headers: dict, time_left_s: float, transport=None) -> dict:
+    """The load itself, between two readings of /metrics. `transport` replaces the network (the tests)."""
     import httpx
 
-    async with httpx.AsyncClient(timeout=30.0, headers=headers) as http:
+    async with httpx.AsyncClient(timeout=30.0, headers=headers, transport=transport) as http:
         model = await _model_id(http, url)
         before = await _pages(http, url)
-        hits_before = await _prefix_counts(http, url)
+        counts_before = await _counters(http, url)
     scenario = getattr(args, "scenario", "burst")
     if scenario == "multiturn":
         results, wall = await run_multiturn(url, model, args.clients, args.turns, args.turn_tokens, args.max_tokens,
-                                            headers, time_left_s)
+                                            headers, time_left_s, transport=transport)
     else:  # burst, or shared-prefix: the same, every request opening with one long system prompt
         system = " ".join(passages(1, args.turn_tokens)) if scenario == "shared-prefix" else None
         results, wall = await run_clients(url, model, args.clients, args.requests_per_client, args.max_tokens,
-                                          headers, time_left_s, system_prompt=system)
-    async with httpx.AsyncClient(timeout=30.0, headers=headers) as http:
+                                          headers, time_left_s, system_prompt=system, transport=transport)
+    async with httpx.AsyncClient(timeout=30.0, headers=headers, transport=transport) as http:
         after, ok = await _settled_pages(http, url, before)
-        hits_after = await _prefix_counts(http, url)
+        counts_after = await _counters(http, url)
     summary = summarize(results, wall)
-    if hits_before and hits_after and hits_after[1] > hits_before[1]:  # this server counts prefix-cache hits
-        summary["prefix_hit_ratio"] = (hits_after[0] - hits_before[0]) / (hits_after[1] - hits_before[1])
+    summary.update(counter_changes(counts_before, counts_after))
     setup = {"url": url, "model": model, "scenario": scenario, "clients": args.clients,
              "requests_per_client": args.turns if scenario == "multiturn" else args.requests_per_client,
              "max_tokens": args.max_tokens, "time_limit_s": args.time_limit}
@@ -109,7 +111,13 @@ async def _drive(url: str, args: argparse.Namespace, headers: dict, time_left_s:
         print(format_turns(turns))
     return {"setup": setup, "summary": summary, "turns": turns, "pages_before": before, "pages_after": after,
             "pages_returned": ok, "problems": verdict(summary, ok),
-            "requests": [vars(r) | {"outcome": r.outcome} for r in results]}
+            "requests": [_request_row(r) for r in results]}
+
+
+def _request_row(result) -> dict:
+    """One request in the JSON: its fields, less the per-chunk gaps (the summary has their percentiles)."""
+    row = {k: v for k, v in vars(result).items() if k != "itl_s"}
+    return row | {"outcome": result.outcome, "itl_samples": len(result.itl_s)}
 
 
 async def _model_id(http, url: str) -> str:
@@ -136,9 +144,9 @@ async def _pages(http, url: str) -> dict:
     return kv_pages(parse_metrics(response.text))
 
 
-async def _prefix_counts(http, url: str) -> tuple[float, float] | None:
-    """(prompt tokens served from cached pages, prompt tokens looked up) from this runtime's /metrics; None for a
-    server that exports neither."""
+async def _counters(http, url: str) -> dict[str, float] | None:
+    """This runtime's counters from /metrics (report.COUNTERS; those the server lacks are absent); None when
+    /metrics cannot be read."""
     import httpx
 
     try:
@@ -147,10 +155,7 @@ async def _prefix_counts(http, url: str) -> tuple[float, float] | None:
         return None
     if response.status_code != 200:
         return None
-    metrics = parse_metrics(response.text)
-    hit = next((v for k, v in metrics.items() if k.endswith("prefix_cache_hit_tokens_total")), None)
-    asked = next((v for k, v in metrics.items() if k.endswith("prefix_cache_query_tokens_total")), None)
-    return None if hit is None or asked is None else (hit, asked)
+    return counters(parse_metrics(response.text))
 
 
 async def _settled_pages(http, url: str, before: dict) -> tuple[dict, bool | None]:

@@ -1,4 +1,5 @@
-"""What the load test concludes: percentiles, outcome counts, the KV-page check from /metrics, and the printout."""
+"""What the load test concludes: percentiles, outcome counts, the KV-page check and engine counters from /metrics,
+and the printout."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from .client import RequestResult
 
 # Prometheus text exposition: `name{labels} value [timestamp]`; we need only the name and the value.
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+# This runtime's counters (runtime/server/metrics.py) read before and after the load, by the end of their name
+# (any prefix); another server (llama-server) exports none of them and the report says "unknown".
+COUNTERS = {"prefix_hit_tokens": "prefix_cache_hit_tokens_total",
+            "prefix_query_tokens": "prefix_cache_query_tokens_total",
+            "preemptions": "requests_preempted_total", "mixed_steps": "mixed_steps_total"}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -57,6 +63,34 @@ def kv_pages(metrics: dict[str, float]) -> dict[str, float | None]:
     return {"total": total, "free": free, "used": used}
 
 
+def counters(metrics: dict[str, float]) -> dict[str, float]:
+    """The COUNTERS the server exports, by their short names; a counter it lacks is absent."""
+    found = {}
+    for key, suffix in COUNTERS.items():
+        value = next((v for name, v in metrics.items() if name.endswith(suffix)), None)
+        if value is not None:
+            found[key] = value
+    return found
+
+
+def counter_changes(before: dict | None, after: dict | None) -> dict:
+    """Summary entries from counter readings before and after the load: preemptions and mixed_steps (None: the
+    server has no such counter), and prefix_hit_ratio only when the run looked prompt tokens up in a prefix cache."""
+    before, after = before or {}, after or {}
+
+    def change(key: str) -> float | None:
+        return after[key] - before[key] if key in before and key in after else None
+
+    out: dict = {}
+    for key in ("preemptions", "mixed_steps"):
+        value = change(key)
+        out[key] = None if value is None else int(value)
+    hits, asked = change("prefix_hit_tokens"), change("prefix_query_tokens")
+    if hits is not None and asked is not None and asked > 0:  # this server counts prefix-cache hits
+        out["prefix_hit_ratio"] = hits / asked
+    return out
+
+
 def pages_returned(pages: dict[str, float | None]) -> bool | None:
     """True when every page is free again; None when /metrics names no page gauges."""
     if pages["total"] is None or pages["free"] is None:
@@ -75,6 +109,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
                      and not (r.status == 503 and r.retry_after is not None)]
     ttft = [r.ttft_s for r in completed if r.ttft_s is not None]
     latency = [r.latency_s for r in completed if r.latency_s is not None]
+    itl = [gap * 1000 for r in completed for gap in r.itl_s]  # every gap of every completed stream, in ms
     return {
         "requests": len(results), **by_outcome,
         "server_errors_5xx": len(server_errors),
@@ -83,6 +118,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         "aggregate_tok_s": tokens / wall_s if wall_s > 0 else None,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
         "latency_p50_s": percentile(latency, 50), "latency_p95_s": percentile(latency, 95),
+        "itl_p50_ms": percentile(itl, 50), "itl_p95_ms": percentile(itl, 95), "itl_samples": len(itl),
         "finish_reasons": _count(r.finish_reason for r in completed),
         "first_errors": [f"client {r.client} request {r.index}: {r.error or r.problem}" for r in results
                          if r.outcome in ("error", "rejected") or r.well_formed is False][:10],
@@ -110,6 +146,12 @@ def format_summary(summary: dict, pages: dict, pages_ok: bool | None, setup: dic
     def sec(v):
         return "-" if v is None else f"{v * 1000:.0f} ms"
 
+    def ms(v):
+        return "-" if v is None else f"{v:.1f} ms"
+
+    def count(key):
+        return "unknown" if summary.get(key) is None else str(summary[key])
+
     lines = [
         f"load test: {setup['clients']} concurrent streaming clients x {setup['requests_per_client']} requests, "
         f"max_tokens {setup['max_tokens']}, against {setup['url']}",
@@ -118,10 +160,13 @@ def format_summary(summary: dict, pages: dict, pages_ok: bool | None, setup: dic
         f"  5xx (not 503+Retry) {summary['server_errors_5xx']}",
         f"  streams well-formed {summary['streams_well_formed']}/{summary['streams']}",
         f"  time to first token p50 {sec(summary['ttft_p50_s'])}, p95 {sec(summary['ttft_p95_s'])}",
+        f"  inter-token latency p50 {ms(summary.get('itl_p50_ms'))}, p95 {ms(summary.get('itl_p95_ms'))}",
         f"  request latency     p50 {sec(summary['latency_p50_s'])}, p95 {sec(summary['latency_p95_s'])}",
         f"  aggregate           {summary['completion_tokens']} tokens in {summary['wall_s']:.1f} s = "
         f"{summary['aggregate_tok_s'] or 0:.1f} tok/s",
         f"  finish reasons      {summary['finish_reasons']}",
+        f"  engine counters     preemptions {count('preemptions')}, mixed steps {count('mixed_steps')} "
+        "(over the run)",
         f"  KV pages after      total {_int(pages.get('total'))}, free {_int(pages.get('free'))}, used "
         f"{_int(pages.get('used'))}: " + {True: "all returned", False: "NOT all returned", None: "unknown"}[pages_ok],
     ]

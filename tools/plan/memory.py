@@ -76,8 +76,10 @@ def reserved_workspace_bytes(shape: ModelShape, geometry: KVGeometry, target: st
     oval_edge.geometry.decode_graph_bytes). It assumes materialised attention scores, so it is an upper bound on
     what `workspace_bytes` below expects to be really used."""
     act = ACTIVATION_BYTES[target]
-    reserved = prefill_workspace_bytes(shape.hidden, shape.intermediate, shape.heads, geometry, chunk, context, act)
-    if target == "cuda":  # serve captures the static step into CUDA graphs by default (runtime/engine/cuda_graph.py)
+    # serve's default step budget (EngineConfig.step_tokens): max_batch decode rows + one chunk
+    reserved = prefill_workspace_bytes(shape.hidden, shape.intermediate, shape.heads, geometry, chunk, context, act,
+                                       step_tokens=batch + chunk)
+    if target == "cuda":  # serve captures the static step into CUDA graphs by default (runtime/engine/forward/cuda_graph.py)
         reserved += decode_graph_bytes(shape.hidden, shape.intermediate, shape.heads, shape.vocab, geometry, batch,
                                        context, act)
     return reserved

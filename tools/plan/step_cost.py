@@ -12,7 +12,7 @@ with the fixed cost of the path the server runs on that device:
     static eager, CPU:  ops x op_host + step_host            (one CPU dispatches and computes, in turn)
     eager, CUDA:        max(ops x op_host, bytes/bw + ops x node_gpu) - bytes/bw + step_host
                         (launches are asynchronous: the longer of the host's launching and the GPU's work sets it)
-    graphed, CUDA:      graph_launch + ops x node_gpu + step_host   (one CUDA-graph replay, runtime/engine/cuda_graph.py)
+    graphed, CUDA:      graph_launch + ops x node_gpu + step_host   (one CUDA-graph replay, runtime/engine/forward/cuda_graph.py)
 
 ops = base + per_dense_layer x dense layers + per_sparse_layer x sparse layers, counted with OpTrace on the static
 step (tools/plan/step_probe.py; it reproduces docs/static-step.md's 1,333 ops for SmolLM2 at 30 layers). On CUDA

@@ -46,7 +46,7 @@ def _probe(folder: str, quant: str, attention: str, steps: int, dense_layers: in
 
     from oval_edge import OvalConfig
     from oval_edge.runtime import Engine, EngineConfig, SamplingParams
-    from oval_edge.runtime.engine.op_trace import OpTrace
+    from oval_edge.runtime.engine.forward.op_trace import OpTrace
 
     engine = Engine.load(folder, quant=quant, device="cpu", oval=OvalConfig(page_size=32, top_k=4, dense_layers=dense_layers),
                          config=EngineConfig(max_batch=1, max_model_len=PROMPT + steps + 64, attention=attention,

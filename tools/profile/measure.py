@@ -125,8 +125,8 @@ class DecodeProbe:
         self.warmup, self.advance = warmup, advance
         self.engine = Engine(loaded, oval.replace(memory_budget=None), EngineConfig(
             max_batch=1, max_queue=1, prefill_chunk=prefill_chunk, num_pages=-(-need // oval.page_size)))
-        # The step that ends the prefill samples a token and decodes once more, hence max_tokens = timed + 2.
-        params = SamplingParams(max_tokens=warmup + steps + 2, temperature=0.0, ignore_eos=True)
+        # The step that ends the prefill samples the first token; each timed step decodes one more.
+        params = SamplingParams(max_tokens=warmup + steps + 1, temperature=0.0, ignore_eos=True)
         self.request = self.engine.submit(prompt, params, request_id="profile")
         while self.request.status != RUNNING and not self.request.finished:
             self.engine.step()

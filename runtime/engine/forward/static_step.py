@@ -30,7 +30,8 @@ from oval_edge.sparse.scoring import group_queries, score_pages
 from oval_edge.sparse.selection import DecodePlan, slots_per_step
 from oval_edge.sparse.step_ops import attend_slots, page_scores, select_slots, write_kv
 
-from .paged_llama import PagedLlama, StepStats
+from .paged_llama import PagedLlama
+from .step_rows import StepStats
 
 ROW_FIELDS = ("ids", "positions", "lengths", "sealed", "real", "write_base")  # [B] each, then page_table [B, W]
 
@@ -102,47 +103,63 @@ class StaticStep:
 
     def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step: logits [B, vocab] fp32 and stats [3] (attended slots, window sum, window count; real rows)."""
-        runner, pool, config = self.runner, self.pool, self.runner.config
-        b = self.batch
+        runner = self.runner
         hidden = runner.decoder.embed_tokens(self.ids)  # [B, hidden]
         cos, sin = runner.rotary(hidden, self.positions)  # [B, 1, D]
-        plan = DecodePlan(config, self.lengths, self.sealed, self.width, runner.kv_heads, self.page_table, static=True)
-        slots = (self.write_base[:, None] + self.head_offsets).reshape(-1)  # [B * Hkv] rows this step writes
-        valids, windows = [], []
-        for index, ops in enumerate(runner.ops):
-            x = ops.input_norm(hidden)
-            q, k, v = runner.qkv(ops, x, b, cos, sin)  # [B, Hq, D], [B, Hkv, D] x 2
-            write_kv(pool, index, slots, k, v)
-            if self.dense[index]:
-                dense = plan.full_dense()
-                flat, valid, limits = dense.flat, dense.valid, self.lengths  # row b reads its first lengths[b] slots
-            else:
-                flat, valid, window = select_slots(plan, self._scores(index, q), self.sealed)
-                limits = None
-                valids.append(valid)
-                windows.append(window)
-            out = attend_slots(pool, index, q, flat, valid, limits, runner.scale)
-            hidden = hidden + ops.o_proj(out.reshape(b, -1))
-            hidden = hidden + ops.mlp(ops.post_norm(hidden))
+        attention = self.layer_attention()
+        hidden = runner.run_layers(hidden, cos, sin, attention)
         logits = runner.model.lm_head(runner.final_norm(hidden)).float()
-        return logits, self._stats(plan, valids, windows)
+        return logits, attention.stats()
+
+    def layer_attention(self) -> "StaticAttention":
+        """The per-layer attention of this step over its loaded inputs (also a row group of a mixed step)."""
+        return StaticAttention(self)
+
+
+class StaticAttention:
+    """One static step's attention, layer by layer: write the rows' K/V, select (sparse layers), attend. Holds the
+    step's plan and what its sparse layers read, for `stats()`."""
+
+    def __init__(self, step: StaticStep) -> None:
+        self.step, self.runner, self.pool = step, step.runner, step.pool
+        config = self.runner.config
+        self.plan = DecodePlan(config, step.lengths, step.sealed, step.width, self.runner.kv_heads, step.page_table,
+                               static=True)
+        self.slots = (step.write_base[:, None] + step.head_offsets).reshape(-1)  # [B * Hkv] rows this step writes
+        self.valids: list[torch.Tensor] = []
+        self.windows: list[torch.Tensor] = []
+
+    def __call__(self, index: int, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, D], k, v [B, Hkv, D] -> out [B, Hq, D]."""
+        step, plan = self.step, self.plan
+        write_kv(self.pool, index, self.slots, k, v)
+        if step.dense[index]:
+            dense = plan.full_dense()
+            flat, valid, limits = dense.flat, dense.valid, step.lengths  # row b reads its first lengths[b] slots
+        else:
+            flat, valid, window = select_slots(plan, self._scores(index, q), step.sealed)
+            limits = None
+            self.valids.append(valid)
+            self.windows.append(window)
+        return attend_slots(self.pool, index, q, flat, valid, limits, self.runner.scale)
 
     def _scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Page scores [B, Hkv, W] of one sparse layer from the records (pages past `sealed` are not candidates)."""
-        runner = self.runner
+        runner, step = self.runner, self.step
         grouped = group_queries(q, runner.kv_heads)  # [B, Hkv, G, D]
         if runner.config.scorer == "oval":
-            return page_scores(self.pool, layer, grouped, self.page_table, self.sealed, runner.scale)
-        return score_pages(runner.config.scorer, grouped, self.pool.summaries, layer, self.page_table, runner.scale)
+            return page_scores(self.pool, layer, grouped, step.page_table, step.sealed, runner.scale)
+        return score_pages(runner.config.scorer, grouped, self.pool.summaries, layer, step.page_table, runner.scale)
 
-    def _stats(self, plan: DecodePlan, valids: list, windows: list) -> torch.Tensor:
+    def stats(self) -> torch.Tensor:
         """[attended slots, window sum, window count] over the real rows, on the device (no sync)."""
-        real = self.real
-        attended = (self.lengths * real).sum() * (self.dense_layers * self.runner.kv_heads)
+        step, valids, windows = self.step, self.valids, self.windows
+        real = step.real
+        attended = (step.lengths * real).sum() * (step.dense_layers * self.runner.kv_heads)
         window_sum = window_count = torch.zeros((), dtype=torch.long, device=real.device)
         if valids:
             attended = attended + (torch.stack(valids).sum((0, 2, 3)) * real).sum()
-            sparse = (plan.sparse_rows.long() * real)[None, :, None]  # [1, B, 1]
+            sparse = (self.plan.sparse_rows.long() * real)[None, :, None]  # [1, B, 1]
             window_sum = (torch.stack(windows) * sparse).sum()
             window_count = sparse.sum() * (len(windows) * self.runner.kv_heads)
         return torch.stack([attended, window_sum, window_count])
@@ -176,21 +193,30 @@ class StaticDecoder:
             self._steps[bucket] = StaticStep(self.runner, bucket, self.width, self.compile_backend)
         return self._steps[bucket]
 
+    def load(self, seq_ids: list, tokens: list[int]) -> StaticStep:
+        """The bucket's step for these rows, its inputs loaded (one host-to-device copy)."""
+        step = self.step_for(len(seq_ids))
+        step.load(seq_ids, tokens)
+        return step
+
     def decode(self, seq_ids: list, tokens: list[int], trace=None) -> tuple[torch.Tensor, StepStats, list[int]]:
         """One token per row -> (logits [rows, vocab] fp32, what the step read, each row's length after it).
 
-        trace: a dispatch mode (runtime/engine/op_trace.py) active around the step itself, not its input loading."""
-        step = self.step_for(len(seq_ids))
-        step.load(seq_ids, tokens)
+        trace: a dispatch mode (runtime/engine/forward/op_trace.py) active around the step itself, not its input
+        loading."""
+        step = self.load(seq_ids, tokens)
         with torch.inference_mode(), trace if trace is not None else nullcontext():
             logits, stats = step.run()
-        attended, window_sum, window_count = stats.tolist()  # the step's one read back, after it
-        rows = len(seq_ids)
+        return logits[: len(seq_ids)], self.read_stats(step, stats), list(step.lengths_list)
+
+    def read_stats(self, step: StaticStep, stats: torch.Tensor) -> StepStats:
+        """The step's statistics vector [3] -> StepStats: the step's one read back, after it."""
+        attended, window_sum, window_count = stats.tolist()
+        rows = len(step.lengths_list)
         sparse_layers = len(step.dense) - step.dense_layers
         shorts = all(length <= step.slots for length in step.lengths_list)
         gathered = rows * self.runner.kv_heads * (step.dense_layers * self.width * self.runner.pool.page_size
                                                   + sparse_layers * step.slots)
-        read = StepStats(kv_tokens_read=attended if step.reads_valid_only else gathered, attended_tokens=attended,
+        return StepStats(kv_tokens_read=attended if step.reads_valid_only else gathered, attended_tokens=attended,
                          sparse_layers=0 if shorts else sparse_layers,
                          window_mean=window_sum / window_count if window_count else float(self.runner.config.window_min))
-        return logits[:rows], read, list(step.lengths_list)

@@ -8,7 +8,8 @@ attention when asked).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,9 +19,11 @@ from oval_edge.geometry import head_dim_of
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
 from oval_edge.runtime.model.projections import bind_norm, bind_projection
-from oval_edge.sparse.attention import decode_attention, decode_plan, prefill_attention
+from oval_edge.sparse.attention import decode_attention
 from oval_edge.sparse.reuse import SelectionReuse
 from oval_edge.sparse.selection import DecodePlan, Selection
+
+from .step_rows import DecodeRows, PrefillRows, StepStats
 
 ATTENTION_MODES = ("oval", "dense")
 MLP_ROW_BLOCK = 128  # prefill rows per MLP call: 128 x 2 x 1536 fp32 = 1.5 MB for SmolLM2 instead of 6 MB
@@ -48,17 +51,6 @@ class DecodeHooks:
     def empty(self) -> bool:
         """No hook installed: the static decode step (static_step.py) computes what the eager forward would."""
         return self.scores is None and self.window is None and self.layer is None
-
-
-@dataclass
-class StepStats:
-    """What one decode step read, summed over layers (for /metrics and the benchmark's KV bytes per step)."""
-
-    kv_tokens_read: int = 0  # gathered K/V slots x KV heads, all layers, all rows
-    attended_tokens: int = 0  # valid slots among them
-    sparse_layers: int = 0
-    windows: list[torch.Tensor] = field(default_factory=list)  # adaptive window lengths of sparse rows
-    window_mean: float = 0.0
 
 
 class PagedLlama:
@@ -96,39 +88,51 @@ class PagedLlama:
         input_ids [N] (rows concatenated as in `step`). decode=True requires one new token per row.
         Returns (logits [B, vocab] float32, StepStats). The caller commits the step to the pool afterwards.
         """
-        dev = self.pool.device
-        hidden = self.decoder.embed_tokens(input_ids.to(dev))  # [N, hidden]
-        cos, sin = self.rotary(hidden, step.positions)
+        rows = DecodeRows(self, step, input_ids, collect) if decode else PrefillRows(self, step, input_ids)
+        (logits,) = self.forward_rows([rows])
+        if not decode:
+            return logits, StepStats()
+        self.last_selections = rows.selections
+        return logits, rows.stats()
+
+    @torch.inference_mode()
+    def forward_rows(self, groups: list) -> list[torch.Tensor]:
+        """One forward over several row groups (step_rows.py): decode rows and prefill chunks in one pass.
+
+        Each group has ids [n] and positions [n] of its new tokens, `attend(layer, x, q, k, v)` for its slice of
+        them and `output_rows` (its tokens whose logits it needs). Returns each group's logits [rows, vocab] fp32.
+        The caller commits the pool's lengths afterwards.
+        """
+        ids = torch.cat([g.ids for g in groups]) if len(groups) > 1 else groups[0].ids
+        positions = torch.cat([g.positions for g in groups]) if len(groups) > 1 else groups[0].positions
+        hidden = self.decoder.embed_tokens(ids)  # [N, hidden]
+        cos, sin = self.rotary(hidden, positions)
+        starts = [0, *itertools.accumulate(g.ids.shape[0] for g in groups)]  # host ints: shapes, no sync
+        if len(groups) == 1:
+            attention = groups[0].attend
+        else:
+            spans = list(zip(groups, starts[:-1], starts[1:]))
+
+            def attention(index, x, q, k, v):  # each group attends over its own slice of the step's tokens
+                return torch.cat([g.attend(index, x[a:b], q[a:b], k[a:b], v[a:b]) for g, a, b in spans])
+
+        hidden = self.run_layers(hidden, cos, sin, attention)
+        picked = torch.cat([g.output_rows + start for g, start in zip(groups, starts)]) if len(groups) > 1 \
+            else groups[0].output_rows
+        logits = self.model.lm_head(self.final_norm(hidden[picked])).float()
+        return list(logits.split([g.output_rows.shape[0] for g in groups]))
+
+    def run_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
+        """The decoder layers over hidden [N, hidden] with cos, sin [N, 1, D]; attention(layer, x, q, k, v) -> out
+        [N, Hq, D] writes the layer's new K/V and attends (x is the normed input, for the window hook)."""
         n = hidden.shape[0]
-        stats = StepStats()
-        self.last_selections = []
-        plan = decode_plan(self.pool, step, self.config) if decode else None
-        attended: list[torch.Tensor] = []  # summed once at the end: no per-layer reduction on the hot path
-        for index, (layer, ops) in enumerate(zip(self.layers, self.ops)):
+        for index, ops in enumerate(self.ops):
             x = ops.input_norm(hidden)
-            window = self.hooks.window(index, x, step) if self.hooks.window is not None else None
             q, k, v = self.qkv(ops, x, n, cos, sin)
-            self.pool.write(index, step, k, v)
-            if decode:
-                out, selection = self.decode_layer(index, step, q, plan, window)
-                stats.kv_tokens_read += selection.valid.numel()
-                attended.append(selection.valid)
-                if selection.window is not None and plan.config.window_min != plan.config.window_max:
-                    stats.windows.append(selection.window[selection.sparse_rows])
-                stats.sparse_layers += selection.window is not None and not plan.all_dense
-                if collect:
-                    self.last_selections.append(selection)
-            else:
-                out = prefill_attention(self.pool, index, step, q, k, v, self.scale)
+            out = attention(index, x, q, k, v)
             hidden = hidden + ops.o_proj(out.reshape(n, self.num_heads * self.head_dim))
             hidden = hidden + ops.mlp(ops.post_norm(hidden))
-        if attended:
-            stats.attended_tokens = int(torch.stack([v.sum() for v in attended]).sum())  # one device sync
-            stats.window_mean = float(torch.cat(stats.windows).float().mean()) if stats.windows else float(
-                self.config.window_min)
-        last = torch.cumsum(torch.tensor(step.new_tokens, device=dev), 0) - 1  # last token of each row
-        hidden = self.final_norm(hidden[last])
-        return self.model.lm_head(hidden).float(), stats
+        return hidden
 
     def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [N, 1, D] for the step's positions [N] (hidden [N, hidden] gives the dtype)."""
