@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from oval_edge.kv.prefix_cache import page_hashes
 from oval_edge.runtime.engine.forward.step_rows import DecodeRows, PrefillRows, StaticDecodeRows
 from oval_edge.runtime.engine.sampling import SamplingParams
 
@@ -128,3 +129,27 @@ def test_max_step_tokens_is_validated():
     assert EngineConfig(max_batch=8).step_tokens == 8 + EngineConfig().prefill_chunk
     with pytest.raises(ValueError, match="above max_batch=8"):
         EngineConfig(max_batch=8, max_step_tokens=8)
+
+
+def test_requests_within_the_token_budget_skip_summaries_until_a_scored_one_maps_their_pages(tiny_folder):
+    engine = engine_for(tiny_folder)
+    pool, budget = engine.pool, engine.oval.token_budget
+    prompt = _ids(64, 4)
+    short = engine.generate(prompt, SamplingParams(max_tokens=budget - 64, ignore_eos=True))
+    assert short.output_ids and not any(pool.owns(s) for s in pool.sequences())
+    deferred = set(pool.unsummarized)
+    assert len(deferred) == (budget - 1) // 16  # every page it filled (prompt and output), none summarised
+    assert {name: torch.count_nonzero(t[:, :, sorted(deferred)]).item()
+            for name, t in pool.summaries.items()} == {"basis": 0, "coords": 0}  # never built
+    prompt_pages = sorted(pool.ledger.page_of[n] for n in page_hashes(prompt, 16, pool.ledger.salt))  # 4 pages
+    follow_up = prompt + _ids(300, 5)  # past the budget: its decode steps score pages, the mapped ones included
+    long = engine.generate(follow_up, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert long.cached_tokens == 64 and not set(prompt_pages) & pool.unsummarized
+    built = {name: t[:, :, prompt_pages].clone() for name, t in pool.summaries.items()}
+    assert all(torch.count_nonzero(t) for t in built.values())
+    pool.seal(prompt_pages)  # building them again changes nothing: they were built when mapped
+    for name, t in pool.summaries.items():
+        torch.testing.assert_close(t[:, :, prompt_pages], built[name], atol=0, rtol=0)
+    fresh = engine_for(tiny_folder, prefix_cache=False).generate(follow_up, SamplingParams(max_tokens=12,
+                                                                                         ignore_eos=True))
+    assert long.output_ids == fresh.output_ids

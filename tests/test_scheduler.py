@@ -89,7 +89,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pool = PagePool(KVGeometry(1, 1, 16, PAGE), 12, prefix_salt=SALT)
-        self.scheduler = Scheduler(self.pool, max_batch=3, max_queue=64)
+        # Requests of at most 60 tokens are never scored: their pages skip summaries until a scored one maps them.
+        self.scheduler = Scheduler(self.pool, max_batch=3, max_queue=64, scored_above=60)
         self.live: list[Request] = []
 
     @rule(base=st.sampled_from([(1,) * 20, (2,) * 40, (1,) * 16 + (3,) * 9]), extra=st.integers(1, 5),
@@ -169,8 +170,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         for request in active:  # a named page holds exactly the tokens its name says
             tokens = (request.prompt_ids + request.output_ids)[: pool.length(request.request_id)]
             names = page_hashes(tokens, PAGE, SALT)
-            for index, page in enumerate(pool.page_table(request.request_id)[: pool.sealed_pages(request.request_id)]):
+            sealed = pool.page_table(request.request_id)[: pool.sealed_pages(request.request_id)]
+            for index, page in enumerate(sealed):
                 assert pool.ledger.name_of.get(page) in (None, names[index])
+            if request.reserved_tokens > 60:  # a scored row's sealed pages all have their summaries
+                assert not pool.unsummarized.intersection(sealed)
 
     def teardown(self):
         while self.scheduler.has_work():  # everything left finishes: no deadlock, nothing leaks

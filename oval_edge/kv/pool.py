@@ -20,7 +20,7 @@ from oval_edge.geometry import KVGeometry, PoolSizing, seal_chunk_pages
 
 from .invariants import check_pool_invariants
 from .prefix_cache import PrefixLedger, page_hashes
-from .step_index import StepIndex
+from .step_index import StepIndex, build_step_index
 from .summaries import seal_pages
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -74,6 +74,10 @@ class PagePool:
         self.ledger = PrefixLedger(prefix_salt)
         self._tail: dict[Hashable, list[int]] = {}  # token ids written past the last named page (None: unknown)
         self._parent: dict[Hashable, bytes | None] = {}  # name of the sequence's last named page
+        # Sequences no decode step will score (allocate(scored=False)), and the sealed pages they left without
+        # summaries: built only if a scored sequence maps them from the prefix cache (allocate).
+        self._unscored: set[Hashable] = set()
+        self.unsummarized: set[int] = set()
 
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
@@ -110,12 +114,15 @@ class PagePool:
         """Whether allocate(seq, num_tokens) would succeed now without a prefix hit (>= 1 page per sequence)."""
         return self.pages_needed(max(num_tokens, 1)) <= self.num_free
 
-    def allocate(self, seq_id: Hashable, num_tokens: int, tokens: Sequence[int] | None = None) -> list[int] | None:
+    def allocate(self, seq_id: Hashable, num_tokens: int, tokens: Sequence[int] | None = None,
+                 scored: bool = True) -> list[int] | None:
         """Reserve pages for `num_tokens` positions of a new sequence; None if they do not fit now.
 
         tokens: the prompt's ids. With prefix caching on, the longest run of its full pages already in the pool is
         mapped (not copied) and the sequence starts at that length (`length(seq_id)`): only the rest is prefilled.
-        At least one prompt token is left to compute (its logits start the answer); the open page is never shared."""
+        At least one prompt token is left to compute (its logits start the answer); the open page is never shared.
+        scored=False: the sequence never grows past the token budget, so no decode step scores its pages, and the
+        pages it seals get no summaries (the eigh work is skipped) unless a scored sequence maps them later."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already owns pages; free it first or use grow()")
         hits: list[int] = []
@@ -128,6 +135,12 @@ class PagePool:
             return None
         for page in hits:
             self.ledger.take(page)
+        if scored and self.unsummarized.intersection(hits):  # deferred summaries, now needed
+            missing = [p for p in hits if p in self.unsummarized]
+            self.unsummarized.difference_update(missing)
+            self.seal(missing)
+        if not scored:
+            self._unscored.add(seq_id)
         pages = hits + [self._take() for _ in range(need)]
         self._tables[seq_id] = pages
         self._lengths[seq_id] = self._sealed[seq_id] = 0
@@ -145,6 +158,7 @@ class PagePool:
         dropped). Callers checked num_free first."""
         page = self._free.pop() if self._free else self.ledger.reclaim()
         self.ledger.take(page)
+        self.unsummarized.discard(page)  # rewritten by its new sequence, sealed again when full
         return page
 
     def grow(self, seq_id: Hashable, num_tokens: int) -> bool:
@@ -166,6 +180,7 @@ class PagePool:
         self._sealed.pop(seq_id, None)
         self._tail.pop(seq_id, None)
         self._parent.pop(seq_id, None)
+        self._unscored.discard(seq_id)
         if not pages:
             return 0
         self._free.extend(p for p in reversed(pages) if self.ledger.release(p))
@@ -196,41 +211,8 @@ class PagePool:
     # ---- one forward step --------------------------------------------------------------------------------
     def prepare(self, seq_ids: Sequence[Hashable], new_tokens: Sequence[int]) -> StepIndex:
         """Index where `new_tokens[b]` tokens of each sequence go. Pages must already be reserved."""
-        P = self.page_size
-        H = self.geometry.kv_heads
-        positions, rows, bases, lengths, sealed = [], [], [], [], []
-        for row, (sid, n) in enumerate(zip(seq_ids, new_tokens)):
-            table = self._tables[sid]
-            start = self._lengths[sid]
-            end = start + n
-            if self.pages_needed(end) > len(table):
-                raise ValueError(
-                    f"sequence {sid!r} needs {self.pages_needed(end)} pages for {end} tokens but owns {len(table)}; "
-                    "grow() it first"
-                )
-            pos = range(start, end)
-            positions.extend(pos)
-            rows.extend([row] * n)
-            bases.extend(table[p // P] * H * P + p % P for p in pos)
-            lengths.append(end)
-            sealed.append(self._sealed[sid])
-        width = max(self.pages_needed(n) for n in lengths) if lengths else 0
-        table = torch.zeros((len(seq_ids), max(width, 1)), dtype=torch.long)
-        for row, sid in enumerate(seq_ids):
-            used = self._tables[sid][: self.pages_needed(lengths[row])]
-            table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
-        dev = self.device
-        return StepIndex(
-            seq_ids=list(seq_ids),
-            new_tokens=list(new_tokens),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            token_row=torch.tensor(rows, dtype=torch.long, device=dev),
-            write_base=torch.tensor(bases, dtype=torch.long, device=dev),
-            page_table=table.to(dev),
-            lengths=torch.tensor(lengths, dtype=torch.long, device=dev),
-            sealed=torch.tensor(sealed, dtype=torch.long, device=dev),
-            lengths_list=lengths,
-        )
+        return build_step_index(seq_ids, new_tokens, self._tables, self._lengths, self._sealed, self.page_size,
+                                self.geometry.kv_heads, self.device)
 
     def write(self, layer: int, step: StepIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this layer's new keys/values. k, v [N, kv_heads, head_dim] (keys already rotated)."""
@@ -262,7 +244,10 @@ class PagePool:
             self._lengths[sid] = length
             full = length // self.page_size
             sealed_now = self._tables[sid][self._sealed[sid] : full]
-            to_seal.extend(sealed_now)
+            if sid in self._unscored:
+                self.unsummarized.update(sealed_now)
+            else:
+                to_seal.extend(sealed_now)
             self._sealed[sid] = full
             self._name_pages(sid, sealed_now)
         if to_seal:

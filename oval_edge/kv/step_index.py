@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Hashable, Sequence
 
 import torch
 
@@ -34,3 +35,41 @@ class StepIndex:
     # row -> [1, kv_heads, L] flat slots of the row's whole history (prefill over earlier pages), built by the first
     # layer that reads them and shared by the others
     history_slots: dict = field(default_factory=dict)
+
+
+
+def build_step_index(seq_ids: Sequence[Hashable], new_tokens: Sequence[int], tables: dict, lengths_of: dict,
+                     sealed_of: dict, page_size: int, kv_heads: int, device) -> StepIndex:
+    """PagePool.prepare: where `new_tokens[b]` tokens of each sequence go, from the pool's page tables, lengths and
+    sealed page counts (dicts keyed by sequence). Pages must already be reserved."""
+    P, H = page_size, kv_heads
+
+    def pages_needed(tokens: int) -> int:
+        return -(-tokens // P)
+
+    positions, rows, bases, lengths, sealed = [], [], [], [], []
+    for row, (sid, n) in enumerate(zip(seq_ids, new_tokens)):
+        table = tables[sid]
+        start = lengths_of[sid]
+        end = start + n
+        if pages_needed(end) > len(table):
+            raise ValueError(f"sequence {sid!r} needs {pages_needed(end)} pages for {end} tokens but owns "
+                             f"{len(table)}; grow() it first")
+        pos = range(start, end)
+        positions.extend(pos)
+        rows.extend([row] * n)
+        bases.extend(table[p // P] * H * P + p % P for p in pos)
+        lengths.append(end)
+        sealed.append(sealed_of[sid])
+    width = max(pages_needed(n) for n in lengths) if lengths else 0
+    page_table = torch.zeros((len(seq_ids), max(width, 1)), dtype=torch.long)
+    for row, sid in enumerate(seq_ids):
+        used = tables[sid][: pages_needed(lengths[row])]
+        page_table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+
+    def on_device(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return StepIndex(seq_ids=list(seq_ids), new_tokens=list(new_tokens), positions=on_device(positions),
+                     token_row=on_device(rows), write_base=on_device(bases), page_table=page_table.to(device),
+                     lengths=on_device(lengths), sealed=on_device(sealed), lengths_list=lengths)

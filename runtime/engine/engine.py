@@ -53,7 +53,9 @@ class Engine:
         self.next_decode_trace = None  # a dispatch mode to run the next decode step under (bench's op count)
         self.eos_ids = _eos_ids(loaded)
         self.stats = EngineStats(pages_total=self.pool.num_pages)
-        self.scheduler = Scheduler(self.pool, self.config.max_batch, self.config.max_queue)
+        # Requests that fit the token budget are attended densely at every step: their pages need no summaries.
+        scored_above = None if self.config.attention == "dense" else self.oval.token_budget
+        self.scheduler = Scheduler(self.pool, self.config.max_batch, self.config.max_queue, scored_above)
         self._lock = threading.RLock()
 
     @classmethod

@@ -39,8 +39,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_batch: int, max_queue: int) -> None:
+    def __init__(self, pool: PagePool, max_batch: int, max_queue: int, scored_above: int | None = 0) -> None:
+        """scored_above: the token budget past which decode steps score pages (OvalConfig.token_budget); requests
+        that never grow past it seal their pages without summaries (PagePool.allocate(scored=False)). None: no
+        request is ever scored (dense attention)."""
         self.pool = pool
+        self.scored_above = scored_above
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.waiting: deque[Request] = deque()
@@ -60,7 +64,8 @@ class Scheduler:
             context = request.prefill_ids
             if not self._room_for(context):
                 return  # head of line waits for pages (FIFO keeps long prompts from starving)
-            if self.pool.allocate(request.request_id, len(context), context) is None:
+            scored = self.scored_above is not None and request.reserved_tokens > self.scored_above
+            if self.pool.allocate(request.request_id, len(context), context, scored=scored) is None:
                 return
             # A prefix hit (oval_edge/kv/prefix_cache.py) starts the sequence past the pages it mapped.
             request.prefilled = request.cached_tokens = self.pool.length(request.request_id)
