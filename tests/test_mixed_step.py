@@ -153,3 +153,22 @@ def test_requests_within_the_token_budget_skip_summaries_until_a_scored_one_maps
     fresh = engine_for(tiny_folder, prefix_cache=False).generate(follow_up, SamplingParams(max_tokens=12,
                                                                                          ignore_eos=True))
     assert long.output_ids == fresh.output_ids
+
+
+def test_cancel_mid_prefill_frees_its_pages_and_the_others_keep_their_tokens(tiny_folder, alone):
+    prompts, expected = alone
+    engine = engine_for(tiny_folder, prefix_cache=False, max_step_tokens=40, prefill_chunk=32)
+    keep = engine.submit(prompts[0], GREEDY)
+    engine.step()  # keep's 20-token prompt, whole
+    leaving = engine.submit(prompts[4], GREEDY)  # 300 tokens: ~9 steps of chunks beside keep's decode
+    for _ in range(3):
+        engine.step()
+    assert 0 < leaving.prefilled < len(leaving.prompt_ids) and not leaving.output_ids
+    held = engine.pool.num_used
+    assert engine.cancel(leaving.request_id)  # the client went away before its first token
+    assert engine.pool.num_used < held and not engine.pool.owns(leaving.request_id)
+    while engine.has_work():
+        engine.step()
+    assert leaving.finish_reason == "cancelled" and keep.output_ids == expected[0]
+    engine.pool.check_invariants()
+    assert engine.pool.num_used == 0
