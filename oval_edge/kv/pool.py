@@ -135,8 +135,8 @@ class PagePool:
             return None
         for page in hits:
             self.ledger.take(page)
-        if scored and self.unsummarized.intersection(hits):  # deferred summaries, now needed
-            missing = [p for p in hits if p in self.unsummarized]
+        missing = [p for p in hits if p in self.unsummarized] if scored else []
+        if missing:  # deferred summaries (advance), needed now
             self.unsummarized.difference_update(missing)
             self.seal(missing)
         if not scored:
