@@ -50,6 +50,10 @@ class NativeKernels:
         self._rms_norm.argtypes, self._rms_norm.restype = [_ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr], ctypes.c_int
         self._select = library.select_slots
         self._select.argtypes, self._select.restype = [_ptr] * 5 + [_i64] * 10 + [_ptr, _ptr], ctypes.c_int
+        self._head = library.int8_head_f32
+        self._head.argtypes, self._head.restype = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64], ctypes.c_int
+        self._rows = library.int8_rows_f32
+        self._rows.argtypes, self._rows.restype = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr], ctypes.c_int
 
     def oval_scores(self, q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, page_table: torch.Tensor,
                     scale: float, counts: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -109,6 +113,33 @@ class NativeKernels:
         self._rms_norm(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], float(eps), out.data_ptr())
         return out
 
+    def int8_head(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+        """x [n, K] fp32 @ W^T for W held as runtime/model/embeddings.py's panels (codes [P, K, 32] int8, scales
+        [P, K/32, 32] fp32) -> [n, P * 32] fp32, on torch's intra-op thread count. None for other inputs."""
+        if (x.dtype != torch.float32 or codes.dtype != torch.int8 or scales.dtype != torch.float32 or x.dim() != 2
+                or codes.dim() != 3 or x.shape[1] != codes.shape[1] or codes.shape[2] != 32
+                or scales.shape != (codes.shape[0], codes.shape[1] // 32, 32)
+                or not (x.is_contiguous() and codes.is_contiguous() and scales.is_contiguous())
+                or not _on_cpu(x, codes, scales)):
+            return None
+        out = torch.empty((x.shape[0], codes.shape[0] * 32), dtype=torch.float32)
+        code = self._head(x.data_ptr(), x.shape[0], codes.data_ptr(), scales.data_ptr(), codes.shape[0],
+                          codes.shape[1], out.data_ptr(), max(1, min(64, torch.get_num_threads())))
+        return out if code == 0 else None
+
+    def int8_rows(self, codes: torch.Tensor, scales: torch.Tensor, vocab: int, ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows `ids` [n] of the same table dequantized -> [n, K] fp32; None for inputs it does not take. An id
+        outside 0..vocab-1 raises IndexError, as torch's embedding does."""
+        if (ids.dtype != torch.int64 or ids.dim() != 1 or codes.dtype != torch.int8 or scales.dtype != torch.float32
+                or not (ids.is_contiguous() and codes.is_contiguous() and scales.is_contiguous())
+                or not _on_cpu(ids, codes, scales)):
+            return None
+        out = torch.empty((ids.shape[0], codes.shape[1]), dtype=torch.float32)
+        code = self._rows(codes.data_ptr(), scales.data_ptr(), vocab, codes.shape[1], ids.data_ptr(), ids.shape[0],
+                          out.data_ptr())
+        if code == OUT_OF_RANGE:
+            raise IndexError(f"a token id lies outside the vocabulary 0..{vocab - 1}")
+        return out if code == 0 else None
 
     def select_slots(self, scores: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
                      sealed: torch.Tensor, start: torch.Tensor, page_size: int, sink_pages: int, top_k: int,

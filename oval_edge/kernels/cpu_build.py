@@ -19,8 +19,9 @@ from pathlib import Path
 
 from oval_edge.cache_dir import cache_root
 
-# The C files built into the one library: page scoring and decode attention; the static step's small fused ops.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("oval_kernels.c", "step_kernels.c"))
+# The C files built into the one library: page scoring and decode attention; the static step's small fused ops; the
+# 8-bit output head.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("oval_kernels.c", "step_kernels.c", "head_kernels.c"))
 LIBRARY_NAME = "oval_kernels.so"
 CHECK_MODULE = "oval_edge.kernels.cpu_check"  # run as `python -m`: exits 0 when the library agrees with torch
 COMPILE_TIMEOUT_S = 120
@@ -37,7 +38,7 @@ def built_library() -> str:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
-    flags = [*OPTIMISE_FLAGS, "-fPIC", "-shared", *_arch_flags()]
+    flags = [*OPTIMISE_FLAGS, "-fPIC", "-shared", "-pthread", *_arch_flags()]  # pthread: the head's two threads
     source = b"\0".join(path.read_bytes() for path in SOURCES)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"|".join([source, version.encode(), " ".join(flags).encode(), _cpu_features().encode()]))

@@ -64,6 +64,24 @@ def self_check(kernels: NativeKernels) -> str | None:
     if got is None or not torch.allclose(got, torch.nn.functional.rms_norm(x, (96,), weight, 1e-5), rtol=1e-5,
                                          atol=1e-6):
         return "rms_norm"
+    return _check_head(kernels, gen)
+
+
+def _check_head(kernels: NativeKernels, gen: torch.Generator) -> str | None:
+    """int8_head against the dequantized matmul: 9 rows (a full tile of 8 and one left over), 3 panels of 32."""
+    panels, hidden = 3, 64
+    codes = torch.randint(-127, 128, (panels, hidden, 32), generator=gen, dtype=torch.int8)
+    scales = torch.rand(panels, hidden // 32, 32, generator=gen) / 100
+    weight = (codes.float().view(panels, hidden // 32, 32, 32) * scales[:, :, None]).view(panels, hidden, 32)
+    x = torch.randn(9, hidden, generator=gen)
+    want = x @ weight.permute(1, 0, 2).reshape(hidden, panels * 32)
+    got = kernels.int8_head(x, codes, scales)
+    if got is None or not torch.allclose(got, want, rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE):
+        return "int8_head"
+    ids = torch.tensor([95, 0, 40, 40])
+    rows = kernels.int8_rows(codes, scales, panels * 32, ids)
+    if rows is None or not torch.allclose(rows, weight[ids // 32, :, ids % 32], rtol=0, atol=1e-7):
+        return "int8_rows"
     return None
 
 

@@ -2,8 +2,8 @@
 
 Only one decoder layer is ever held in 16 bits: its q/k/v (and gate/up) rows are stacked and quantized as one
 4-bit layer (bitsandbytes quantizes blocks of 64 consecutive weights, so with rows a multiple of 64 long every
-row gets exactly the codes it would get alone), then dropped. The embedding is kept in 16 bits and shared with
-the head when the model ties them.
+row gets exactly the codes it would get alone), then dropped. The embedding and the head are one int8 table on a
+CPU in 4-bit modes, else kept in 16 bits (embeddings.py), and shared when the model ties them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from .config import DecoderConfig
 from .decoder import DecoderAttention, DecoderLayer, DecoderMLP, DecoderModel, DecoderStack, RMSNorm
-from .embeddings import StoredEmbedding, StoredHead
+from .embeddings import Int8Embedding, Int8Head, Int8Table, StoredEmbedding, StoredHead, int8_table_applies
 from .heap import release_heap
 from .quantize import linear4bit, pack_for_cpu
 
@@ -70,16 +70,28 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
         if quant != "none" and device.type == "cpu":
             pack_for_cpu(layers[-1])  # repacking leaves the unpacked copies behind: trim them layer by layer
         release_heap()  # glibc would keep every layer's freed 16-bit copies mapped until the end
-    embed = StoredEmbedding(read("model.embed_tokens.weight").to(device), dtype)  # [vocab, hidden]
-    if "lm_head.weight" in names and not config.tie_word_embeddings:
-        head = StoredHead(nn.Parameter(read("lm_head.weight").to(device), requires_grad=False), dtype)
-    else:
-        head = StoredHead(embed.weight, dtype)
+    untied = "lm_head.weight" in names and not config.tie_word_embeddings
+    embed, head = _embedding_and_head(read, untied, quant, device, dtype)
     factors = read("rope_freqs", torch.float32) if "rope_freqs" in names else None
     stack = DecoderStack(config, embed, layers, RMSNorm(read("model.norm.weight", dtype).to(device),
                                                         config.rms_norm_eps), factors)
     stack.rotary_emb.to(device)  # everything else was created on `device`; .to() would touch the 4-bit params
     return DecoderModel(config, stack, head).eval().requires_grad_(False)
+
+
+def _embedding_and_head(read, untied: bool, quant: str, device: torch.device, dtype: torch.dtype):
+    """The embedding and the head: in 4-bit modes on a CPU one int8 table each (one in all when tied; embeddings.py
+    says why), else kept in 16 bits, the head then sharing the embedding's tensor when tied."""
+    weight = read("model.embed_tokens.weight").to(device)  # [vocab, hidden]
+    if quant != "none" and int8_table_applies(weight):
+        table = Int8Table.quantize(weight)
+        del weight
+        head_table = Int8Table.quantize(read("lm_head.weight")) if untied else table
+        return Int8Embedding(table, dtype), Int8Head(head_table, dtype)
+    embed = StoredEmbedding(weight, dtype)
+    if untied:
+        return embed, StoredHead(nn.Parameter(read("lm_head.weight").to(device), requires_grad=False), dtype)
+    return embed, StoredHead(embed.weight, dtype)
 
 
 def _projection(weight: torch.Tensor, bias: torch.Tensor | None, quant: str, dtype: torch.dtype,

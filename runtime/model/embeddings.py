@@ -1,9 +1,19 @@
-"""The token embedding (and the output head it is tied to) stored in 16 bits, used with fp32 activations.
+"""The token embedding and the output head: an int8 table on a CPU in 4-bit modes, else kept in 16 bits.
 
-In 4-bit modes the embedding is the largest tensor left (49152 x 576 in SmolLM2: 113 MB in fp32) and the output
-head reads all of it at every decode step. Storing it in bf16 halves both the memory and the bytes read, while
-the residual stream stays in the activation dtype: lookups are upcast, the head multiplies in 16 bits and
-returns fp32 logits. One tensor serves both when the model ties them.
+Why: in 4-bit modes the embedding is the largest tensor left (SmolLM2: 49152 x 576) and the head reads all of it at
+every decode step. Kept in bf16 it is 57 MB a step, through a bf16 GEMM that rounds the logits to bf16 (exact ties
+between top tokens). NF4 would read 14 MB but costs +14% perplexity on SmolLM2; int8 codes with one scale per 32
+weights (llama.cpp's Q8_0 block) read 29 MB and match the 16-bit head within bf16's own rounding (docs/serving.md
+gives both measurements). The head multiplies through the native kernel (oval_edge/kernels/head_kernels.c: fp32
+activations, fp32 logits, ~2x faster than the bf16 GEMM at 8 rows, ~3.5x at 1); the embedding dequantizes only the
+rows it looks up. One table serves both when the model ties them.
+
+Int8 layout (what the kernel reads): output rows in panels of 32, codes [panels, hidden, 32] int8 and scales
+[panels, hidden / 32, 32] fp32; the vocabulary is padded with zero rows to a multiple of 32.
+
+Elsewhere (CUDA, quant 'none', hidden not a multiple of 32, no native kernels) the 16-bit classes hold the tensor:
+the residual stream stays in the activation dtype, lookups are upcast, the head multiplies in 16 bits and returns
+the activation dtype.
 """
 
 from __future__ import annotations
@@ -12,8 +22,135 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oval_edge.kernels.cpu import cpu_kernels
+
+BLOCK = 32  # weights per scale along the hidden dimension (the kernel's BLOCK)
+PANEL = 32  # output rows stored side by side (the kernel's PANEL)
+PACK_ROWS = 4096  # rows converted per pass at load: the fp32 transient stays ~9 MB at hidden 576
+
+# The head's kernel as an opaque operator, so the static decode step traces whole under torch.compile (dynamo
+# cannot trace a ctypes call). The registry handle lives as long as the process and is never mutated after these
+# lines.
+_LIBRARY = torch.library.Library("oval_edge", "FRAGMENT")
+_LIBRARY.define("int8_head_cpu(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+
+
+def int8_table_applies(weight: torch.Tensor) -> bool:
+    """Whether `weight` [vocab, hidden] can be held as an Int8Table and multiplied by the native kernel here."""
+    return weight.device.type == "cpu" and weight.shape[1] % BLOCK == 0 and cpu_kernels() is not None
+
+
+class Int8Table:
+    """A [vocab, hidden] matrix as int8 codes and per-32 fp32 scales in the kernel's panel layout (module doc)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, rows: int) -> None:
+        self.codes, self.scales, self.rows = codes, scales, rows  # [P, K, 32] int8, [P, K/32, 32] fp32, vocab
+        self.hidden = codes.shape[1]
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Int8Table":
+        """weight [vocab, hidden] (any float dtype) -> the table: per row and block of 32, scale = absmax / 127."""
+        vocab, hidden = weight.shape
+        if hidden % BLOCK:
+            raise ValueError(f"an int8 table needs hidden % {BLOCK} == 0, got hidden = {hidden}")
+        panels = -(-vocab // PANEL)
+        codes = torch.zeros((panels, hidden, PANEL), dtype=torch.int8)
+        scales = torch.zeros((panels, hidden // BLOCK, PANEL), dtype=torch.float32)
+        for first in range(0, vocab, PACK_ROWS):  # PACK_ROWS is a multiple of PANEL: chunks fill whole panels
+            rows = weight[first:first + PACK_ROWS].float()
+            n = rows.shape[0]
+            pad = -n % PANEL
+            if pad:
+                rows = torch.cat([rows, rows.new_zeros((pad, hidden))])
+            blocks = rows.view(-1, hidden // BLOCK, BLOCK)  # [n, K/32, 32]
+            scale = blocks.abs().amax(-1) / 127.0  # [n, K/32]
+            q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127)
+            p0, p1 = first // PANEL, (first + n + pad) // PANEL
+            codes[p0:p1] = q.to(torch.int8).view(p1 - p0, PANEL, hidden).transpose(1, 2)
+            scales[p0:p1] = scale.view(p1 - p0, PANEL, hidden // BLOCK).transpose(1, 2)
+        return cls(codes, scales, vocab)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [n] dequantized -> [n, hidden] fp32 (only those rows' codes are read)."""
+        kernels = cpu_kernels() if ids.device.type == "cpu" and not torch.compiler.is_compiling() else None
+        out = kernels.int8_rows(self.codes, self.scales, self.rows, ids) if kernels is not None else None
+        if out is not None:
+            return out
+        if not torch.compiler.is_compiling() and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
+            raise IndexError(f"a token id lies outside the vocabulary 0..{self.rows - 1}")
+        panel, column = ids // PANEL, ids % PANEL
+        codes = self.codes[panel, :, column].float()  # [n, K]
+        scales = self.scales[panel, :, column]  # [n, K/32]
+        return (codes.view(ids.shape[0], -1, BLOCK) * scales[..., None]).view(ids.shape[0], self.hidden)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> x W^T [n, vocab] fp32: the native kernel, or a dequantizing torch fallback."""
+        x = x.float().contiguous()
+        if torch.compiler.is_compiling():
+            out = torch.ops.oval_edge.int8_head_cpu(x, self.codes, self.scales)
+        else:
+            out = _int8_head(x, self.codes, self.scales)
+        return out[:, :self.rows] if out.shape[1] != self.rows else out
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.codes, self.scales
+
+
+def _int8_head(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [n, K] fp32 contiguous -> [n, panels * 32] fp32."""
+    kernels = cpu_kernels() if x.device.type == "cpu" else None
+    out = kernels.int8_head(x, codes, scales) if kernels is not None else None
+    if out is not None:
+        return out
+    # The reference arithmetic, a panel range at a time (bounded transient): the kernel's torch twin.
+    panels, hidden, _ = codes.shape
+    out = x.new_empty((x.shape[0], panels * PANEL))
+    step = PACK_ROWS // PANEL
+    for p0 in range(0, panels, step):
+        c, s = codes[p0:p0 + step].float(), scales[p0:p0 + step]  # [p, K, 32], [p, K/32, 32]
+        w = (c.view(c.shape[0], hidden // BLOCK, BLOCK, PANEL) * s[:, :, None]).view(c.shape[0], hidden, PANEL)
+        out[:, p0 * PANEL:(p0 + c.shape[0]) * PANEL] = (x @ w.permute(1, 0, 2).reshape(hidden, -1))
+    return out
+
+
+_LIBRARY.impl("int8_head_cpu", _int8_head, "CPU")
+
+
+@torch.library.register_fake("oval_edge::int8_head_cpu")
+def _int8_head_fake(x, codes, scales):
+    return x.new_empty((x.shape[0], codes.shape[0] * PANEL), dtype=torch.float32)
+
+
+class Int8Embedding(nn.Module):
+    """ids [n] -> [n, hidden] in `out_dtype`, from an Int8Table."""
+
+    def __init__(self, table: Int8Table, out_dtype: torch.dtype):
+        super().__init__()
+        self.table, self.out_dtype = table, out_dtype
+        self.register_buffer("codes", table.codes, persistent=False)  # counted by weight_bytes, moved by nothing
+        self.register_buffer("scales", table.scales, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.lookup(ids.reshape(-1)).view(*ids.shape, self.table.hidden).to(self.out_dtype)
+
+
+class Int8Head(nn.Module):
+    """hidden [n, hidden] -> logits [n, vocab] fp32 (then `out_dtype`), from an Int8Table (shared when tied)."""
+
+    def __init__(self, table: Int8Table, out_dtype: torch.dtype):
+        super().__init__()
+        self.table, self.out_dtype = table, out_dtype
+        self.register_buffer("codes", table.codes, persistent=False)
+        self.register_buffer("scales", table.scales, persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return self.table.matmul(flat).view(*hidden.shape[:-1], -1).to(self.out_dtype)
+
 
 class StoredEmbedding(nn.Module):
+    """ids -> rows of a 16-bit table, upcast to the activation dtype."""
+
     def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [vocab, hidden] in the storage dtype

@@ -3,7 +3,9 @@
 Every engine call (submit, cancel, step) runs on this one thread, posted through an inbox and executed between
 two steps. So an HTTP handler never blocks the event loop on the engine's lock while a step runs, a new request
 joins the running batch at the next step boundary (continuous batching), and a cancel frees its pages before the
-next step starts. Tokens travel back with `loop.call_soon_threadsafe` into one asyncio queue per request.
+next step starts. Tokens travel back into one asyncio queue per request, all of a step's at once: one
+`loop.call_soon_threadsafe` per step instead of one per token (each one writes the loop's wake-up pipe; per token
+that was ~2% of the engine thread at 8 streams, measured with py-spy).
 """
 
 from __future__ import annotations
@@ -42,12 +44,30 @@ class Ticket:
         return self.notes.get(self.request_id)
 
 
-def _notify(loop: asyncio.AbstractEventLoop, callback: Callable, *args) -> None:
-    """call_soon_threadsafe that tolerates a loop already closed (the server is going away)."""
-    try:
-        loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:
-        pass
+class Outbox:
+    """Callbacks for event loops, collected on the engine thread and handed over in one call per loop (`flush`)."""
+
+    def __init__(self) -> None:
+        self._calls: list[tuple[asyncio.AbstractEventLoop, Callable, tuple]] = []  # engine thread only
+
+    def send(self, loop: asyncio.AbstractEventLoop, callback: Callable, *args) -> None:
+        self._calls.append((loop, callback, args))
+
+    def flush(self) -> None:
+        calls, self._calls = self._calls, []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, callback, args in calls:  # order kept per loop: a request's deltas before its finish
+            by_loop.setdefault(loop, []).append((callback, args))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_run_all, batch)
+            except RuntimeError:  # the loop is already closed: the server is going away
+                pass
+
+
+def _run_all(batch: list[tuple[Callable, tuple]]) -> None:
+    for callback, args in batch:
+        callback(*args)
 
 
 def _resolve(future: asyncio.Future, value) -> None:
@@ -62,6 +82,7 @@ class EngineLoop:
         self.engine = engine
         self.idle_poll_s = idle_poll_s
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._outbox = Outbox()  # flushed after every batch of commands and every step
         self._live: dict[str, Request] = {}  # touched only on the engine thread
         self._notes: dict[str, str] = {}  # request_id -> why the server ended it (read by the handler)
         self._stopping = threading.Event()
@@ -115,25 +136,25 @@ class EngineLoop:
 
         def on_token(request: Request, token_id: int, delta: str) -> None:
             if delta:
-                _notify(loop, events.put_nowait, (DELTA, delta))
+                self._outbox.send(loop, events.put_nowait, (DELTA, delta))
 
         def on_finish(request: Request) -> None:
             self._live.pop(request.request_id, None)
-            _notify(loop, events.put_nowait, (FINISH, request))
-            _notify(loop, _resolve, done, request)
+            self._outbox.send(loop, events.put_nowait, (FINISH, request))
+            self._outbox.send(loop, _resolve, done, request)
 
         def do_submit() -> None:
             try:
                 request = self.engine.submit(prompt_ids, params, request_id, on_token, on_finish)
             except (RequestRejected, QueueFull) as exc:
-                _notify(loop, _resolve, accepted, exc)
+                self._outbox.send(loop, _resolve, accepted, exc)
                 return
             except Exception as exc:  # noqa: BLE001 - reported to the one handler that asked, not fatal
                 log.exception("submit of %s failed", request_id)
-                _notify(loop, _resolve, accepted, RuntimeError(f"{type(exc).__name__}: {exc}"))
+                self._outbox.send(loop, _resolve, accepted, RuntimeError(f"{type(exc).__name__}: {exc}"))
                 return
             self._live[request_id] = request
-            _notify(loop, _resolve, accepted, request)
+            self._outbox.send(loop, _resolve, accepted, request)
 
         self._post(do_submit)
         try:
@@ -160,16 +181,21 @@ class EngineLoop:
         self._inbox.put(command)
 
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._run_commands(block=not self.engine.has_work())
-            if self._stopping.is_set():
-                break
-            if self.engine.has_work():
-                try:
-                    self.engine.step()
-                except Exception as exc:  # noqa: BLE001 - keep serving; fail only the requests in flight
-                    log.exception("engine step failed")
-                    self._cancel_all(f"the engine failed: {type(exc).__name__}: {exc}")
+        try:
+            while not self._stopping.is_set():
+                self._run_commands(block=not self.engine.has_work())
+                self._outbox.flush()
+                if self._stopping.is_set():
+                    break
+                if self.engine.has_work():
+                    try:
+                        self.engine.step()
+                    except Exception as exc:  # noqa: BLE001 - keep serving; fail only the requests in flight
+                        log.exception("engine step failed")
+                        self._cancel_all(f"the engine failed: {type(exc).__name__}: {exc}")
+                    self._outbox.flush()
+        finally:
+            self._outbox.flush()
 
     def _run_commands(self, block: bool) -> None:
         try:

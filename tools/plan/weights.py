@@ -17,8 +17,10 @@ compress_statistics=True). For a weight W [N out, K in], n = N*K, blocks = ceil(
       code        fp32 [16]
 The counting matches runtime.model.quantize.weight_bytes (each storage once; offset only while nested).
 
-Everything else stays dense (runtime/model/loader.py): embedding, untied lm_head and RMSNorm weights in the
-activation dtype (fp32 on CPU, fp16 on CUDA/Jetson); q/k/v biases (Qwen2) in the 4-bit layers' compute dtype
+On a CPU in 4-bit modes the embedding (and an untied head) is an int8 table (runtime/model/embeddings.py): one
+code byte per weight and one fp32 scale per 32, the vocabulary padded to a multiple of 32; on CUDA both stay in 16
+bits. Everything else stays dense (runtime/model/loader.py): RMSNorm weights in the activation dtype (fp32 on CPU,
+fp16 on CUDA/Jetson); q/k/v biases (Qwen2) in the 4-bit layers' compute dtype
 (bf16 on CPU, fp16 on CUDA), since bitsandbytes casts the bias to it on the first forward. A tied lm_head is the
 embedding tensor and is counted once. quant 'none' keeps every projection dense in the activation dtype.
 """
@@ -37,6 +39,7 @@ CODE_BOOK_BYTES = 16 * 4
 DYNAMIC_MAP_BYTES = 256 * 4
 OFFSET_BYTES = 4
 CPU_PACK_BLOCK_N = 32  # _convert_weight_packed_for_cpu asserts N % 32 == 0
+INT8_BLOCK = INT8_PANEL = 32  # runtime/model/embeddings.py: weights per fp32 scale, vocabulary rows per panel
 
 # Storage dtypes per target kind, mirroring runtime/model/loader.py (compute_dtype_for / load_dtype). If the loader
 # changes, tests/test_plan.py::test_weight_bytes_match_loaded_model fails and points here.
@@ -117,12 +120,21 @@ def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozense
             state += s * shape.layers
         bias_bytes = LINEAR4_COMPUTE_BYTES[target]
     biases = shape.layers * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * bias_bytes if shape.qkv_bias else 0
-    # 4-bit modes keep the embedding (and an untied head) in 16 bits: bf16 on CPU, fp16 on CUDA
-    # (runtime.model.embeddings), while activations stay in `act`.
-    embedding = shape.vocab * shape.hidden * (act if quant == "none" else 2)
+    embedding = _table_bytes(shape, quant, target)
     return WeightBreakdown(
         quant=quant, layout=layout, target=target, linear_codes=codes, quant_state=state, dense_linear=dense,
         biases=biases, embedding=embedding, lm_head=0 if shape.tied_embeddings else embedding,
         # input + post-attention RMSNorm per layer, plus the final norm
         norms=(2 * shape.layers + 1) * shape.hidden * act,
     )
+
+
+def _table_bytes(shape: ModelShape, quant: str, target: str) -> int:
+    """Bytes of the embedding (and of an untied head): 'none' keeps it in the activation dtype; 4-bit modes keep an
+    int8 table on a CPU (when hidden is a multiple of 32, as the kernel needs) and 16 bits on CUDA."""
+    if quant == "none":
+        return shape.vocab * shape.hidden * ACTIVATION_BYTES[target]
+    if target == "cpu" and shape.hidden % INT8_BLOCK == 0:
+        rows = ceil_div(shape.vocab, INT8_PANEL) * INT8_PANEL
+        return rows * shape.hidden + rows * (shape.hidden // INT8_BLOCK) * 4
+    return shape.vocab * shape.hidden * 2
