@@ -36,6 +36,8 @@ class DecoderConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
+    rope_layers: tuple[int, ...] = ()  # SmolLM3: 1 where layer i rotates q/k, 0 for a NoPE layer; () = all rotate
     where: str = ""  # the file or folder it came from, for error messages
 
     def __post_init__(self) -> None:
@@ -55,10 +57,18 @@ class DecoderConfig:
         if self.hidden_act not in ("silu", "swish"):
             raise ValueError(f"model {self.where}: hidden_act={self.hidden_act!r} is not supported; Llama-family "
                              "decoders use silu")
+        if self.rope_layers and (len(self.rope_layers) != self.num_hidden_layers
+                                 or any(flag not in (0, 1) for flag in self.rope_layers)):
+            raise ValueError(f"model {self.where}: no_rope_layers={list(self.rope_layers)} must hold one 0 or 1 per "
+                             f"layer ({self.num_hidden_layers} layers)")
         rope_type = self.rope_type
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"model {self.where}: rope scaling {rope_type!r} is not supported; supported: "
                              f"{', '.join(ROPE_TYPES)}")
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates its queries and keys (a NoPE layer caches its keys unrotated)."""
+        return not self.rope_layers or bool(self.rope_layers[layer])
 
     @property
     def rope_type(self) -> str:
@@ -70,7 +80,8 @@ class DecoderConfig:
         """From transformers-named keys: a config.json, or the dict transformers parses out of a GGUF header."""
         check_architecture(d.get("model_type"), where)
         window = d.get("sliding_window")
-        if window and d.get("use_sliding_window", True) and window < d.get("max_position_embeddings", 0):
+        sliding = "sliding_attention" in (d.get("layer_types") or [])
+        if window and (d.get("use_sliding_window", True) or sliding) and window < d.get("max_position_embeddings", 0):
             # Attention limited to the last `window` tokens is not implemented: refuse rather than attend wrongly.
             raise ValueError(f"model {where}: sliding-window attention ({window} tokens) is not supported; use a "
                              "model without it (e.g. Mistral v0.2+, where sliding_window is null)")
@@ -81,6 +92,12 @@ class DecoderConfig:
             theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
             if rope.get("rope_type", rope.get("type")) == "default":
                 rope = {}
+            kind, layers = d["model_type"], int(d["num_hidden_layers"])
+            rope_layers = ()
+            if kind == "smollm3":  # transformers' SmolLM3Config: a NoPE layer every no_rope_layer_interval layers
+                interval = int(d.get("no_rope_layer_interval") or 4)
+                rope_layers = tuple(int(f) for f in (d.get("no_rope_layers")
+                                                     or [int((i + 1) % interval != 0) for i in range(layers)]))
             return cls(
                 model_type=d["model_type"], vocab_size=int(d["vocab_size"]), hidden_size=hidden,
                 intermediate_size=int(d["intermediate_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
@@ -89,7 +106,8 @@ class DecoderConfig:
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=rope,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), hidden_act=d.get("hidden_act", "silu"),
-                bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), where=where,
+                bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), qk_norm=kind == "qwen3",
+                rope_layers=rope_layers, where=where,
             )
         except KeyError as exc:
             raise ValueError(f"model {where}: its configuration lacks {exc.args[0]!r}") from None

@@ -47,10 +47,13 @@ class RotaryEmbedding(nn.Module):
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, qkv_proj: nn.Module, o_proj: nn.Module):
+    def __init__(self, qkv_proj: nn.Module, o_proj: nn.Module, q_norm: RMSNorm | None = None,
+                 k_norm: RMSNorm | None = None, use_rope: bool = True):
         super().__init__()
         self.qkv_proj = qkv_proj  # hidden -> (Hq + 2 Hkv) * D, rows q | k | v
         self.o_proj = o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm  # Qwen3: RMSNorm over each head's D before RoPE, else None
+        self.use_rope = use_rope  # False in a NoPE layer (SmolLM3): q and k are not rotated (transformers' name)
 
 
 class DecoderMLP(nn.Module):

@@ -60,8 +60,15 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
         if missing:
             raise ValueError(f"model {where}: layer {index} lacks {', '.join(missing)}")
         prefix = f"model.layers.{index}."
+        head_norms = [f"self_attn.{n}.weight" for n in ("q_norm", "k_norm")] if config.qk_norm else []
+        if any(n not in per_layer[index] for n in head_norms):
+            raise ValueError(f"model {where}: layer {index} lacks {' or '.join(head_norms)} ({config.model_type} "
+                             "normalizes each query and key head)")
+        q_norm, k_norm = (RMSNorm(read(prefix + n, dtype).to(device), config.rms_norm_eps)
+                          for n in head_norms) if head_norms else (None, None)
         attention = DecoderAttention(projection(["q_proj", "k_proj", "v_proj"], prefix + "self_attn."),
-                                     projection(["o_proj"], prefix + "self_attn."))
+                                     projection(["o_proj"], prefix + "self_attn."), q_norm, k_norm,
+                                     config.uses_rope(index))
         mlp = DecoderMLP(projection(["gate_proj", "up_proj"], prefix + "mlp."),
                          projection(["down_proj"], prefix + "mlp."))
         norms = [RMSNorm(read(prefix + n, dtype).to(device), config.rms_norm_eps)

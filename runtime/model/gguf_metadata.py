@@ -95,9 +95,22 @@ def gguf_config_values(source: ModelSource) -> dict:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
-        return load_gguf_checkpoint(source.path, return_tensors=False)["config"]
+        values = load_gguf_checkpoint(source.path, return_tensors=False)["config"]
+        head_dim = _key_length(source.path, values.get("model_type"))
     except Exception as exc:  # a truncated or foreign file raises anything from struct to numpy errors
         raise ValueError(f"model {source.path}: cannot read its configuration ({type(exc).__name__}: {exc})") from exc
+    if head_dim:
+        values["head_dim"] = head_dim
+    return values
+
+
+def _key_length(path: str, architecture: str | None) -> int | None:
+    """`{arch}.attention.key_length`: the head dimension where it is not hidden / heads (Qwen3: 128 at any width).
+    transformers' GGUF reader drops it for some architectures, and the config class's default is then used."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).fields.get(f"{architecture}.attention.key_length")
+    return int(field.parts[field.data[0]][0]) if field is not None else None
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ _GGUF_LAYER = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3's per-head norms
 }
 _GGUF_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _CHUNK_BYTES = 4 << 20  # fp32 bytes dequantized at once: bounds the load peak whatever the tensor size
@@ -41,7 +42,7 @@ class GGUFWeights:
         self.path = path
         self._reader = GGUFReader(path)
         self._permute = {"self_attn.q_proj.weight": heads, "self_attn.k_proj.weight": kv_heads} \
-            if architecture in ("llama", "mistral") else {}
+            if architecture in ("llama", "mistral", "smollm3") else {}
         self._tensors = {_hf_name(tensor.name, path): tensor for tensor in self._reader.tensors}
         # The parsed header (49k vocabulary strings as numpy views: ~100 MB of Python objects) is not needed here;
         # the configuration and tokenizer are read elsewhere. The tensors keep their views into the file's map.
@@ -63,6 +64,8 @@ class GGUFWeights:
         step = max(1, _CHUNK_BYTES // (4 * cols))
         for start in range(0, rows, step):
             block = dequantize(data[start : start + step], tensor.tensor_type)  # [<=step, cols] float32
+            if not block.flags.writeable:  # an F32 tensor comes back as a read-only view of the file's map
+                block = np.array(block, dtype=np.float32)  # one chunk (<= 4 MiB): torch refuses read-only arrays
             out[start : start + step] = torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32))
         self._drop_pages(tensor.data_offset, data.nbytes)
         suffix = name.split(".", 3)[-1]

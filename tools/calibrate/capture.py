@@ -62,20 +62,14 @@ def capture(loaded, ids: list[int], page_size: int, chunk: int = 512) -> Capture
 
 
 def layer_queries(cap: Capture, layer: int, positions: torch.Tensor) -> torch.Tensor:
-    """Post-RoPE queries [S, Hq, D] of one layer at `positions` [S], from its recorded normed hidden state with
-    the layer's own q projection (fused q/k/v when the loader fused them) and rotary embedding."""
+    """Post-RoPE queries [S, Hq, D] of one layer at `positions` [S], from its recorded normed hidden state through
+    the runtime's own query path (projection, per-head norm where the family has one, RoPE unless a NoPE layer)."""
     runner = cap.runner
     dev = runner.pool.device
     x = cap.hidden[layer, positions].to(dev, cap.dtype)
-    attn = runner.layers[layer].self_attn
-    width = runner.num_heads * runner.head_dim
-    fused = getattr(attn, "qkv_proj", None)
-    q = (fused(x)[:, :width] if fused is not None else attn.q_proj(x)).view(-1, runner.num_heads, runner.head_dim)
-    cos, sin = runner.decoder.rotary_emb(x[None], positions.to(dev)[None])
-    cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [S, 1, D]
-    half = q.shape[-1] // 2
-    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
-    return (q * cos + rotated * sin).float().cpu()
+    cos, sin = runner.rotary(x, positions.to(dev))  # [S, 1, D]
+    q, _, _ = runner.qkv(runner.ops[layer], x, x.shape[0], cos, sin)
+    return q.float().cpu()
 
 
 @torch.no_grad()

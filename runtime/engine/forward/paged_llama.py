@@ -1,4 +1,4 @@
-"""The Llama-family decoder forward written against the page pool (Llama, SmolLM2, Mistral, Qwen2).
+"""The Llama-family decoder forward written against the page pool (Llama, SmolLM2, Mistral, Qwen2, Qwen3, SmolLM3).
 
 It uses the loaded model's modules (runtime/model/decoder.py, or a transformers model of the same layout) only as
 weight holders (projections, norms, MLP, rotary frequencies) and owns the attention: keys are rotated at their
@@ -78,7 +78,7 @@ class PagedLlama:
         if self.reuse is not None:
             self.hooks.layer = self._reuse_layer
         self.last_selections: list[Selection | None] = []
-        self.ops = [LayerOps.bind(layer) for layer in self.layers]
+        self.ops = [LayerOps.bind(layer, self.num_heads, self.kv_heads) for layer in self.layers]
         self.final_norm = bind_norm(self.decoder.norm)
 
     @torch.inference_mode()
@@ -149,10 +149,17 @@ class PagedLlama:
         hq, hkv, d = self.num_heads, self.kv_heads, self.head_dim
         if ops.qkv is not None:
             qkv = ops.qkv(x)  # [n, (Hq + 2 Hkv) * D]
-            qk = _rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)
+            qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
+            if ops.qk_norm is not None:
+                qk = ops.qk_norm.both(qk)
+            if ops.rope:
+                qk = _rope(qk, cos, sin)
             return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(n, hkv, d)
-        q = _rope(ops.q(x).view(n, hq, d), cos, sin)
-        k = _rope(ops.k(x).view(n, hkv, d), cos, sin)
+        q, k = ops.q(x).view(n, hq, d), ops.k(x).view(n, hkv, d)
+        if ops.qk_norm is not None:
+            q, k = ops.qk_norm.q(q), ops.qk_norm.k(k)
+        if ops.rope:
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         return q, k, ops.v(x).view(n, hkv, d)
 
     def decode_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan: DecodePlan,
@@ -195,6 +202,38 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
 
 
 @dataclass
+class HeadNorms:
+    """Qwen3's RMSNorm over each query and key head (before RoPE), bound once per layer.
+
+    `both` normalizes the fused q|k heads [n, Hq + Hkv, D] in one op with the two weights stacked per head
+    ([Hq + Hkv, D]): the same arithmetic as the two modules (normalize in fp32, then scale), half the calls.
+    """
+
+    weights: torch.Tensor  # [Hq + Hkv, D]
+    eps: float
+    q_norm: torch.nn.Module
+    k_norm: torch.nn.Module
+
+    @classmethod
+    def bind(cls, attn: torch.nn.Module, heads: int, kv_heads: int) -> "HeadNorms | None":
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is None or k_norm is None:
+            return None
+        weights = torch.cat([q_norm.weight.expand(heads, -1), k_norm.weight.expand(kv_heads, -1)])
+        return cls(weights, float(getattr(q_norm, "variance_epsilon", getattr(q_norm, "eps", 1e-6))), q_norm, k_norm)
+
+    def both(self, qk: torch.Tensor) -> torch.Tensor:
+        normed = torch.nn.functional.rms_norm(qk.float(), (qk.shape[-1],), None, self.eps).to(qk.dtype)
+        return normed * self.weights
+
+    def q(self, q: torch.Tensor) -> torch.Tensor:
+        return self.q_norm(q)
+
+    def k(self, k: torch.Tensor) -> torch.Tensor:
+        return self.k_norm(k)
+
+
+@dataclass
 class LayerOps:
     """One decoder layer's weights bound for the runtime's forward (runtime/model/projections.py): the 4-bit projections
     straight to their kernel, the norms to one fused op. The modules stay the owners of the weights."""
@@ -210,9 +249,11 @@ class LayerOps:
     mlp_module: torch.nn.Module
     down: Callable
     act: Callable
+    qk_norm: HeadNorms | None = None  # Qwen3
+    rope: bool = True  # False in a NoPE layer (SmolLM3): q and k are used, and k cached, unrotated
 
     @classmethod
-    def bind(cls, layer: torch.nn.Module) -> "LayerOps":
+    def bind(cls, layer: torch.nn.Module, heads: int, kv_heads: int) -> "LayerOps":
         attn, mlp = layer.self_attn, layer.mlp
         fused = getattr(attn, "qkv_proj", None)
         gate_up = getattr(mlp, "gate_up_proj", None)
@@ -225,6 +266,7 @@ class LayerOps:
             o_proj=bind_projection(attn.o_proj),
             gate_up=bind_projection(gate_up) if gate_up is not None else None,
             mlp_module=mlp, down=bind_projection(mlp.down_proj), act=mlp.act_fn,
+            qk_norm=HeadNorms.bind(attn, heads, kv_heads), rope=bool(getattr(attn, "use_rope", True)),
         )
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""Write a transformers model as a GGUF file the way llama.cpp's convert_hf_to_gguf names it (test helper).
+
+Tensors are stored in F32 under llama.cpp's names; for the `llama` architecture family q/k rows are permuted into
+llama.cpp's interleaved rotary order (Qwen models are stored as is). The tokenizer fields are copied from the
+bundled SmolLM2 GGUF, so the file loads with the same vocabulary the tiny test models use.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+PERMUTED = ("llama", "smollm3")  # architectures whose q/k llama.cpp stores in its interleaved rotary order
+
+
+def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """transformers' rotate_half rows -> llama.cpp's interleaved rows (convert_hf_to_gguf's permute)."""
+    out, cols = weight.shape
+    return weight.view(heads, 2, out // heads // 2, cols).transpose(1, 2).reshape(out, cols)
+
+
+def write_gguf(model, path: str, architecture: str) -> str:
+    import gguf
+
+    from oval_edge.runtime.model.source import bundled_gguf_path
+
+    config = model.config
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    _copy_tokenizer(writer, gguf.GGUFReader(bundled_gguf_path()))
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        tensor = tensor.detach().float()
+        if architecture in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            tensor = _permute(tensor, heads)
+        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(tensor.numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_name(name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if name in fixed:
+        return fixed[name]
+    _, _, index, rest = name.split(".", 3)  # model.layers.N.<module>.<weight|bias>
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{index}.{LAYER_NAMES[module]}.{kind}"
+
+
+def _copy_tokenizer(writer, reader) -> None:
+    """The bundled GGUF's tokenizer.* fields, value for value."""
+    import gguf
+
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            item = field.types[1]
+            values = [_value(field.parts[i], item) for i in field.data]
+            writer.add_array(key, values)
+        else:
+            writer.add_key_value(key, _value(field.parts[field.data[0]], kind), kind)
+
+
+def _value(part, kind):
+    import gguf
+
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    if kind == gguf.GGUFValueType.BOOL:
+        return bool(part[0])
+    return part[0].item()

@@ -1,0 +1,169 @@
+"""Decoder families beyond Llama/Qwen2: tiny random checkpoints made with transformers' own config classes.
+
+Qwen3 (an RMSNorm over each query and key head before RoPE) and SmolLM3 (every 4th layer without RoPE, NoPE) are
+saved as safetensors next to the bundled tokenizer and loaded through `load_model` (quant none, fp32). The
+runtime's logits must equal transformers' forward of the same folder within 1e-4 at prefill and over 64 greedy
+decode steps (teacher-forced on the runtime's own tokens, which must be transformers' argmax), both with OVAL at a
+budget that covers the context and with dense attention; with a small budget, sparse layers read fewer tokens than
+the context. The runtime's fused q/k/v path (4-bit) and transformers' unfused modules (`apply_oval_to_model`'s
+route) are both covered: the same LayerOps decide per-head norms and NoPE for either.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oval_edge import OvalConfig
+from oval_edge.runtime import Engine, EngineConfig
+from oval_edge.runtime.model.config import DecoderConfig
+
+from test_decoder_loading import hf_logits, save_folder
+
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=4, vocab_size=49152, max_position_embeddings=4096, rms_norm_eps=1e-5)
+PROMPT = list(range(100, 100 + 3 * 80, 3))  # 80 tokens
+STEPS = 64
+
+
+def family_config(kind: str):
+    import transformers
+
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**SHAPE, head_dim=48, tie_word_embeddings=False, rope_theta=1000000.0)
+    return transformers.SmolLM3Config(**SHAPE, tie_word_embeddings=True, rope_theta=2000000.0, pad_token_id=None,
+                                      bos_token_id=1, eos_token_id=2)  # its defaults name ids past this vocabulary
+
+
+@pytest.fixture(scope="module", params=["qwen3", "smollm3"])
+def family(request, tmp_path_factory):
+    config = family_config(request.param)
+    return request.param, config, save_folder(tmp_path_factory.mktemp(request.param), config)
+
+
+def decode_greedy(engine: Engine, prompt: list[int], steps: int, attention_layers_read: list | None = None):
+    """Prefill `prompt`, then `steps` greedy decode steps. Returns (tokens, logits [steps + 1, vocab])."""
+    pool = engine.pool
+    assert pool.allocate("r", len(prompt) + steps + 1) is not None
+    step = pool.prepare(["r"], [len(prompt)])
+    logits, _ = engine.runner.forward(step, torch.tensor(prompt), decode=False)
+    pool.commit(step)
+    tokens, rows = [], [logits[0]]
+    for _ in range(steps):
+        tokens.append(int(rows[-1].argmax()))
+        step = pool.prepare(["r"], [1])
+        logits, stats = engine.runner.forward(step, torch.tensor(tokens[-1:]), decode=True)
+        pool.commit(step)
+        rows.append(logits[0])
+        if attention_layers_read is not None:
+            attention_layers_read.append(stats.kv_tokens_read)
+    pool.free("r")
+    return tokens, torch.stack(rows)
+
+
+def engine_for(folder: str, oval: OvalConfig, attention: str = "oval", quant: str = "none") -> Engine:
+    return Engine.load(folder, quant=quant, device="cpu", oval=oval,
+                       config=EngineConfig(num_pages=64, attention=attention))
+
+
+def test_config_reads_the_family_features(family):
+    kind, config, _ = family
+    ours = DecoderConfig.from_dict(config.to_dict(), "tiny")
+    if kind == "qwen3":
+        assert ours.qk_norm and ours.head_dim == 48 and not ours.rope_layers
+    else:
+        assert not ours.qk_norm and ours.rope_layers == (1, 1, 1, 0)
+        assert [ours.uses_rope(i) for i in range(4)] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("attention", ["oval", "dense"])
+def test_logits_equal_transformers_at_prefill_and_over_greedy_decode(family, attention):
+    kind, _, folder = family
+    wide = OvalConfig(page_size=16, top_k=16, kv_dtype="float32")  # budget 336 >= 80 + 64: OVAL is exact
+    engine = engine_for(folder, wide, attention)
+    tokens, ours = decode_greedy(engine, PROMPT, STEPS)
+    sequence = PROMPT + tokens
+    theirs = torch.stack([hf_logits(folder, sequence[: len(PROMPT) + i]) for i in (0, STEPS // 2, STEPS)])
+    picked = ours[[0, STEPS // 2, STEPS]]
+    assert (picked - theirs).abs().max().item() < 1e-4, kind
+    full = _hf_all_logits(folder, sequence)  # every position in one forward: the greedy tokens must be its argmax
+    assert tokens == full[len(PROMPT) - 1 : -1].argmax(-1).tolist()
+    assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4
+
+
+def test_small_budget_reads_less_than_the_context_and_stays_close(family):
+    kind, _, folder = family
+    small = OvalConfig(page_size=16, top_k=1, window_min=16, window_max=16, dense_layers=1, kv_dtype="float32")
+    read: list[int] = []
+    tokens, ours = decode_greedy(engine_for(folder, small), PROMPT, 16, read)
+    _, dense = decode_greedy(engine_for(folder, small, "dense"), PROMPT, 16)
+    assert torch.isfinite(ours).all()
+    # the last step (context 96): the dense layer reads all 96 tokens per KV head, the 3 sparse ones sink + 1 page +
+    # window = 48 each; NoPE layers select like the others
+    context = len(PROMPT) + 16
+    assert read[-1] == 2 * context + 3 * 2 * 48, (kind, read[-1])
+    assert (ours[0] - dense[0]).abs().max().item() < 1e-4  # prefill is dense and exact either way
+
+
+def test_4bit_fused_path_runs_the_family(family):
+    """nf4: the per-head norms and NoPE bound on the 4-bit fused q/k/v layer; the prefill logits point where the
+    fp32 model's do (4-bit rounding of a random tiny model only moves them a little)."""
+    kind, _, folder = family
+    wide = OvalConfig(page_size=16, top_k=16, kv_dtype="float32")
+    fused = engine_for(folder, wide, quant="nf4")
+    assert type(fused.runner.ops[0].qkv).__name__ == "PackedCpu4bit" or fused.runner.ops[0].qkv is not None
+    assert (fused.runner.ops[0].qk_norm is not None) == (kind == "qwen3")
+    assert [op.rope for op in fused.runner.ops] == ([True] * 4 if kind == "qwen3" else [True, True, True, False])
+    _, ours = decode_greedy(fused, PROMPT, 4)
+    _, exact = decode_greedy(engine_for(folder, wide), PROMPT, 0)
+    assert torch.isfinite(ours).all()
+    assert torch.nn.functional.cosine_similarity(ours[0], exact[0], dim=0) > 0.9
+
+
+def test_transformers_own_modules_run_through_the_paged_forward(family):
+    """The eval tools run PagedLlama over transformers' model (unfused q/k/v, its own q_norm/k_norm modules and
+    use_rope flags): prefill logits equal its forward."""
+    import transformers
+
+    from oval_edge.kv.pool import PagePool
+    from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
+    from oval_edge.tools.eval.runtime import geometry_for
+
+    kind, _, folder = family
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    config = OvalConfig(page_size=16, kv_dtype="float32")
+    pool = PagePool(geometry_for(model.config, 16, config.rank, kinds=("oval",)), 16)
+    runner = PagedLlama(model, pool, config, attention="dense")
+    assert runner.ops[0].qkv is None and (runner.ops[0].qk_norm is not None) == (kind == "qwen3")
+    pool.allocate("s", len(PROMPT))
+    step = pool.prepare(["s"], [len(PROMPT)])
+    logits, _ = runner.forward(step, torch.tensor(PROMPT), decode=False)
+    with torch.no_grad():
+        want = model(torch.tensor([PROMPT])).logits[0, -1]
+    assert (logits[0] - want).abs().max().item() < 1e-4
+
+
+def _hf_all_logits(folder: str, ids: list[int]) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def test_qwen3_gguf_written_under_llama_cpp_names_loads_to_the_same_logits(tmp_path_factory):
+    """A GGUF (llama.cpp's tensor names and header keys, head_dim != hidden / heads as in every Qwen3) loads to
+    transformers' logits of the same weights."""
+    import transformers
+
+    from gguf_checkpoint import write_gguf
+
+    config = family_config("qwen3")
+    folder = save_folder(tmp_path_factory.mktemp("qwen3-gguf-src"), config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    path = write_gguf(model, str(tmp_path_factory.mktemp("qwen3-gguf") / "tiny-qwen3.gguf"), "qwen3")
+    engine = engine_for(path, OvalConfig(page_size=16, top_k=16, kv_dtype="float32"))
+    assert engine.runner.decoder.layers[0].self_attn.q_norm is not None and engine.runner.head_dim == 48
+    tokens, ours = decode_greedy(engine, PROMPT, 8)
+    full = _hf_all_logits(folder, PROMPT + tokens)
+    assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4
