@@ -126,3 +126,33 @@ def test_lookup_kernel_equals_the_torch_gather_and_refuses_ids_outside_the_vocab
     assert torch.equal(table.lookup(ids), got)
     with pytest.raises(IndexError, match="outside the vocabulary 0..69"):
         table.lookup(torch.tensor([70]))
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_tables_built_from_file_slices_equal_the_whole_tensor_quantized(tmp_path, source):
+    """The loader builds the table PACK_ROWS rows at a time from the file (no 16-bit copy of the whole matrix):
+    the same codes and scales as quantizing the tensor read whole."""
+    from safetensors.torch import save_file
+
+    from oval_edge.runtime.model import embeddings
+    from oval_edge.runtime.model.weight_stream import GGUFWeights, SafetensorsWeights
+
+    weight = torch.randn(embeddings.PACK_ROWS + 70, 64, generator=torch.Generator().manual_seed(5))
+    if source == "safetensors":
+        save_file({"model.embed_tokens.weight": weight}, str(tmp_path / "model.safetensors"))
+        stream = SafetensorsWeights(str(tmp_path))
+    else:
+        import gguf
+
+        writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+        writer.add_tensor("token_embd.weight", weight.numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        stream = GGUFWeights(str(tmp_path / "t.gguf"), "llama", 4, 2)
+    name = "model.embed_tokens.weight"
+    assert stream.rows(name) == weight.shape[0]
+    sliced = Int8Table.from_rows(lambda a, b: stream.read_rows(name, torch.float32, a, b), stream.rows(name), 64)
+    whole = Int8Table.quantize(weight)
+    assert torch.equal(sliced.codes, whole.codes) and torch.equal(sliced.scales, whole.scales)

@@ -78,7 +78,7 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
             pack_for_cpu(layers[-1])  # repacking leaves the unpacked copies behind: trim them layer by layer
         release_heap()  # glibc would keep every layer's freed 16-bit copies mapped until the end
     untied = "lm_head.weight" in names and not config.tie_word_embeddings
-    embed, head = _embedding_and_head(read, untied, quant, device, dtype)
+    embed, head = _embedding_and_head(weights, read, untied, quant, device, dtype)
     factors = read("rope_freqs", torch.float32) if "rope_freqs" in names else None
     stack = DecoderStack(config, embed, layers, RMSNorm(read("model.norm.weight", dtype).to(device),
                                                         config.rms_norm_eps), factors)
@@ -86,18 +86,26 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
     return DecoderModel(config, stack, head).eval().requires_grad_(False)
 
 
-def _embedding_and_head(read, untied: bool, quant: str, device: torch.device, dtype: torch.dtype):
+def _embedding_and_head(weights, read, untied: bool, quant: str, device: torch.device, dtype: torch.dtype):
     """The embedding and the head: in 4-bit modes on a CPU one int8 table each (one in all when tied; embeddings.py
-    says why), else kept in 16 bits, the head then sharing the embedding's tensor when tied."""
-    weight = read("model.embed_tokens.weight").to(device)  # [vocab, hidden]
+    says why), built from row slices of the file where the stream offers them, else kept in 16 bits, the head then
+    sharing the embedding's tensor when tied."""
+    names = ["model.embed_tokens.weight"] + (["lm_head.weight"] if untied else [])
+    if quant != "none" and device.type == "cpu" and hasattr(weights, "read_rows"):
+        hidden = weights.read_rows(names[0], torch.float32, 0, 1).shape[1]
+        if int8_table_applies(torch.empty(0, hidden)):
+            tables = [Int8Table.from_rows(lambda a, b, n=n: weights.read_rows(n, torch.float32, a, b),
+                                          weights.rows(n), hidden) for n in names]
+            return Int8Embedding(tables[0], dtype), Int8Head(tables[-1], dtype)
+    weight = read(names[0]).to(device)  # [vocab, hidden]
     if quant != "none" and int8_table_applies(weight):
         table = Int8Table.quantize(weight)
         del weight
-        head_table = Int8Table.quantize(read("lm_head.weight")) if untied else table
+        head_table = Int8Table.quantize(read(names[1])) if untied else table
         return Int8Embedding(table, dtype), Int8Head(head_table, dtype)
     embed = StoredEmbedding(weight, dtype)
     if untied:
-        return embed, StoredHead(nn.Parameter(read("lm_head.weight").to(device), requires_grad=False), dtype)
+        return embed, StoredHead(nn.Parameter(read(names[1]).to(device), requires_grad=False), dtype)
     return embed, StoredHead(embed.weight, dtype)
 
 

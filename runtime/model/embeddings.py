@@ -26,7 +26,7 @@ from oval_edge.kernels.cpu import cpu_kernels
 
 BLOCK = 32  # weights per scale along the hidden dimension (the kernel's BLOCK)
 PANEL = 32  # output rows stored side by side (the kernel's PANEL)
-PACK_ROWS = 4096  # rows converted per pass at load: the fp32 transient stays ~9 MB at hidden 576
+PACK_ROWS = 2048  # rows converted per pass at load: the fp32 transients stay ~5 MB each at hidden 576
 
 # The head's kernel as an opaque operator, so the static decode step traces whole under torch.compile (dynamo
 # cannot trace a ctypes call). The registry handle lives as long as the process and is never mutated after these
@@ -50,14 +50,19 @@ class Int8Table:
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "Int8Table":
         """weight [vocab, hidden] (any float dtype) -> the table: per row and block of 32, scale = absmax / 127."""
-        vocab, hidden = weight.shape
+        return cls.from_rows(lambda start, stop: weight[start:stop], weight.shape[0], weight.shape[1])
+
+    @classmethod
+    def from_rows(cls, read_rows, vocab: int, hidden: int) -> "Int8Table":
+        """The table from read_rows(start, stop) -> rows [stop - start, hidden], read PACK_ROWS at a time: the
+        loader passes slices of the file, so no 16-bit copy of the whole matrix is ever held."""
         if hidden % BLOCK:
             raise ValueError(f"an int8 table needs hidden % {BLOCK} == 0, got hidden = {hidden}")
         panels = -(-vocab // PANEL)
         codes = torch.zeros((panels, hidden, PANEL), dtype=torch.int8)
         scales = torch.zeros((panels, hidden // BLOCK, PANEL), dtype=torch.float32)
         for first in range(0, vocab, PACK_ROWS):  # PACK_ROWS is a multiple of PANEL: chunks fill whole panels
-            rows = weight[first:first + PACK_ROWS].float()
+            rows = read_rows(first, min(vocab, first + PACK_ROWS)).float()
             n = rows.shape[0]
             pad = -n % PANEL
             if pad:

@@ -73,6 +73,20 @@ class GGUFWeights:
             out = _unpermute_rotary_rows(out, self._permute[suffix])
         return out
 
+    def read_rows(self, name: str, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of a 2-D tensor stored unpermuted (the embedding, the head), dequantized alone: the
+        int8 table is built from slices without a 16-bit copy of the whole matrix."""
+        from gguf import dequantize
+
+        tensor = self._tensors[name]
+        block = dequantize(tensor.data[start:stop], tensor.tensor_type)  # [rows, cols] float32
+        per_row = tensor.data.nbytes // max(1, tensor.data.shape[0])
+        self._drop_pages(tensor.data_offset + start * per_row, (stop - start) * per_row)
+        return torch.from_numpy(np.array(block, dtype=np.float32)).to(dtype)
+
+    def rows(self, name: str) -> int:
+        return int(self._tensors[name].data.shape[0])
+
     def _drop_pages(self, offset: int, length: int) -> None:
         """Let the kernel drop the file pages just read from this process's resident set (they are read again
         from the file if touched): otherwise the whole file (~100 MB here) sits on top of the loading peak."""
@@ -121,6 +135,16 @@ class SafetensorsWeights:
         tensor = source[name] if isinstance(source, dict) else source.get_tensor(name)
         return tensor.to(dtype).contiguous()
 
+    def read_rows(self, name: str, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of a 2-D tensor, read alone (safetensors slices the file's map)."""
+        source = self._where[name]
+        rows = source[name][start:stop] if isinstance(source, dict) else source.get_slice(name)[start:stop]
+        return rows.to(dtype).contiguous()
+
+    def rows(self, name: str) -> int:
+        source = self._where[name]
+        return int(source[name].shape[0] if isinstance(source, dict) else source.get_slice(name).get_shape()[0])
+
     def close(self) -> None:
         self._where.clear()
         self._files.clear()
@@ -132,7 +156,7 @@ def _hf_name(gguf_name: str, path: str) -> str:
     match = _GGUF_LAYER_NAME.match(gguf_name)
     if match is None or match.group(2) not in _GGUF_LAYER:
         raise ValueError(f"model {path}: tensor {gguf_name!r} is not part of a Llama-family decoder; oval-edge "
-                         "runs Llama, SmolLM2, Mistral and Qwen2 GGUF files")
+                         "runs Llama, SmolLM2, Mistral, Qwen2 and Qwen3 GGUF files")
     return f"model.layers.{match.group(1)}.{_GGUF_LAYER[match.group(2)]}.{match.group(3)}"
 
 
