@@ -167,3 +167,18 @@ def test_qwen3_gguf_written_under_llama_cpp_names_loads_to_the_same_logits(tmp_p
     tokens, ours = decode_greedy(engine, PROMPT, 8)
     full = _hf_all_logits(folder, PROMPT + tokens)
     assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "phi3", "qwen3_moe"])
+def test_families_not_yet_supported_are_refused_with_the_supported_list(tmp_path, model_type):
+    import json
+
+    from oval_edge.runtime.model.loader import load_model
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(SHAPE, model_type=model_type)))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError) as caught:
+        load_model(str(tmp_path), quant="none", device="cpu")
+    message = str(caught.value)
+    assert str(tmp_path) in message and repr(model_type) in message
+    assert "llama, mistral, qwen2, qwen3, smollm3" in message
