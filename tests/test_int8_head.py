@@ -13,7 +13,7 @@ import torch
 from oval_edge.runtime.model import embeddings as int8_table
 from oval_edge.runtime.model.embeddings import Int8Embedding, Int8Head, Int8Table
 
-needs_kernels = pytest.mark.skipif(not int8_table.int8_table_applies(torch.zeros(1, 32)),
+needs_kernels = pytest.mark.skipif(not int8_table.int8_table_applies(32, torch.device("cpu")),
                                    reason="the native CPU kernels are unavailable here")
 
 

@@ -91,22 +91,25 @@ def _embedding_and_head(weights, read, untied: bool, quant: str, device: torch.d
     says why), built from row slices of the file where the stream offers them, else kept in 16 bits, the head then
     sharing the embedding's tensor when tied."""
     names = ["model.embed_tokens.weight"] + (["lm_head.weight"] if untied else [])
-    if quant != "none" and device.type == "cpu" and hasattr(weights, "read_rows"):
-        hidden = weights.read_rows(names[0], torch.float32, 0, 1).shape[1]
-        if int8_table_applies(torch.empty(0, hidden)):
-            tables = [Int8Table.from_rows(lambda a, b, n=n: weights.read_rows(n, torch.float32, a, b),
-                                          weights.rows(n), hidden) for n in names]
+    if quant != "none":
+        sources = [_row_source(weights, read, name) for name in names]  # (read_rows, vocab, hidden) each
+        if int8_table_applies(sources[0][2], device):
+            tables = [Int8Table.from_rows(*source) for source in sources]
             return Int8Embedding(tables[0], dtype), Int8Head(tables[-1], dtype)
-    weight = read(names[0]).to(device)  # [vocab, hidden]
-    if quant != "none" and int8_table_applies(weight):
-        table = Int8Table.quantize(weight)
-        del weight
-        head_table = Int8Table.quantize(read(names[1])) if untied else table
-        return Int8Embedding(table, dtype), Int8Head(head_table, dtype)
-    embed = StoredEmbedding(weight, dtype)
+    embed = StoredEmbedding(read(names[0]).to(device), dtype)  # [vocab, hidden]
     if untied:
         return embed, StoredHead(nn.Parameter(read(names[1]).to(device), requires_grad=False), dtype)
     return embed, StoredHead(embed.weight, dtype)
+
+
+def _row_source(weights, read, name: str):
+    """(read_rows(start, stop) -> fp32 rows, vocab, hidden) of a 2-D tensor: slices of the file where the stream
+    reads rows (GGUF, safetensors), else slices of the tensor read whole (a plain state dict)."""
+    if hasattr(weights, "read_rows"):
+        hidden = weights.read_rows(name, torch.float32, 0, 1).shape[1]
+        return (lambda a, b: weights.read_rows(name, torch.float32, a, b)), weights.rows(name), hidden
+    whole = read(name)
+    return (lambda a, b: whole[a:b]), whole.shape[0], whole.shape[1]
 
 
 def _projection(weight: torch.Tensor, bias: torch.Tensor | None, quant: str, dtype: torch.dtype,

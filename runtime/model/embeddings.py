@@ -35,9 +35,9 @@ _LIBRARY = torch.library.Library("oval_edge", "FRAGMENT")
 _LIBRARY.define("int8_head_cpu(Tensor x, Tensor codes, Tensor scales) -> Tensor")
 
 
-def int8_table_applies(weight: torch.Tensor) -> bool:
-    """Whether `weight` [vocab, hidden] can be held as an Int8Table and multiplied by the native kernel here."""
-    return weight.device.type == "cpu" and weight.shape[1] % BLOCK == 0 and cpu_kernels() is not None
+def int8_table_applies(hidden: int, device: torch.device) -> bool:
+    """Whether a [vocab, hidden] matrix on `device` can be held as an Int8Table and multiplied by the native kernel."""
+    return device.type == "cpu" and hidden % BLOCK == 0 and cpu_kernels() is not None
 
 
 class Int8Table:
@@ -90,15 +90,14 @@ class Int8Table:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> x W^T [n, vocab] fp32: the native kernel, or a dequantizing torch fallback."""
-        x = x.float().contiguous()
+        if x.dtype != torch.float32 or not x.is_contiguous():  # fp32 rows already (the CPU's activations): no op
+            x = x.float().contiguous()
         if torch.compiler.is_compiling():
             out = torch.ops.oval_edge.int8_head_cpu(x, self.codes, self.scales)
         else:
             out = _int8_head(x, self.codes, self.scales)
         return out[:, :self.rows] if out.shape[1] != self.rows else out
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.codes, self.scales
 
 
 def _int8_head(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -126,21 +125,8 @@ def _int8_head_fake(x, codes, scales):
     return x.new_empty((x.shape[0], codes.shape[0] * PANEL), dtype=torch.float32)
 
 
-class Int8Embedding(nn.Module):
-    """ids [n] -> [n, hidden] in `out_dtype`, from an Int8Table."""
-
-    def __init__(self, table: Int8Table, out_dtype: torch.dtype):
-        super().__init__()
-        self.table, self.out_dtype = table, out_dtype
-        self.register_buffer("codes", table.codes, persistent=False)  # counted by weight_bytes, moved by nothing
-        self.register_buffer("scales", table.scales, persistent=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.table.lookup(ids.reshape(-1)).view(*ids.shape, self.table.hidden).to(self.out_dtype)
-
-
-class Int8Head(nn.Module):
-    """hidden [n, hidden] -> logits [n, vocab] fp32 (then `out_dtype`), from an Int8Table (shared when tied)."""
+class _Int8Module(nn.Module):
+    """Holds an Int8Table; its tensors are registered so weight_bytes counts them (a shared table once)."""
 
     def __init__(self, table: Int8Table, out_dtype: torch.dtype):
         super().__init__()
@@ -148,9 +134,27 @@ class Int8Head(nn.Module):
         self.register_buffer("codes", table.codes, persistent=False)
         self.register_buffer("scales", table.scales, persistent=False)
 
+    def _out(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype == self.out_dtype else t.to(self.out_dtype)  # a same-dtype .to() is still one op
+
+
+class Int8Embedding(_Int8Module):
+    """ids [n] -> [n, hidden] in `out_dtype`, from an Int8Table."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() == 1:
+            return self._out(self.table.lookup(ids))
+        return self._out(self.table.lookup(ids.reshape(-1)).view(*ids.shape, self.table.hidden))
+
+
+class Int8Head(_Int8Module):
+    """hidden [n, hidden] -> logits [n, vocab] fp32 (then `out_dtype`), from an Int8Table (shared when tied)."""
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dim() == 2:
+            return self._out(self.table.matmul(hidden))
         flat = hidden.reshape(-1, hidden.shape[-1])
-        return self.table.matmul(flat).view(*hidden.shape[:-1], -1).to(self.out_dtype)
+        return self._out(self.table.matmul(flat).view(*hidden.shape[:-1], -1))
 
 
 class StoredEmbedding(nn.Module):
