@@ -24,6 +24,10 @@ class KVGeometry:
     dtype: str = "float32"  # a key of DTYPE_BYTES
     summary_kinds: tuple[str, ...] = ("oval",)
     rank: int = 4
+    # Sliding-window layers (Gemma): each keeps only the last `window` positions of a sequence, in a ring of
+    # ring_pages pages per sequence (no summaries, never scored) outside the paged layers' pool. () = none.
+    ring_layers: tuple[int, ...] = ()
+    window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim", "page_size"):
@@ -37,22 +41,51 @@ class KVGeometry:
             raise ValueError(f"summary kind(s) {bad} unknown; allowed: {', '.join(SUMMARY_KINDS)}")
         if not 1 <= self.rank <= self.head_dim:
             raise ValueError(f"rank={self.rank} must be in [1, head_dim={self.head_dim}]")
+        if self.ring_layers and (self.window < 1 or sorted(set(self.ring_layers)) != list(self.ring_layers)
+                                 or not all(0 <= i < self.layers for i in self.ring_layers)):
+            raise ValueError(f"ring_layers={self.ring_layers} must be distinct increasing layer indices below "
+                             f"layers={self.layers}, with a window >= 1 (got {self.window})")
+        if len(self.ring_layers) == self.layers:
+            raise ValueError("every layer is a sliding-window layer: at least one layer must keep pages")
 
     @classmethod
     def for_oval(cls, layers: int, kv_heads: int, head_dim: int, oval, dtype: str,
-                 summary_kinds: tuple[str, ...] | None = None) -> "KVGeometry":
-        """The geometry an OvalConfig asks for (its page size and rank; its scorer's summaries unless told)."""
+                 summary_kinds: tuple[str, ...] | None = None,
+                 ring: tuple[tuple[int, ...], int] = ((), 0)) -> "KVGeometry":
+        """The geometry an OvalConfig asks for (its page size and rank; its scorer's summaries unless told).
+        ring: (sliding-window layers, window), ring_layout() of the model config."""
         return cls(layers, kv_heads, head_dim, oval.page_size, dtype, tuple(summary_kinds or (oval.scorer,)),
-                   oval.rank)
+                   oval.rank, *ring)
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def paged_layers(self) -> int:
+        """Layers whose K/V live in pages of the pool (all but the sliding-window ones)."""
+        return self.layers - len(self.ring_layers)
+
+    def paged_index(self, layer: int) -> int:
+        """Model layer -> its index in the pool's paged tensors (identity without sliding layers)."""
+        return layer - sum(1 for ring in self.ring_layers if ring < layer)
+
+    @property
+    def ring_pages(self) -> int:
+        """Pages a sliding layer's ring holds per sequence: the window's positions [t - W + 1, t] span at most
+        ceil((W - 1) / P) + 1 pages, and the page a step writes is never one the window still reads."""
+        return -(-(self.window - 1) // self.page_size) + 1 if self.ring_layers else 0
+
+    @property
+    def ring_bytes_per_sequence(self) -> int:
+        """K and V of one sequence's rings in every sliding layer."""
+        return (self.ring_pages * self.page_size * 2 * len(self.ring_layers) * self.kv_heads * self.head_dim
+                * self.dtype_bytes)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token position in every layer and KV head."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        """K and V of one token position in every paged layer and KV head."""
+        return 2 * self.paged_layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
     def summary_elements_per_head(self) -> int:
         """Summary numbers stored per (layer, page, KV head) for the kinds kept."""
@@ -65,17 +98,25 @@ class KVGeometry:
 
     @property
     def summary_bytes_per_page(self) -> int:
-        return self.layers * self.kv_heads * self.summary_elements_per_head() * self.dtype_bytes
+        return self.paged_layers * self.kv_heads * self.summary_elements_per_head() * self.dtype_bytes
 
     @property
     def bytes_per_page(self) -> int:
-        """K + V + summaries of one logical page across every layer (what one page of budget costs)."""
+        """K + V + summaries of one logical page across every paged layer (what one page of budget costs)."""
         return self.page_size * self.kv_bytes_per_token + self.summary_bytes_per_page
 
 
 def head_dim_of(model_config) -> int:
     """A transformers-style config's head dim: `head_dim` when it has one, else hidden_size / attention heads."""
     return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+
+
+def ring_layout(model_config) -> tuple[tuple[int, ...], int]:
+    """(sliding-window layer indices, window) of a config with transformers' `layer_types` / `sliding_window`."""
+    types = getattr(model_config, "layer_types", None) or ()
+    window = int(getattr(model_config, "sliding_window", 0) or 0)
+    layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return (layers, window) if layers and window else ((), 0)
 
 
 def kv_dims(model_config) -> tuple[int, int, int]:
@@ -95,14 +136,14 @@ def seal_chunk_pages(geometry: KVGeometry) -> int:
     the page's fp32 keys/values live per (page, layer, KV head) while a batch is summarised.
     """
     g = geometry
-    per_page = 6 * g.layers * g.kv_heads * (g.head_dim * g.head_dim + g.page_size * g.head_dim) * 4
+    per_page = 6 * g.paged_layers * g.kv_heads * (g.head_dim * g.head_dim + g.page_size * g.head_dim) * 4
     return max(1, SEAL_WORKSPACE_BYTES // per_page)
 
 
 def seal_workspace_bytes(geometry: KVGeometry) -> int:
     """Peak transient bytes of one seal batch (for the planner's workspace)."""
     g = geometry
-    return seal_chunk_pages(g) * 6 * g.layers * g.kv_heads * (g.head_dim * g.head_dim + g.page_size * g.head_dim) * 4
+    return seal_chunk_pages(g) * 6 * g.paged_layers * g.kv_heads * (g.head_dim * g.head_dim + g.page_size * g.head_dim) * 4
 
 
 def prefill_workspace_bytes(
@@ -161,16 +202,18 @@ class PoolSizing:
     reserve_bytes: int
     bytes_per_page: int
     pages: int
+    ring_bytes: int = 0  # the sliding layers' rings (oval_edge/kv/ring.py), fixed by the sequences they serve
 
     @property
     def pool_bytes(self) -> int:
-        return self.pages * self.bytes_per_page
+        return self.pages * self.bytes_per_page + self.ring_bytes
 
     def explain(self) -> str:
-        left = self.budget_bytes - self.weight_bytes - self.workspace_bytes - self.reserve_bytes
+        left = self.budget_bytes - self.weight_bytes - self.workspace_bytes - self.reserve_bytes - self.ring_bytes
+        rings = f" - sliding-layer rings {format_bytes(self.ring_bytes)}" if self.ring_bytes else ""
         return (
             f"pages = floor((budget {format_bytes(self.budget_bytes)} - weights {format_bytes(self.weight_bytes)}"
-            f" - workspace {format_bytes(self.workspace_bytes)} - reserve {format_bytes(self.reserve_bytes)})"
+            f" - workspace {format_bytes(self.workspace_bytes)} - reserve {format_bytes(self.reserve_bytes)}{rings})"
             f" / {self.bytes_per_page} B per page) = floor({left} / {self.bytes_per_page}) = {self.pages}"
             f" -> pool {format_bytes(self.pool_bytes)}"
         )
@@ -182,11 +225,15 @@ def size_pool(
     geometry: KVGeometry,
     workspace_bytes: int = 0,
     reserve_bytes: int = 0,
+    ring_sequences: int = 0,
 ) -> PoolSizing:
-    """pages = floor((budget - weights - workspace - reserve) / bytes_per_page).
+    """pages = floor((budget - weights - workspace - reserve - rings) / bytes_per_page), where the sliding layers'
+    rings cost geometry.ring_bytes_per_sequence for each of `ring_sequences` sequences.
 
     Raises ValueError with the minimum budget when not even one page fits, so the user knows what to set.
     """
+    ring_bytes = ring_sequences * geometry.ring_bytes_per_sequence
+    reserve_bytes += ring_bytes  # spent before any page, like the reserve (split out again below)
     left = budget_bytes - weight_bytes - workspace_bytes - reserve_bytes
     pages = left // geometry.bytes_per_page if left > 0 else 0
     if pages < 1:
@@ -197,4 +244,5 @@ def size_pool(
             f"{format_bytes(reserve_bytes)} already take {format_bytes(budget_bytes - left)}; "
             f"the minimum for one page is {format_bytes(minimum)} ({minimum} bytes)"
         )
-    return PoolSizing(budget_bytes, weight_bytes, workspace_bytes, reserve_bytes, geometry.bytes_per_page, int(pages))
+    return PoolSizing(budget_bytes, weight_bytes, workspace_bytes, reserve_bytes - ring_bytes, geometry.bytes_per_page,
+                      int(pages), ring_bytes)

@@ -16,6 +16,10 @@ LAYER_NAMES = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
+# Gemma: four norms per layer under their own names, each stored as 1 + w (convert_hf_to_gguf adds the 1)
+GEMMA_LAYER_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+GEMMA = ("gemma2", "gemma3")
 PERMUTED = ("llama", "smollm3")  # architectures whose q/k llama.cpp stores in its interleaved rotary order
 
 
@@ -41,7 +45,14 @@ def write_gguf(model, path: str, architecture: str) -> str:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    rope = config.rope_parameters
+    if architecture == "gemma3":  # the full layers' rope (the sliding ones' base is fixed at 10000 by llama.cpp)
+        rope = rope["full_attention"]
+        writer.add_sliding_window(config.sliding_window)
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     _copy_tokenizer(writer, gguf.GGUFReader(bundled_gguf_path()))
@@ -52,7 +63,10 @@ def write_gguf(model, path: str, architecture: str) -> str:
         if architecture in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             tensor = _permute(tensor, heads)
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(tensor.numpy()))
+        if architecture in GEMMA and name.endswith("norm.weight"):
+            tensor = tensor + 1.0
+        names = GEMMA_LAYER_NAMES if architecture in GEMMA else LAYER_NAMES
+        writer.add_tensor(_gguf_name(name, names), np.ascontiguousarray(tensor.numpy()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -60,14 +74,14 @@ def write_gguf(model, path: str, architecture: str) -> str:
     return path
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, layer_names: dict) -> str:
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     if name in fixed:
         return fixed[name]
     _, _, index, rest = name.split(".", 3)  # model.layers.N.<module>.<weight|bias>
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{index}.{LAYER_NAMES[module]}.{kind}"
+    return f"blk.{index}.{layer_names[module]}.{kind}"
 
 
 def _copy_tokenizer(writer, reader) -> None:

@@ -20,6 +20,7 @@ from oval_edge.geometry import KVGeometry, PoolSizing, seal_chunk_pages
 
 from .invariants import check_pool_invariants
 from .prefix_cache import PrefixLedger, page_hashes
+from .ring import SlidingRings
 from .step_index import StepIndex, build_step_index
 from .summaries import seal_pages
 
@@ -35,6 +36,7 @@ class PagePool:
         eta: float = 0.5,
         sizing: PoolSizing | None = None,
         prefix_salt: bytes | None = None,
+        ring_sequences: int | None = None,
     ) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages} must be >= 1")
@@ -46,13 +48,21 @@ class PagePool:
         self.seal_chunk = seal_chunk_pages(geometry)  # pages summarised per batch (bounded transient memory)
         g = geometry
         dtype = TORCH_DTYPES[g.dtype]
-        shape = (g.layers, num_pages, g.kv_heads, g.page_size, g.head_dim)
+        shape = (g.paged_layers, num_pages, g.kv_heads, g.page_size, g.head_dim)
         # The only allocations the pool ever makes: everything below is written in place.
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
-        # Per-layer [pages * kv_heads * page_size, head_dim] views (no copy): the rows decode writes and gathers.
-        self.k_rows = [self.k[layer].view(-1, g.head_dim) for layer in range(g.layers)]
-        self.v_rows = [self.v[layer].view(-1, g.head_dim) for layer in range(g.layers)]
+        # Sliding-window layers (ring.py) keep a ring per sequence instead of pages: at most ring_sequences
+        # sequences (default: one per page) hold pages at once.
+        self.rings = SlidingRings(g, ring_sequences or num_pages, dtype, self.device) if g.ring_layers else None
+        # Model layer -> its row of k / v and the summaries (-1: a sliding layer, in the rings).
+        self.paged_index = [-1 if layer in g.ring_layers else g.paged_index(layer) for layer in range(g.layers)]
+        # Per model layer [rows, head_dim] views (no copy): the rows decode writes and gathers, in the paged tensors
+        # or, for a sliding layer, in its ring.
+        self.k_rows = [self.k[i].view(-1, g.head_dim) if i >= 0 else self.rings.k_rows[self.rings.index[layer]]
+                       for layer, i in enumerate(self.paged_index)]
+        self.v_rows = [self.v[i].view(-1, g.head_dim) if i >= 0 else self.rings.v_rows[self.rings.index[layer]]
+                       for layer, i in enumerate(self.paged_index)]
         self.summaries: dict[str, torch.Tensor] = {}
         if "quest" in g.summary_kinds:
             self.summaries["kmin"] = torch.zeros(shape[:3] + (g.head_dim,), dtype=dtype, device=self.device)
@@ -62,7 +72,7 @@ class PagePool:
             # Scoring gathers a sequence's pages per KV head as contiguous blocks (one index_select), multiplies the
             # query with all [r, D] blocks in one matmul and combines the r coordinate rows with page_size-long
             # inner loops (scoring.oval_scores): no transpose at decode time.
-            head_major = (g.layers, g.kv_heads, num_pages)
+            head_major = (g.paged_layers, g.kv_heads, num_pages)
             self.summaries["basis"] = torch.zeros(head_major + (g.rank, g.head_dim), dtype=dtype, device=self.device)
             self.summaries["coords"] = torch.zeros(head_major + (g.rank, g.page_size), dtype=dtype, device=self.device)
         # Free list as a stack: recently freed pages are reused first (warm in cache).
@@ -71,7 +81,8 @@ class PagePool:
         self._lengths: dict[Hashable, int] = {}
         self._sealed: dict[Hashable, int] = {}
         # Prefix caching (prefix_cache.py): refcounts, page names, the LRU of cached pages. prefix_salt None: off.
-        self.ledger = PrefixLedger(prefix_salt)
+        # Off with sliding layers: a cached page's positions are long gone from the rings.
+        self.ledger = PrefixLedger(None if self.rings is not None else prefix_salt)
         self._tail: dict[Hashable, list[int]] = {}  # token ids written past the last named page (None: unknown)
         self._parent: dict[Hashable, bytes | None] = {}  # name of the sequence's last named page
         # Sequences no decode step will score (allocate(scored=False)), and the sealed pages they left without
@@ -107,12 +118,17 @@ class PagePool:
         return self.num_pages * self.page_size
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, *self.summaries.values()))
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def _tensors(self) -> list[torch.Tensor]:
+        rings = [self.rings.k, self.rings.v] if self.rings is not None else []
+        return [self.k, self.v, *self.summaries.values(), *rings]
 
     # ---- allocation --------------------------------------------------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether allocate(seq, num_tokens) would succeed now without a prefix hit (>= 1 page per sequence)."""
-        return self.pages_needed(max(num_tokens, 1)) <= self.num_free
+        rings_free = self.rings is None or self.rings.num_free > 0
+        return rings_free and self.pages_needed(max(num_tokens, 1)) <= self.num_free
 
     def allocate(self, seq_id: Hashable, num_tokens: int, tokens: Sequence[int] | None = None,
                  scored: bool = True) -> list[int] | None:
@@ -132,6 +148,8 @@ class PagePool:
             hits = self.ledger.lookup(names)
         need = self.pages_needed(max(num_tokens, 1)) - len(hits)
         if need > self.num_free - self.ledger.cached_among(hits):
+            return None
+        if self.rings is not None and not self.rings.take(seq_id):
             return None
         for page in hits:
             self.ledger.take(page)
@@ -181,6 +199,8 @@ class PagePool:
         self._tail.pop(seq_id, None)
         self._parent.pop(seq_id, None)
         self._unscored.discard(seq_id)
+        if self.rings is not None:
+            self.rings.release(seq_id)
         if not pages:
             return 0
         self._free.extend(p for p in reversed(pages) if self.ledger.release(p))
@@ -211,12 +231,20 @@ class PagePool:
     # ---- one forward step --------------------------------------------------------------------------------
     def prepare(self, seq_ids: Sequence[Hashable], new_tokens: Sequence[int]) -> StepIndex:
         """Index where `new_tokens[b]` tokens of each sequence go. Pages must already be reserved."""
-        return build_step_index(seq_ids, new_tokens, self._tables, self._lengths, self._sealed, self.page_size,
+        step = build_step_index(seq_ids, new_tokens, self._tables, self._lengths, self._sealed, self.page_size,
                                 self.geometry.kv_heads, self.device)
+        if self.rings is not None:
+            step.attach_rings(self.rings, self.device)
+        return step
 
     def write(self, layer: int, step: StepIndex, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store this layer's new keys/values. k, v [N, kv_heads, head_dim] (keys already rotated)."""
+        """Store this layer's new keys/values. k, v [N, kv_heads, head_dim] (keys already rotated). A sliding layer
+        stores into the sequence's ring (the tail a ring holds, ring.py)."""
         g = self.geometry
+        if self.paged_index[layer] < 0:
+            tokens, slots = step.ring_writes  # the tokens a ring keeps, [M]; their rows [M * kv_heads]
+            self.write_rows(layer, slots, k.index_select(0, tokens), v.index_select(0, tokens))
+            return
         if step.write_slots is None:  # same for every layer of the step: compute once
             heads = torch.arange(g.kv_heads, device=self.device) * g.page_size
             step.write_slots = (step.write_base[:, None] + heads[None, :]).reshape(-1)  # [N * kv_heads]
@@ -271,9 +299,11 @@ class PagePool:
 
     def storage_pointers(self) -> tuple[int, ...]:
         """Data pointers of every pool tensor: equal across calls proves nothing was reallocated."""
-        return tuple(t.data_ptr() for t in (self.k, self.v, *self.summaries.values()))
+        return tuple(t.data_ptr() for t in self._tensors())
 
     def check_invariants(self) -> None:
         """Raise AssertionError if a page is lost, in two states, shared without its refcount, or a table is
         inconsistent (used by tests; invariants.py). Free + cached + owned = all pages."""
         check_pool_invariants(self)
+        if self.rings is not None:
+            self.rings.check_invariants()

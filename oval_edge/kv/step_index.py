@@ -35,6 +35,19 @@ class StepIndex:
     # row -> [1, kv_heads, L] flat slots of the row's whole history (prefill over earlier pages), built by the first
     # layer that reads them and shared by the others
     history_slots: dict = field(default_factory=dict)
+    # Sliding-window layers (ring.py), set by attach_rings: each row's first ring page [B], and the step's ring
+    # writes (token indices [M] into the N new tokens, their rows [M * kv_heads] in a ring layer's view)
+    ring_base: torch.Tensor | None = None
+    ring_writes: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def attach_rings(self, rings, device) -> None:
+        """Where this step's tokens go in the sliding layers' rings (PagePool.prepare)."""
+        tokens, slots = rings.write_plan(self.seq_ids, self.new_tokens, self.lengths_list)
+        g = rings.geometry
+        heads = torch.arange(g.kv_heads) * g.page_size
+        rows = (torch.tensor(slots, dtype=torch.long)[:, None] + heads[None, :]).reshape(-1)
+        self.ring_base = torch.tensor([rings.base(sid) for sid in self.seq_ids], dtype=torch.long, device=device)
+        self.ring_writes = (torch.tensor(tokens, dtype=torch.long, device=device), rows.to(device))
 
 
 

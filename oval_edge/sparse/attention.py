@@ -78,9 +78,8 @@ def decode_attention(
         selection = plan.full_dense()
     else:
         if scores is None:
-            scores = score_pages(
-                config.scorer, group_queries(q, g.kv_heads), pool.summaries, layer, step.page_table, scale
-            )
+            scores = score_pages(config.scorer, group_queries(q, g.kv_heads), pool.summaries, pool.paged_index[layer],
+                                 step.page_table, scale)
         selection = plan.select(scores, window)
     return attend_selection(pool, layer, q, selection, scale), selection
 
@@ -183,12 +182,8 @@ def prefill_attention(
     A chunk that starts a sequence attends to itself; a later chunk also reads the row's earlier pages.
     """
     out = torch.empty_like(q)
-    offset = 0
-    for row, n in enumerate(step.new_tokens):
-        if n == 0:
-            continue
-        end = step.lengths_list[row]
-        start = end - n
+    for row, offset, start, end in chunk_rows(step):
+        n = end - start
         qs = q[offset : offset + n].transpose(0, 1)[None]  # [1, Hq, n, D]
         if start == 0:
             # The chunk's own K/V as the pool stores them (rounded to its dtype), the values every later reader
@@ -206,8 +201,16 @@ def prefill_attention(
                 step.history_slots[row] = flat
             res = _attend_history(pool, layer, flat, qs, start, scale)
         out[offset : offset + n] = res[0].transpose(0, 1)
-        offset += n
     return out
+
+
+def chunk_rows(step: StepIndex):
+    """(row, offset of its first new token in the step, start, end position) of each row with new tokens."""
+    offset = 0
+    for row, n in enumerate(step.new_tokens):
+        if n:
+            yield row, offset, step.lengths_list[row] - n, step.lengths_list[row]
+        offset += n
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

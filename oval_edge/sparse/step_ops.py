@@ -81,10 +81,16 @@ def _attend_slots_fake(q, k, v, layer, flat, valid, limits, scale):
     return torch.empty_like(q)
 
 
+def _storage(pool, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(k, v, row) holding model layer `layer`: the paged tensors, or a sliding layer's rings (oval_edge/kv/ring.py)."""
+    row = pool.paged_index[layer]
+    return (pool.k, pool.v, row) if row >= 0 else (pool.rings.k, pool.rings.v, pool.rings.index[layer])
+
+
 def write_kv(pool, layer: int, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
     """Store k_new, v_new [N, Hkv, D] at rows `slots` [N * Hkv] of the pool's layer."""
     if torch.compiler.is_compiling():
-        torch.ops.oval_edge.write_kv(pool.k, pool.v, layer, slots, k_new, v_new)
+        torch.ops.oval_edge.write_kv(*_storage(pool, layer), slots, k_new, v_new)
         return
     pool.write_rows(layer, slots, k_new, v_new)  # on the pool's per-layer views: no view op per call
 
@@ -93,6 +99,7 @@ def page_scores(pool, layer: int, q: torch.Tensor, page_table: torch.Tensor, cou
                 scale: float) -> torch.Tensor:
     """oval page scores [B, Hkv, Np] of q [B, Hkv, G, D] from the pool's records of one layer."""
     basis, coords = pool.summaries["basis"], pool.summaries["coords"]
+    layer = pool.paged_index[layer]
     if torch.compiler.is_compiling():
         return torch.ops.oval_edge.page_scores(q, basis, coords, layer, page_table, counts, scale)
     return _page_scores(q, basis, coords, layer, page_table, counts, scale)
@@ -102,7 +109,7 @@ def attend_slots(pool, layer: int, q: torch.Tensor, flat: torch.Tensor, valid: t
                  limits: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q [B, Hq, D] over the valid slots `flat` [B, Hkv, T] of one layer of the pool -> [B, Hq, D]."""
     if torch.compiler.is_compiling():
-        return torch.ops.oval_edge.attend_slots(q, pool.k, pool.v, layer, flat, valid, limits, scale)
+        return torch.ops.oval_edge.attend_slots(q, *_storage(pool, layer), flat, valid, limits, scale)
     return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, limits)
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
-from oval_edge.geometry import KVGeometry, decode_graph_bytes, kv_dims, prefill_workspace_bytes, size_pool
+from oval_edge.geometry import (KVGeometry, decode_graph_bytes, kv_dims, prefill_workspace_bytes, ring_layout,
+                                size_pool)
 from oval_edge.kernels.cpu import describe_kernels
 from oval_edge.kv.pool import PagePool
 from oval_edge.runtime.model.loader import LoadedModel
@@ -88,7 +89,8 @@ def pool_geometry(model_config, oval: OvalConfig, config: EngineConfig, device: 
                   activations: torch.dtype | None = None) -> KVGeometry:
     """The pool's shape for this model, config and device (the planner predicts the same one)."""
     act = None if activations is None else str(activations).removeprefix("torch.")
-    return KVGeometry.for_oval(*kv_dims(model_config), oval, oval.pool_dtype(device.type, act), config.summary_kinds)
+    return KVGeometry.for_oval(*kv_dims(model_config), oval, oval.pool_dtype(device.type, act), config.summary_kinds,
+                               ring_layout(model_config))
 
 
 def uses_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
@@ -103,8 +105,13 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
     log.info("decode kernels: %s", describe_kernels(loaded.device))
     geometry = pool_geometry(c, oval, config, loaded.device, loaded.dtype)
     salt = prefix_salt(loaded, oval, geometry) if config.prefix_cache else None
+    if salt is not None and geometry.ring_layers:
+        log.info("prefix cache: off (%d sliding-window layers keep only their window; a cached page's keys are "
+                 "gone from their rings)", len(geometry.ring_layers))
+        salt = None
     if config.num_pages is not None:
-        pool = PagePool(geometry, config.num_pages, loaded.device, eta=oval.eta, prefix_salt=salt)
+        pool = PagePool(geometry, config.num_pages, loaded.device, eta=oval.eta, prefix_salt=salt,
+                        ring_sequences=config.max_batch)
         log.info("KV pool: %d pages fixed by num_pages (%s)", config.num_pages, format_bytes(pool.nbytes()))
         return pool
     act_bytes = torch.finfo(loaded.dtype).bits // 8
@@ -123,12 +130,14 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
     if budget is None:
         # Enough for max_batch sequences at full context, but never more than the memory there is.
         wanted = loaded.weight_bytes + workspace + reserve
-        wanted += config.max_batch * -(-max_model_len // oval.page_size) * geometry.bytes_per_page
+        wanted += config.max_batch * (-(-max_model_len // oval.page_size) * geometry.bytes_per_page
+                                      + geometry.ring_bytes_per_sequence)
         held = loaded.weight_bytes + reserve  # already inside `available` accounting below
         budget = min(wanted, held + int(0.8 * available_bytes(loaded.device)))
-    sizing = size_pool(budget, loaded.weight_bytes, geometry, workspace, reserve)
+    sizing = size_pool(budget, loaded.weight_bytes, geometry, workspace, reserve, ring_sequences=config.max_batch)
     log.info("KV pool: %s", sizing.explain())
-    return PagePool(geometry, sizing.pages, loaded.device, eta=oval.eta, sizing=sizing, prefix_salt=salt)
+    return PagePool(geometry, sizing.pages, loaded.device, eta=oval.eta, sizing=sizing, prefix_salt=salt,
+                    ring_sequences=config.max_batch)
 
 
 def prefix_salt(loaded: LoadedModel, oval: OvalConfig, geometry: KVGeometry) -> bytes:

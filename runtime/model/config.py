@@ -8,14 +8,18 @@ sixth of a small Jetson's budget for serving.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+from .families.gemma import GEMMA_TYPES, gemma_fields, text_part, with_defaults
 from .source import check_architecture
 
 ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")  # the MLP's gate activation (Gemma: GeGLU with tanh-gelu)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,19 @@ class DecoderConfig:
     eos_token_id: int | list[int] | None = None
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
     rope_layers: tuple[int, ...] = ()  # SmolLM3: 1 where layer i rotates q/k, 0 for a NoPE layer; () = all rotate
+    # Gemma 2/3 (gemma_family.py reads them): RMSNorm scales by (offset + w), stored folded at load; norms after the
+    # attention and the MLP outputs too ("sandwich"); the embedding times sqrt(hidden); attention scaled by
+    # query_pre_attn_scalar^-0.5 instead of head_dim^-0.5; tanh soft-capping of attention and final logits
+    # (0: none); sliding-window layers (transformers' layer_types names) with their own RoPE base (0: the same).
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embedding_scale: float = 1.0
+    attention_scale: float = 0.0  # 0: head_dim ** -0.5
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer; () = all full
+    sliding_window: int = 0
+    local_rope_theta: float = 0.0
     where: str = ""  # the file or folder it came from, for error messages
 
     def __post_init__(self) -> None:
@@ -54,9 +71,19 @@ class DecoderConfig:
             raise ValueError(f"model {self.where}: head_dim={self.head_dim} must be even for rotary embeddings")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ValueError(f"model {self.where}: rope_theta={self.rope_theta!r} must be a positive number")
-        if self.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"model {self.where}: hidden_act={self.hidden_act!r} is not supported; Llama-family "
-                             "decoders use silu")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"model {self.where}: hidden_act={self.hidden_act!r} is not supported; supported: "
+                             f"{', '.join(ACTIVATIONS)}")
+        bad_kinds = [kind for kind in self.layer_types if kind not in LAYER_TYPES]
+        if self.layer_types and (len(self.layer_types) != self.num_hidden_layers or bad_kinds):
+            raise ValueError(f"model {self.where}: layer_types={list(self.layer_types)} must name one of "
+                             f"{', '.join(LAYER_TYPES)} per layer ({self.num_hidden_layers} layers)")
+        if self.attn_softcap:
+            # The decode kernels (C, Triton) and SDPA take no soft-cap; refuse rather than attend wrongly.
+            raise ValueError(f"model {self.where}: attention logit soft-capping ({self.attn_softcap}, Gemma 2) is "
+                             "not supported yet; Gemma 3 models load")
+        if "sliding_attention" in self.layer_types and self.sliding_window < 1:
+            raise ValueError(f"model {self.where}: sliding layers need sliding_window >= 1, got {self.sliding_window}")
         if self.rope_layers and (len(self.rope_layers) != self.num_hidden_layers
                                  or any(flag not in (0, 1) for flag in self.rope_layers)):
             raise ValueError(f"model {self.where}: no_rope_layers={list(self.rope_layers)} must hold one 0 or 1 per "
@@ -65,6 +92,22 @@ class DecoderConfig:
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"model {self.where}: rope scaling {rope_type!r} is not supported; supported: "
                              f"{', '.join(ROPE_TYPES)}")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends only to its last `sliding_window` positions (its K/V live in a ring)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def scaling(self) -> float:
+        """The attention logits' scale."""
+        return self.attention_scale or self.head_dim ** -0.5
+
+    def local_rope(self) -> "DecoderConfig | None":
+        """The rotary shape of the sliding layers where it differs from the full ones' (Gemma 3: their own base,
+        no scaling), else None."""
+        if not self.local_rope_theta:
+            return None
+        return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_scaling={}, local_rope_theta=0.0)
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates its queries and keys (a NoPE layer caches its keys unrotated)."""
@@ -78,17 +121,24 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "DecoderConfig":
         """From transformers-named keys: a config.json, or the dict transformers parses out of a GGUF header."""
+        d = text_part(d)
         check_architecture(d.get("model_type"), where)
-        window = d.get("sliding_window")
-        sliding = "sliding_attention" in (d.get("layer_types") or [])
-        if window and (d.get("use_sliding_window", True) or sliding) and window < d.get("max_position_embeddings", 0):
-            # Attention limited to the last `window` tokens is not implemented: refuse rather than attend wrongly.
-            raise ValueError(f"model {where}: sliding-window attention ({window} tokens) is not supported; use a "
-                             "model without it (e.g. Mistral v0.2+, where sliding_window is null)")
         try:
+            if d["model_type"] in GEMMA_TYPES:
+                d = with_defaults(d)
+            family = gemma_fields(d) if d["model_type"] in GEMMA_TYPES else {}
+            window = d.get("sliding_window")
+            sliding = "sliding_attention" in (d.get("layer_types") or [])
+            if not family and window and (d.get("use_sliding_window", True) or sliding) \
+                    and window < d.get("max_position_embeddings", 0):
+                # Only the families whose sliding layers are known (Gemma) keep a ring per sliding layer; for the
+                # others refuse rather than attend wrongly.
+                raise ValueError(f"model {where}: sliding-window attention ({window} tokens) is not supported for "
+                                 f"{d['model_type']}; use a model without it (e.g. Mistral v0.2+, where "
+                                 "sliding_window is null)")
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
-            rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+            rope = dict(family.pop("global_rope", None) or d.get("rope_parameters") or d.get("rope_scaling") or {})
             theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
             if rope.get("rope_type", rope.get("type")) == "default":
                 rope = {}
@@ -105,9 +155,10 @@ class DecoderConfig:
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=rope,
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), hidden_act=d.get("hidden_act", "silu"),
-                bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), qk_norm=kind == "qwen3",
-                rope_layers=rope_layers, where=where,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                hidden_act=d.get("hidden_activation") or d.get("hidden_act", "silu"),
+                bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), qk_norm=kind in ("qwen3", "gemma3_text"),
+                rope_layers=rope_layers, where=where, **family,
             )
         except KeyError as exc:
             raise ValueError(f"model {where}: its configuration lacks {exc.args[0]!r}") from None

@@ -35,7 +35,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: DecoderConfig, freq_factors: torch.Tensor | None = None):
         super().__init__()
-        inv_freq = rotary_inv_freq(config)  # [head_dim / 2] fp32
+        inv_freq = rotary_inv_freq(config)  # [head_dim / 2] fp32 (config.rope_local() for Gemma 3's sliding layers)
         if freq_factors is not None:  # a Llama 3.1 GGUF's rope_freqs: llama.cpp divides each frequency by its factor
             inv_freq = inv_freq / freq_factors.float()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -56,21 +56,37 @@ class DecoderAttention(nn.Module):
         self.use_rope = use_rope  # False in a NoPE layer (SmolLM3): q and k are not rotated (transformers' name)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' gelu_pytorch_tanh (Gemma's GeGLU gate)."""
+    return F.gelu(x, approximate="tanh")
+
+
+GATE_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
 class DecoderMLP(nn.Module):
-    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module):
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, act: str = "silu"):
         super().__init__()
         self.gate_up_proj = gate_up_proj  # hidden -> 2 * intermediate, rows gate | up
         self.down_proj = down_proj
-        self.act_fn = F.silu
+        self.act_fn = GATE_ACTIVATIONS[act]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, attention: DecoderAttention, mlp: DecoderMLP, input_norm: RMSNorm, post_norm: RMSNorm):
+    """Llama: input_layernorm before attention, post_attention_layernorm before the MLP. Gemma (sandwich norms, the
+    two extra norms given): input_layernorm before attention, post_attention_layernorm on its output,
+    pre_feedforward_layernorm before the MLP, post_feedforward_layernorm on its output (transformers' names)."""
+
+    def __init__(self, attention: DecoderAttention, mlp: DecoderMLP, input_norm: RMSNorm, post_norm: RMSNorm,
+                 pre_ffn_norm: RMSNorm | None = None, post_ffn_norm: RMSNorm | None = None):
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
         self.input_layernorm = input_norm
         self.post_attention_layernorm = post_norm
+        if pre_ffn_norm is not None:
+            self.pre_feedforward_layernorm = pre_ffn_norm
+            self.post_feedforward_layernorm = post_ffn_norm
 
 
 class DecoderStack(nn.Module):
@@ -81,6 +97,9 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.rotary_emb = RotaryEmbedding(config, freq_factors)
+        local = config.local_rope()
+        if local is not None:  # Gemma 3: sliding layers rotate with their own base
+            self.rotary_emb_local = RotaryEmbedding(local)
 
 
 class DecoderModel(nn.Module):

@@ -20,9 +20,10 @@ from .heap import release_heap
 from .quantize import linear4bit, pack_for_cpu
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
-_REQUIRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-             "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
-             "mlp.up_proj.weight", "mlp.down_proj.weight")
+_REQUIRED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+_LAYER_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+_SANDWICH_NORMS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")  # Gemma
 
 
 def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.device, dtype: torch.dtype,
@@ -46,6 +47,14 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
     def read(name: str, as_dtype: torch.dtype = storage) -> torch.Tensor:
         return weights.read(name, as_dtype)
 
+    # Gemma's (1 + w), folded into the stored weight here, unless the file already holds 1 + w (llama.cpp's GGUF)
+    offset = 0.0 if getattr(weights, "norms_folded", False) else config.norm_offset
+
+    def norm(name: str) -> RMSNorm:
+        """An RMSNorm whose stored weight is offset + w, computed in fp32 as Gemma computes (1 + w)."""
+        weight = read(name, torch.float32)
+        return RMSNorm((weight + offset if offset else weight).to(device=device, dtype=dtype), config.rms_norm_eps)
+
     def projection(parts: list[str], prefix: str) -> nn.Module:
         weight = torch.cat([read(f"{prefix}{p}.weight") for p in parts])  # [sum of outs, in]
         biases = [f"{prefix}{p}.bias" for p in parts]
@@ -64,15 +73,18 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
         if any(n not in per_layer[index] for n in head_norms):
             raise ValueError(f"model {where}: layer {index} lacks {' or '.join(head_norms)} ({config.model_type} "
                              "normalizes each query and key head)")
-        q_norm, k_norm = (RMSNorm(read(prefix + n, dtype).to(device), config.rms_norm_eps)
-                          for n in head_norms) if head_norms else (None, None)
+        q_norm, k_norm = (norm(prefix + n) for n in head_norms) if head_norms else (None, None)
         attention = DecoderAttention(projection(["q_proj", "k_proj", "v_proj"], prefix + "self_attn."),
                                      projection(["o_proj"], prefix + "self_attn."), q_norm, k_norm,
                                      config.uses_rope(index))
         mlp = DecoderMLP(projection(["gate_proj", "up_proj"], prefix + "mlp."),
-                         projection(["down_proj"], prefix + "mlp."))
-        norms = [RMSNorm(read(prefix + n, dtype).to(device), config.rms_norm_eps)
-                 for n in ("input_layernorm.weight", "post_attention_layernorm.weight")]
+                         projection(["down_proj"], prefix + "mlp."), config.hidden_act)
+        layer_norms = _LAYER_NORMS + (_SANDWICH_NORMS if config.sandwich_norms else ())
+        missing = [n for n in layer_norms if n not in per_layer[index]]
+        if missing:
+            raise ValueError(f"model {where}: layer {index} lacks {', '.join(missing)} ({config.model_type} norms "
+                             "the attention and MLP outputs too)")
+        norms = [norm(prefix + n) for n in layer_norms]
         layers.append(DecoderLayer(attention, mlp, *norms))
         if quant != "none" and device.type == "cpu":
             pack_for_cpu(layers[-1])  # repacking leaves the unpacked copies behind: trim them layer by layer
@@ -80,8 +92,7 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
     untied = "lm_head.weight" in names and not config.tie_word_embeddings
     embed, head = _embedding_and_head(weights, read, untied, quant, device, dtype)
     factors = read("rope_freqs", torch.float32) if "rope_freqs" in names else None
-    stack = DecoderStack(config, embed, layers, RMSNorm(read("model.norm.weight", dtype).to(device),
-                                                        config.rms_norm_eps), factors)
+    stack = DecoderStack(config, embed, layers, norm("model.norm.weight"), factors)
     stack.rotary_emb.to(device)  # everything else was created on `device`; .to() would touch the 4-bit params
     return DecoderModel(config, stack, head).eval().requires_grad_(False)
 

@@ -96,21 +96,45 @@ def gguf_config_values(source: ModelSource) -> dict:
 
     try:
         values = load_gguf_checkpoint(source.path, return_tensors=False)["config"]
-        head_dim = _key_length(source.path, values.get("model_type"))
+        values.update(_fields_transformers_drops(source.path, values))
     except Exception as exc:  # a truncated or foreign file raises anything from struct to numpy errors
         raise ValueError(f"model {source.path}: cannot read its configuration ({type(exc).__name__}: {exc})") from exc
-    if head_dim:
-        values["head_dim"] = head_dim
     return values
 
 
-def _key_length(path: str, architecture: str | None) -> int | None:
-    """`{arch}.attention.key_length`: the head dimension where it is not hidden / heads (Qwen3: 128 at any width).
-    transformers' GGUF reader drops it for some architectures, and the config class's default is then used."""
+def _fields_transformers_drops(path: str, values: dict) -> dict:
+    """Config keys transformers' GGUF reader leaves out, read from the header or fixed as llama.cpp fixes them.
+
+    - `{arch}.attention.key_length`: the head dimension where it is not hidden / heads (Qwen3: 128 at any width).
+    - Gemma 3 (llama.cpp's llama-model.cpp hard-codes what its header does not carry): a full layer every 6th,
+      sliding layers rotating with base 10000, attention scaled by head_dim ** -0.5 (hidden / heads for the 62-layer
+      27B), and the full layers' rope scaling from `gemma3.rope.scaling.type` / `.factor`.
+    """
     from gguf import GGUFReader
 
-    field = GGUFReader(path).fields.get(f"{architecture}.attention.key_length")
-    return int(field.parts[field.data[0]][0]) if field is not None else None
+    kind = values.get("model_type")
+    arch = "gemma3" if kind == "gemma3_text" else kind
+    fields = GGUFReader(path).fields
+
+    def scalar(key: str):
+        field = fields.get(f"{arch}.{key}")
+        if field is None:
+            return None
+        part = field.parts[field.data[0]]
+        return bytes(part).decode() if part.dtype == "uint8" and len(part) > 1 else part[0].item()
+
+    extra = {}
+    head_dim = scalar("attention.key_length")
+    if head_dim:
+        extra["head_dim"] = int(head_dim)
+    if kind == "gemma3_text":
+        layers, heads = int(values["num_hidden_layers"]), int(values["num_attention_heads"])
+        extra.update(sliding_window_pattern=6, rope_local_base_freq=10000.0,
+                     query_pre_attn_scalar=values["hidden_size"] // heads if layers == 62
+                     else int(head_dim or values.get("head_dim") or 256))
+        if scalar("rope.scaling.type") == "linear" and scalar("rope.scaling.factor"):
+            extra["rope_scaling"] = {"rope_type": "linear", "factor": float(scalar("rope.scaling.factor"))}
+    return extra
 
 
 if __name__ == "__main__":

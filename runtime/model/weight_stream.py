@@ -28,6 +28,13 @@ _GGUF_LAYER = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3's per-head norms
 }
+# Gemma in llama.cpp's names: four norms per layer, and ffn_norm is the one *before* the MLP (Llama's
+# post_attention_layernorm); llama.cpp's converter stored each norm weight as 1 + w (NORMS_FOLDED).
+_GGUF_GEMMA_LAYER = {
+    **_GGUF_LAYER, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GGUF_LAYER_BY_ARCH = {"gemma2": _GGUF_GEMMA_LAYER, "gemma3": _GGUF_GEMMA_LAYER, "gemma3_text": _GGUF_GEMMA_LAYER}
 _GGUF_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _CHUNK_BYTES = 4 << 20  # fp32 bytes dequantized at once: bounds the load peak whatever the tensor size
 
@@ -43,7 +50,9 @@ class GGUFWeights:
         self._reader = GGUFReader(path)
         self._permute = {"self_attn.q_proj.weight": heads, "self_attn.k_proj.weight": kv_heads} \
             if architecture in ("llama", "mistral", "smollm3") else {}
-        self._tensors = {_hf_name(tensor.name, path): tensor for tensor in self._reader.tensors}
+        layer_names = _GGUF_LAYER_BY_ARCH.get(architecture, _GGUF_LAYER)
+        self._tensors = {_hf_name(tensor.name, path, layer_names): tensor for tensor in self._reader.tensors}
+        self.norms_folded = architecture in _GGUF_LAYER_BY_ARCH  # see _GGUF_GEMMA_LAYER
         # The parsed header (49k vocabulary strings as numpy views: ~100 MB of Python objects) is not needed here;
         # the configuration and tokenizer are read elsewhere. The tensors keep their views into the file's map.
         self._reader.fields.clear()
@@ -112,13 +121,16 @@ class SafetensorsWeights:
         self.path = directory
         self._files = {}
         self._where: dict[str, object] = {}
+        self._stored: dict[str, str] = {}  # decoder name -> the name in the file, where they differ
         shards = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
         for shard in shards:
             handle = safe_open(os.path.join(directory, shard), framework="pt")
             self._files[shard] = handle
             for key in handle.keys():
-                if not key.endswith("rotary_emb.inv_freq"):  # recomputed from the config
-                    self._where[key] = handle
+                if not key.endswith("rotary_emb.inv_freq") and not key.startswith(_NOT_THE_DECODER):
+                    self._where[_decoder_name(key)] = handle
+                    if _decoder_name(key) != key:
+                        self._stored[_decoder_name(key)] = key
         if not shards:
             for shard in sorted(f for f in os.listdir(directory) if f.endswith(".bin")):
                 state = torch.load(os.path.join(directory, shard), map_location="cpu", mmap=True, weights_only=True)
@@ -132,17 +144,20 @@ class SafetensorsWeights:
 
     def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         source = self._where[name]
+        name = self._stored.get(name, name)
         tensor = source[name] if isinstance(source, dict) else source.get_tensor(name)
         return tensor.to(dtype).contiguous()
 
     def read_rows(self, name: str, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop-1 of a 2-D tensor, read alone (safetensors slices the file's map)."""
         source = self._where[name]
+        name = self._stored.get(name, name)
         rows = source[name][start:stop] if isinstance(source, dict) else source.get_slice(name)[start:stop]
         return rows.to(dtype).contiguous()
 
     def rows(self, name: str) -> int:
         source = self._where[name]
+        name = self._stored.get(name, name)
         return int(source[name].shape[0] if isinstance(source, dict) else source.get_slice(name).get_shape()[0])
 
     def close(self) -> None:
@@ -150,14 +165,28 @@ class SafetensorsWeights:
         self._files.clear()
 
 
-def _hf_name(gguf_name: str, path: str) -> str:
+# A multimodal checkpoint (Gemma 3's Gemma3ForConditionalGeneration) holds the text decoder under a prefix, next to
+# a vision tower that is not run.
+_NOT_THE_DECODER = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_DECODER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                     ("language_model.lm_head.", "lm_head."))
+
+
+def _decoder_name(key: str) -> str:
+    for prefix, plain in _DECODER_PREFIXES:
+        if key.startswith(prefix):
+            return plain + key[len(prefix):]
+    return key
+
+
+def _hf_name(gguf_name: str, path: str, layer_names: dict) -> str:
     if gguf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[gguf_name]
     match = _GGUF_LAYER_NAME.match(gguf_name)
-    if match is None or match.group(2) not in _GGUF_LAYER:
-        raise ValueError(f"model {path}: tensor {gguf_name!r} is not part of a Llama-family decoder; oval-edge "
-                         "runs Llama, SmolLM2, Mistral, Qwen2 and Qwen3 GGUF files")
-    return f"model.layers.{match.group(1)}.{_GGUF_LAYER[match.group(2)]}.{match.group(3)}"
+    if match is None or match.group(2) not in layer_names:
+        raise ValueError(f"model {path}: tensor {gguf_name!r} is not part of a supported decoder; oval-edge runs "
+                         "Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 GGUF files")
+    return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
 
 
 def _unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -18,15 +18,15 @@ from oval_edge.config import OvalConfig
 from oval_edge.geometry import head_dim_of
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
-from oval_edge.runtime.model.projections import bind_norm, bind_projection
+from oval_edge.runtime.model.projections import bind_norm
 from oval_edge.sparse.attention import decode_attention
 from oval_edge.sparse.reuse import SelectionReuse
 from oval_edge.sparse.selection import DecodePlan, Selection
 
+from .layer_ops import HeadNorms, LayerOps  # noqa: F401  (HeadNorms: re-exported for the tests)
 from .step_rows import DecodeRows, PrefillRows, StepStats
 
 ATTENTION_MODES = ("oval", "dense")
-MLP_ROW_BLOCK = 128  # prefill rows per MLP call: 128 x 2 x 1536 fp32 = 1.5 MB for SmolLM2 instead of 6 MB
 # (layer, q [B, Hq, D], step) -> page scores [B, Hkv, Np], or None for the config's scorer; called in sparse decode
 # layers (the eval's oracle scorer, tests that record the queries).
 ScoreOverride = Callable[[int, torch.Tensor, StepIndex], "torch.Tensor | None"]
@@ -69,7 +69,10 @@ class PagedLlama:
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = head_dim_of(cfg)
-        self.scale = self.head_dim**-0.5
+        # Gemma: query_pre_attn_scalar ** -0.5 (DecoderConfig.scaling); a transformers config: head_dim ** -0.5
+        self.scale = getattr(cfg, "scaling", self.head_dim**-0.5)
+        self.embedding_scale = float(getattr(cfg, "embedding_scale", 1.0))
+        self.final_softcap = float(getattr(cfg, "final_softcap", 0.0))
         self.qkv_split = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.hooks = DecodeHooks()
         # Selection reuse (DESIGN §4.7, oval_edge/sparse/reuse.py); None unless config.reuse_tau is set.
@@ -78,7 +81,14 @@ class PagedLlama:
         if self.reuse is not None:
             self.hooks.layer = self._reuse_layer
         self.last_selections: list[Selection | None] = []
-        self.ops = [LayerOps.bind(layer, self.num_heads, self.kv_heads) for layer in self.layers]
+        sliding = [bool(getattr(cfg, "is_sliding", lambda i: False)(i)) for i in range(len(self.layers))]
+        local = getattr(self.decoder, "rotary_emb_local", None)  # Gemma 3: the sliding layers' own rotary table
+        self.rotary_modules = [self.decoder.rotary_emb] + ([local] if local is not None else [])
+        self.ops = [LayerOps.bind(layer, self.num_heads, self.kv_heads, int(local is not None and sliding[i]),
+                                  sliding[i]) for i, layer in enumerate(self.layers)]
+        if any(sliding) and not pool.geometry.ring_layers:
+            raise ValueError("this model has sliding-window layers but the pool keeps no ring for them; build the "
+                             "pool with KVGeometry.for_model (ring_layers, window)")
         self.final_norm = bind_norm(self.decoder.norm)
 
     @torch.inference_mode()
@@ -105,8 +115,8 @@ class PagedLlama:
         """
         ids = torch.cat([g.ids for g in groups]) if len(groups) > 1 else groups[0].ids
         positions = torch.cat([g.positions for g in groups]) if len(groups) > 1 else groups[0].positions
-        hidden = self.decoder.embed_tokens(ids)  # [N, hidden]
-        cos, sin = self.rotary(hidden, positions)
+        hidden = self.embed(ids)  # [N, hidden]
+        tables = self.rotary_tables(hidden, positions)
         starts = [0, *itertools.accumulate(g.ids.shape[0] for g in groups)]  # host ints: shapes, no sync
         if len(groups) == 1:
             attention = groups[0].attend
@@ -116,27 +126,49 @@ class PagedLlama:
             def attention(index, x, q, k, v):  # each group attends over its own slice of the step's tokens
                 return torch.cat([g.attend(index, x[a:b], q[a:b], k[a:b], v[a:b]) for g, a, b in spans])
 
-        hidden = self.run_layers(hidden, cos, sin, attention)
+        hidden = self.run_layers(hidden, tables, attention)
         picked = torch.cat([g.output_rows + start for g, start in zip(groups, starts)]) if len(groups) > 1 \
             else groups[0].output_rows
-        logits = self.model.lm_head(self.final_norm(hidden[picked])).float()
+        logits = self.logits(hidden[picked])
         return list(logits.split([g.output_rows.shape[0] for g in groups]))
 
-    def run_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
-        """The decoder layers over hidden [N, hidden] with cos, sin [N, 1, D]; attention(layer, x, q, k, v) -> out
-        [N, Hq, D] writes the layer's new K/V and attends (x is the normed input, for the window hook)."""
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [N] -> hidden [N, hidden] (Gemma multiplies by sqrt(hidden); a tied head keeps the raw table)."""
+        hidden = self.decoder.embed_tokens(ids)
+        return hidden * self.embedding_scale if self.embedding_scale != 1.0 else hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and the head: hidden [n, hidden] -> fp32 logits [n, vocab] (Gemma 2 soft-caps them)."""
+        logits = self.model.lm_head(self.final_norm(hidden)).float()
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def rotary_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> list:
+        """[(cos, signed sin) [N, 1, D]] per rotary table the layers use (one; Gemma 3: global and local)."""
+        if len(self.rotary_modules) == 1:
+            return [self.rotary(hidden, positions)]
+        return [self.rotary(hidden, positions, module) for module in self.rotary_modules]
+
+    def run_layers(self, hidden: torch.Tensor, tables: list, attention) -> torch.Tensor:
+        """The decoder layers over hidden [N, hidden] with the step's rotary tables (rotary_tables);
+        attention(layer, x, q, k, v) -> out [N, Hq, D] writes the layer's new K/V and attends (x is the normed
+        input, for the window hook)."""
         n = hidden.shape[0]
         for index, ops in enumerate(self.ops):
             x = ops.input_norm(hidden)
-            q, k, v = self.qkv(ops, x, n, cos, sin)
-            out = attention(index, x, q, k, v)
-            hidden = hidden + ops.o_proj(out.reshape(n, self.num_heads * self.head_dim))
-            hidden = hidden + ops.mlp(ops.post_norm(hidden))
+            q, k, v = self.qkv(ops, x, n, *tables[ops.rotary])
+            out = ops.o_proj(attention(index, x, q, k, v).reshape(n, self.num_heads * self.head_dim))
+            hidden = hidden + (ops.attn_out_norm(out) if ops.attn_out_norm is not None else out)
+            out = ops.mlp(ops.post_norm(hidden))
+            hidden = hidden + (ops.mlp_out_norm(out) if ops.mlp_out_norm is not None else out)
         return hidden
 
-    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [N, 1, D] for the step's positions [N] (hidden [N, hidden] gives the dtype)."""
-        cos, sin = self.decoder.rotary_emb(hidden[None], positions[None])  # [1, N, D] each
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor,
+               module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [N, 1, D] for the step's positions [N] (hidden [N, hidden] gives the dtype), from the
+        decoder's rotary embedding or `module`."""
+        cos, sin = (module or self.decoder.rotary_emb)(hidden[None], positions[None])  # [1, N, D] each
         # [N, 1, D] broadcast over heads; the sign folded in once per step, so each layer's RoPE is three ops
         return cos[0, :, None, :], _signed_sin(sin[0, :, None, :])
 
@@ -199,80 +231,3 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     is x rolled by D/2. Three ops per call instead of seven: RoPE runs twice per layer per step.
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
-
-@dataclass
-class HeadNorms:
-    """Qwen3's RMSNorm over each query and key head (before RoPE), bound once per layer.
-
-    `both` normalizes the fused q|k heads [n, Hq + Hkv, D] in one op with the two weights stacked per head
-    ([Hq + Hkv, D]): the same arithmetic as the two modules (normalize in fp32, then scale), half the calls.
-    """
-
-    weights: torch.Tensor  # [Hq + Hkv, D]
-    eps: float
-    q_norm: torch.nn.Module
-    k_norm: torch.nn.Module
-
-    @classmethod
-    def bind(cls, attn: torch.nn.Module, heads: int, kv_heads: int) -> "HeadNorms | None":
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        if q_norm is None or k_norm is None:
-            return None
-        weights = torch.cat([q_norm.weight.expand(heads, -1), k_norm.weight.expand(kv_heads, -1)])
-        return cls(weights, float(getattr(q_norm, "variance_epsilon", getattr(q_norm, "eps", 1e-6))), q_norm, k_norm)
-
-    def both(self, qk: torch.Tensor) -> torch.Tensor:
-        normed = torch.nn.functional.rms_norm(qk.float(), (qk.shape[-1],), None, self.eps).to(qk.dtype)
-        return normed * self.weights
-
-    def q(self, q: torch.Tensor) -> torch.Tensor:
-        return self.q_norm(q)
-
-    def k(self, k: torch.Tensor) -> torch.Tensor:
-        return self.k_norm(k)
-
-
-@dataclass
-class LayerOps:
-    """One decoder layer's weights bound for the runtime's forward (runtime/model/projections.py): the 4-bit projections
-    straight to their kernel, the norms to one fused op. The modules stay the owners of the weights."""
-
-    input_norm: Callable
-    post_norm: Callable
-    qkv: Callable | None  # fused q/k/v (the loader fuses 4-bit layers); else q, k, v separately
-    q: Callable | None
-    k: Callable | None
-    v: Callable | None
-    o_proj: Callable
-    gate_up: Callable | None
-    mlp_module: torch.nn.Module
-    down: Callable
-    act: Callable
-    qk_norm: HeadNorms | None = None  # Qwen3
-    rope: bool = True  # False in a NoPE layer (SmolLM3): q and k are used, and k cached, unrotated
-
-    @classmethod
-    def bind(cls, layer: torch.nn.Module, heads: int, kv_heads: int) -> "LayerOps":
-        attn, mlp = layer.self_attn, layer.mlp
-        fused = getattr(attn, "qkv_proj", None)
-        gate_up = getattr(mlp, "gate_up_proj", None)
-        return cls(
-            input_norm=bind_norm(layer.input_layernorm), post_norm=bind_norm(layer.post_attention_layernorm),
-            qkv=bind_projection(fused) if fused is not None else None,
-            q=None if fused is not None else bind_projection(attn.q_proj),
-            k=None if fused is not None else bind_projection(attn.k_proj),
-            v=None if fused is not None else bind_projection(attn.v_proj),
-            o_proj=bind_projection(attn.o_proj),
-            gate_up=bind_projection(gate_up) if gate_up is not None else None,
-            mlp_module=mlp, down=bind_projection(mlp.down_proj), act=mlp.act_fn,
-            qk_norm=HeadNorms.bind(attn, heads, kv_heads), rope=bool(getattr(attn, "use_rope", True)),
-        )
-
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > MLP_ROW_BLOCK:  # prefill chunks: bound the [rows, 2 x intermediate] fp32 transients
-            return torch.cat([self.mlp(x[i : i + MLP_ROW_BLOCK]) for i in range(0, x.shape[0], MLP_ROW_BLOCK)])
-        if self.gate_up is None:
-            return self.mlp_module(x)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [n, intermediate] each
-        return self.down(self.act(gate) * up)

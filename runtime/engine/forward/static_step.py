@@ -28,12 +28,14 @@ from oval_edge.geometry import batch_buckets
 from oval_edge.kernels.cpu import decode_kernels
 from oval_edge.sparse.scoring import group_queries, score_pages
 from oval_edge.sparse.selection import DecodePlan, slots_per_step
+from oval_edge.sparse.sliding import ring_slots
 from oval_edge.sparse.step_ops import attend_slots, page_scores, select_slots, write_kv
 
 from .paged_llama import PagedLlama
 from .step_rows import StepStats
 
-ROW_FIELDS = ("ids", "positions", "lengths", "sealed", "real", "write_base")  # [B] each, then page_table [B, W]
+# [B] each, then page_table [B, W]; ring_base: each row's first ring page (sliding layers, oval_edge/kv/ring.py)
+ROW_FIELDS = ("ids", "positions", "lengths", "sealed", "real", "write_base", "ring_base")
 
 
 class StaticStep:
@@ -47,13 +49,17 @@ class StaticStep:
         self.host = torch.zeros(size, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.packed = self.host if dev.type == "cpu" else torch.zeros(size, dtype=torch.long, device=dev)
         fields = self.packed[: batch * len(ROW_FIELDS)].view(len(ROW_FIELDS), batch)
-        self.ids, self.positions, self.lengths, self.sealed, self.real, self.write_base = fields.unbind(0)
+        self.ids, self.positions, self.lengths, self.sealed, self.real, self.write_base, self.ring_base = \
+            fields.unbind(0)
         self.page_table = self.packed[batch * len(ROW_FIELDS):].view(batch, width)
         g = pool.geometry
         self.head_offsets = torch.arange(g.kv_heads, device=dev) * g.page_size  # [Hkv]: head h's rows in a page
         config = runner.config
-        self.dense = [runner.attention == "dense" or i < config.dense_layers for i in range(len(runner.layers))]
+        self.sliding = [ops.sliding for ops in runner.ops]  # ring layers: neither dense over pages nor scored
+        self.dense = [not self.sliding[i] and (runner.attention == "dense" or i < config.dense_layers)
+                      for i in range(len(runner.layers))]
         self.dense_layers = sum(self.dense)
+        self.sliding_layers = sum(self.sliding)
         self.slots = slots_per_step(config)
         # What the attention reads per slot: the native (CPU) and Triton (CUDA) kernels read valid slots in place;
         # the torch ops gather all.
@@ -80,8 +86,9 @@ class StaticStep:
             if len(table) > width or len(table) * P <= position:
                 raise ValueError(f"sequence {sid!r} at position {position} does not fit this step's {width}-page "
                                  "tables or its own pages (it was admitted beyond the engine's token limit?)")
+            ring = pool.rings.base(sid) if pool.rings is not None else 0
             for values, value in zip(rows, (token, position, position + 1, pool.sealed_pages(sid), int(row < n),
-                                            table[position // P] * hkv * P + position % P)):
+                                            table[position // P] * hkv * P + position % P, ring)):
                 values.append(value)
             tables.extend(table)
             tables.extend([0] * (width - len(table)))
@@ -104,11 +111,11 @@ class StaticStep:
     def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step: logits [B, vocab] fp32 and stats [3] (attended slots, window sum, window count; real rows)."""
         runner = self.runner
-        hidden = runner.decoder.embed_tokens(self.ids)  # [B, hidden]
-        cos, sin = runner.rotary(hidden, self.positions)  # [B, 1, D]
+        hidden = runner.embed(self.ids)  # [B, hidden]
+        tables = runner.rotary_tables(hidden, self.positions)  # [(cos, sin) [B, 1, D]]
         attention = self.layer_attention()
-        hidden = runner.run_layers(hidden, cos, sin, attention)
-        logits = runner.model.lm_head(runner.final_norm(hidden)).float()
+        hidden = runner.run_layers(hidden, tables, attention)
+        logits = runner.logits(hidden)
         return logits, attention.stats()
 
     def layer_attention(self) -> "StaticAttention":
@@ -126,12 +133,23 @@ class StaticAttention:
         self.plan = DecodePlan(config, step.lengths, step.sealed, step.width, self.runner.kv_heads, step.page_table,
                                static=True)
         self.slots = (step.write_base[:, None] + step.head_offsets).reshape(-1)  # [B * Hkv] rows this step writes
+        self.ring_slots = self.ring = None
+        if step.sliding_layers:  # the rows' ring rows (the same in every sliding layer) and what the rings hold
+            g = self.pool.geometry
+            page = step.ring_base + (step.positions // g.page_size) % g.ring_pages  # [B]
+            base = page * (g.kv_heads * g.page_size) + step.positions % g.page_size
+            self.ring_slots = (base[:, None] + step.head_offsets).reshape(-1)  # [B * Hkv]
+            self.ring = ring_slots(step.lengths, step.ring_base, g)  # flat, valid [B, Hkv, R * P]
         self.valids: list[torch.Tensor] = []
         self.windows: list[torch.Tensor] = []
 
     def __call__(self, index: int, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, D], k, v [B, Hkv, D] -> out [B, Hq, D]."""
         step, plan = self.step, self.plan
+        if step.sliding[index]:
+            write_kv(self.pool, index, self.ring_slots, k, v)
+            flat, valid = self.ring
+            return attend_slots(self.pool, index, q, flat, valid, None, self.runner.scale)
         write_kv(self.pool, index, self.slots, k, v)
         if step.dense[index]:
             dense = plan.full_dense()
@@ -156,6 +174,8 @@ class StaticAttention:
         step, valids, windows = self.step, self.valids, self.windows
         real = step.real
         attended = (step.lengths * real).sum() * (step.dense_layers * self.runner.kv_heads)
+        if self.ring is not None:  # each sliding layer attends to the ring's valid slots
+            attended = attended + (self.ring[1].sum((1, 2)) * real).sum() * step.sliding_layers
         window_sum = window_count = torch.zeros((), dtype=torch.long, device=real.device)
         if valids:
             attended = attended + (torch.stack(valids).sum((0, 2, 3)) * real).sum()
@@ -213,10 +233,11 @@ class StaticDecoder:
         """The step's statistics vector [3] -> StepStats: the step's one read back, after it."""
         attended, window_sum, window_count = stats.tolist()
         rows = len(step.lengths_list)
-        sparse_layers = len(step.dense) - step.dense_layers
+        sparse_layers = len(step.dense) - step.dense_layers - step.sliding_layers
         shorts = all(length <= step.slots for length in step.lengths_list)
-        gathered = rows * self.runner.kv_heads * (step.dense_layers * self.width * self.runner.pool.page_size
-                                                  + sparse_layers * step.slots)
+        g = self.runner.pool.geometry
+        gathered = rows * self.runner.kv_heads * (step.dense_layers * self.width * g.page_size + sparse_layers
+                                                  * step.slots + step.sliding_layers * g.ring_pages * g.page_size)
         return StepStats(kv_tokens_read=attended if step.reads_valid_only else gathered, attended_tokens=attended,
                          sparse_layers=0 if shorts else sparse_layers,
                          window_mean=window_sum / window_count if window_count else float(self.runner.config.window_min))

@@ -22,6 +22,7 @@ import torch
 
 from oval_edge.kv.step_index import StepIndex
 from oval_edge.sparse.attention import decode_plan, prefill_attention
+from oval_edge.sparse.sliding import sliding_decode, sliding_prefill
 
 
 @dataclass
@@ -51,6 +52,10 @@ class PrefillRows:
         runner = self.runner
         if runner.hooks.window is not None:  # the hook's contract: called for every layer of every step
             runner.hooks.window(index, x, self.step)
+        if runner.ops[index].sliding:  # reads the window from the ring before the chunk overwrites it
+            out = sliding_prefill(runner.pool, index, self.step, q, k, v, runner.scale)
+            runner.pool.write(index, self.step, k, v)
+            return out
         runner.pool.write(index, self.step, k, v)
         return prefill_attention(runner.pool, index, self.step, q, k, v, runner.scale)
 
@@ -74,6 +79,11 @@ class DecodeRows:
         runner, read = self.runner, self.read
         window = runner.hooks.window(index, x, self.step) if runner.hooks.window is not None else None
         runner.pool.write(index, self.step, k, v)
+        if runner.ops[index].sliding:  # the row's ring, exactly: its window and nothing else
+            out, valid = sliding_decode(runner.pool, index, self.step.lengths, self.step.ring_base, q, runner.scale)
+            read.kv_tokens_read += valid.numel()
+            self.attended.append(valid)
+            return out
         out, selection = runner.decode_layer(index, self.step, q, self.plan, window)
         read.kv_tokens_read += selection.valid.numel()
         self.attended.append(selection.valid)

@@ -1,0 +1,84 @@
+"""The sliding-window layers' K/V: a ring of pages per sequence, allocated once with the pool (Gemma 2/3).
+
+A sliding layer's query at position t reads only positions (t - W, t] (W = the window, transformers'
+`kv_idx > q_idx - sliding_window`). Those span at most R = ceil((W - 1) / P) + 1 pages, so each sequence gets R
+pages per sliding layer and logical page j lives in ring page j mod R: writing page j overwrites page j - R, which
+no query from then on can reach. The rings have no summaries and are never scored; the pool's paged tensors hold
+only the full layers, so a model with 5 of 6 layers sliding (Gemma 3) spends a page of budget on 1/6 of the bytes.
+
+Tensors: k, v [sliding layers, sequences * R, kv_heads, page_size, head_dim]; ring r owns pages r*R .. r*R + R - 1.
+`sequences` is how many sequences may hold pages at once (the engine's max_batch): a sequence that finds no free
+ring waits like one that finds no free page.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from oval_edge.geometry import KVGeometry
+
+
+class SlidingRings:
+    def __init__(self, geometry: KVGeometry, sequences: int, dtype: torch.dtype, device: torch.device) -> None:
+        if sequences < 1:
+            raise ValueError(f"ring sequences={sequences} must be >= 1 (how many sequences hold pages at once)")
+        g = geometry
+        self.geometry, self.sequences, self.ring_pages = g, sequences, g.ring_pages
+        self.index = {layer: i for i, layer in enumerate(g.ring_layers)}  # model layer -> row of k / v
+        shape = (len(g.ring_layers), sequences * self.ring_pages, g.kv_heads, g.page_size, g.head_dim)
+        # The only allocations the rings ever make.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_rows = [self.k[i].view(-1, g.head_dim) for i in range(shape[0])]  # [pages * Hkv * P, D] views
+        self.v_rows = [self.v[i].view(-1, g.head_dim) for i in range(shape[0])]
+        self._free: list[int] = list(range(sequences - 1, -1, -1))
+        self._owner: dict[Hashable, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def take(self, seq_id: Hashable) -> bool:
+        """Give the sequence a ring; False (nothing taken) when every ring is held."""
+        if not self._free:
+            return False
+        self._owner[seq_id] = self._free.pop()
+        return True
+
+    def release(self, seq_id: Hashable) -> None:
+        ring = self._owner.pop(seq_id, None)
+        if ring is not None:
+            self._free.append(ring)
+
+    def base(self, seq_id: Hashable) -> int:
+        """The first ring page of the sequence's ring."""
+        return self._owner[seq_id] * self.ring_pages
+
+    def write_plan(self, seq_ids, new_tokens, lengths_after) -> tuple[list[int], list[int]]:
+        """(token indices into the step's N new tokens, their head-0 flat slots) that the step writes to the rings.
+
+        A chunk longer than the ring keeps only its tail: the tokens of its last R pages, so no slot is written
+        twice in one step (index_copy_ with repeated indices keeps an arbitrary one)."""
+        g, R = self.geometry, self.ring_pages
+        P, H = g.page_size, g.kv_heads
+        tokens, slots, offset = [], [], 0
+        for sid, n, end in zip(seq_ids, new_tokens, lengths_after):
+            start = end - n
+            first = max(start, ((end - 1) // P - R + 1) * P)
+            base = self.base(sid)
+            for position in range(first, end):
+                tokens.append(offset + position - start)
+                slots.append((base + (position // P) % R) * H * P + position % P)
+            offset += n
+        return tokens, slots
+
+    def check_invariants(self) -> None:
+        owned = list(self._owner.values())
+        assert len(set(owned)) == len(owned), "a ring held by two sequences"
+        assert not set(owned) & set(self._free), "a ring both held and free"
+        assert len(owned) + len(self._free) == self.sequences, "rings were lost or duplicated"

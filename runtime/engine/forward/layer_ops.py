@@ -1,0 +1,104 @@
+"""One decoder layer's weights bound for the paged forward (runtime/model/projections.py): the 4-bit projections
+straight to their kernel, the norms to one fused op, plus what the layer's family decides (per-head q/k norms,
+NoPE, sandwich norms, which rotary table, a sliding window). The modules stay the owners of the weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from oval_edge.runtime.model.projections import bind_norm, bind_projection
+
+MLP_ROW_BLOCK = 128  # prefill rows per MLP call: 128 x 2 x 1536 fp32 = 1.5 MB for SmolLM2 instead of 6 MB
+
+
+@dataclass
+class HeadNorms:
+    """Qwen3's RMSNorm over each query and key head (before RoPE), bound once per layer.
+
+    `both` normalizes the fused q|k heads [n, Hq + Hkv, D] in one op with the two weights stacked per head
+    ([Hq + Hkv, D]): the same arithmetic as the two modules (normalize in fp32, then scale), half the calls.
+    """
+
+    weights: torch.Tensor  # [Hq + Hkv, D]
+    eps: float
+    q_norm: torch.nn.Module
+    k_norm: torch.nn.Module
+
+    @classmethod
+    def bind(cls, attn: torch.nn.Module, heads: int, kv_heads: int) -> "HeadNorms | None":
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is None or k_norm is None:
+            return None
+        weights = torch.cat([q_norm.weight.expand(heads, -1), k_norm.weight.expand(kv_heads, -1)])
+        return cls(weights, float(getattr(q_norm, "variance_epsilon", getattr(q_norm, "eps", 1e-6))), q_norm, k_norm)
+
+    def both(self, qk: torch.Tensor) -> torch.Tensor:
+        normed = torch.nn.functional.rms_norm(qk.float(), (qk.shape[-1],), None, self.eps).to(qk.dtype)
+        return normed * self.weights
+
+    def q(self, q: torch.Tensor) -> torch.Tensor:
+        return self.q_norm(q)
+
+    def k(self, k: torch.Tensor) -> torch.Tensor:
+        return self.k_norm(k)
+
+
+@dataclass
+class LayerOps:
+    """One decoder layer bound for the runtime's forward (module doc). Per layer:
+    hidden += [attn_out_norm](o_proj(attention(input_norm(hidden)))); hidden += [mlp_out_norm](mlp(post_norm(hidden)))
+    where the bracketed norms exist only with sandwich norms (Gemma; post_norm is then its pre_feedforward norm)."""
+
+    input_norm: Callable
+    post_norm: Callable  # the norm before the MLP
+    qkv: Callable | None  # fused q/k/v (the loader fuses 4-bit layers); else q, k, v separately
+    q: Callable | None
+    k: Callable | None
+    v: Callable | None
+    o_proj: Callable
+    gate_up: Callable | None
+    mlp_module: torch.nn.Module
+    down: Callable
+    act: Callable
+    qk_norm: HeadNorms | None = None  # Qwen3
+    rope: bool = True  # False in a NoPE layer (SmolLM3): q and k are used, and k cached, unrotated
+    attn_out_norm: Callable | None = None  # Gemma: norms of the attention's and the MLP's outputs
+    mlp_out_norm: Callable | None = None
+    rotary: int = 0  # which of the step's rotary tables this layer uses (1: Gemma 3's sliding layers' own base)
+    sliding: bool = False  # attends to its last `sliding_window` positions, kept in the pool's ring
+
+    @classmethod
+    def bind(cls, layer: torch.nn.Module, heads: int, kv_heads: int, rotary: int = 0,
+             sliding: bool = False) -> "LayerOps":
+        attn, mlp = layer.self_attn, layer.mlp
+        fused = getattr(attn, "qkv_proj", None)
+        gate_up = getattr(mlp, "gate_up_proj", None)
+        sandwich = getattr(layer, "pre_feedforward_layernorm", None) is not None
+        if sandwich:
+            pre_mlp = bind_norm(layer.pre_feedforward_layernorm)
+            attn_out, mlp_out = bind_norm(layer.post_attention_layernorm), bind_norm(layer.post_feedforward_layernorm)
+        else:
+            pre_mlp, attn_out, mlp_out = bind_norm(layer.post_attention_layernorm), None, None
+        return cls(
+            input_norm=bind_norm(layer.input_layernorm), post_norm=pre_mlp, attn_out_norm=attn_out,
+            mlp_out_norm=mlp_out, rotary=rotary, sliding=sliding,
+            qkv=bind_projection(fused) if fused is not None else None,
+            q=None if fused is not None else bind_projection(attn.q_proj),
+            k=None if fused is not None else bind_projection(attn.k_proj),
+            v=None if fused is not None else bind_projection(attn.v_proj),
+            o_proj=bind_projection(attn.o_proj),
+            gate_up=bind_projection(gate_up) if gate_up is not None else None,
+            mlp_module=mlp, down=bind_projection(mlp.down_proj), act=mlp.act_fn,
+            qk_norm=HeadNorms.bind(attn, heads, kv_heads), rope=bool(getattr(attn, "use_rope", True)),
+        )
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MLP_ROW_BLOCK:  # prefill chunks: bound the [rows, 2 x intermediate] fp32 transients
+            return torch.cat([self.mlp(x[i : i + MLP_ROW_BLOCK]) for i in range(0, x.shape[0], MLP_ROW_BLOCK)])
+        if self.gate_up is None:
+            return self.mlp_module(x)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [n, intermediate] each
+        return self.down(self.act(gate) * up)
