@@ -37,7 +37,17 @@ class _EngineCollector:
         yield _gauge("kv_pages_free", "KV pages a request can take: the free list and the cached pages (below)", free)
         yield _gauge("kv_usage_ratio", "used / total KV pages", (total - free) / total if total else 0.0)
         yield _gauge("kv_page_size_tokens", "tokens per KV page", pool.page_size)
-        yield _gauge("kv_pool_bytes", "bytes of the KV pool (K, V and page summaries)", pool.nbytes())
+        yield _gauge("kv_pool_bytes", "bytes of the KV pool (K, V and page summaries; the rings below included)",
+                     pool.nbytes())
+        g, rings = pool.geometry, pool.rings
+        yield _gauge("kv_paged_layers", "layers whose K/V live in pages (OVAL-scored)", g.paged_layers)
+        yield _gauge("kv_sliding_layers", "sliding-window layers whose K/V live in per-sequence rings",
+                     len(g.ring_layers))
+        if rings is not None:
+            yield _gauge("kv_rings_total", "per-sequence rings of the sliding layers (allocated once)", rings.sequences)
+            yield _gauge("kv_rings_used", "rings held by requests", rings.sequences - rings.num_free)
+            yield _gauge("kv_ring_pages_per_sequence", "pages one ring holds per sliding layer", g.ring_pages)
+            yield _gauge("kv_ring_bytes", "bytes of all rings", rings.nbytes())
         yield _gauge("token_limit", "longest prompt + max_tokens one request may have", engine.token_limit())
         sizing = pool.sizing
         if sizing is not None:
