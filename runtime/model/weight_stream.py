@@ -20,6 +20,8 @@ _GGUF_GLOBAL = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freqs",  # Llama 3.1 frequency factors (see config.rotary_inv_freq)
+    # Phi-3 LongRoPE factors: read into the configuration (gguf_metadata.py), not by the decoder build
+    "rope_factors_long.weight": "rope_factors_long", "rope_factors_short.weight": "rope_factors_short",
 }
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -28,6 +30,9 @@ _GGUF_LAYER = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3's per-head norms
 }
+# llama.cpp's phi3 keeps the checkpoint's fused projections: attn_qkv rows q | k | v, and ffn_up holding gate | up
+# (there is no ffn_gate), which for every other architecture is the up projection alone.
+_GGUF_LAYER_BY_ARCHITECTURE = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 _GGUF_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _CHUNK_BYTES = 4 << 20  # fp32 bytes dequantized at once: bounds the load peak whatever the tensor size
 
@@ -43,7 +48,8 @@ class GGUFWeights:
         self._reader = GGUFReader(path)
         self._permute = {"self_attn.q_proj.weight": heads, "self_attn.k_proj.weight": kv_heads} \
             if architecture in ("llama", "mistral", "smollm3") else {}
-        self._tensors = {_hf_name(tensor.name, path): tensor for tensor in self._reader.tensors}
+        layer_names = _GGUF_LAYER | _GGUF_LAYER_BY_ARCHITECTURE.get(architecture, {})
+        self._tensors = {_hf_name(tensor.name, path, layer_names): tensor for tensor in self._reader.tensors}
         # The parsed header (49k vocabulary strings as numpy views: ~100 MB of Python objects) is not needed here;
         # the configuration and tokenizer are read elsewhere. The tensors keep their views into the file's map.
         self._reader.fields.clear()
@@ -150,14 +156,14 @@ class SafetensorsWeights:
         self._files.clear()
 
 
-def _hf_name(gguf_name: str, path: str) -> str:
+def _hf_name(gguf_name: str, path: str, layer_names: dict[str, str]) -> str:
     if gguf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[gguf_name]
     match = _GGUF_LAYER_NAME.match(gguf_name)
-    if match is None or match.group(2) not in _GGUF_LAYER:
+    if match is None or match.group(2) not in layer_names:
         raise ValueError(f"model {path}: tensor {gguf_name!r} is not part of a Llama-family decoder; oval-edge "
-                         "runs Llama, SmolLM2, Mistral, Qwen2 and Qwen3 GGUF files")
-    return f"model.layers.{match.group(1)}.{_GGUF_LAYER[match.group(2)]}.{match.group(3)}"
+                         "runs Llama, SmolLM2, Mistral, Qwen2, Qwen3, SmolLM3 and Phi-3 GGUF files")
+    return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
 
 
 def _unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

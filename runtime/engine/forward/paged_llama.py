@@ -54,9 +54,12 @@ class DecodeHooks:
 
 
 class PagedLlama:
-    def __init__(self, model: torch.nn.Module, pool: PagePool, config: OvalConfig, attention: str = "oval"):
+    def __init__(self, model: torch.nn.Module, pool: PagePool, config: OvalConfig, attention: str = "oval",
+                 context: int | None = None):
         """model: a decoder in transformers' module layout (runtime.model.decoder.DecoderModel, or a transformers
-        Llama-family *ForCausalLM, whose unfused projections are called one by one)."""
+        Llama-family *ForCausalLM, whose unfused projections are called one by one). context: the most tokens one
+        sequence may reach (the engine's token limit; default the pool's capacity, capped by the model's
+        max_position_embeddings); a LongRoPE model picks its one factor set by it (RotaryEmbedding.for_context)."""
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention={attention!r} is unknown; allowed: {', '.join(ATTENTION_MODES)}")
         cfg = model.config
@@ -80,6 +83,10 @@ class PagedLlama:
         self.last_selections: list[Selection | None] = []
         self.ops = [LayerOps.bind(layer, self.num_heads, self.kv_heads) for layer in self.layers]
         self.final_norm = bind_norm(self.decoder.norm)
+        if context is None:
+            context = min(pool.capacity_tokens, cfg.max_position_embeddings)
+        rotary = self.decoder.rotary_emb
+        self.rotary_emb = rotary.for_context(context) if hasattr(rotary, "for_context") else rotary
 
     @torch.inference_mode()
     def forward(self, step: StepIndex, input_ids: torch.Tensor, decode: bool, collect: bool = False):
@@ -135,8 +142,9 @@ class PagedLlama:
         return hidden
 
     def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [N, 1, D] for the step's positions [N] (hidden [N, hidden] gives the dtype)."""
-        cos, sin = self.decoder.rotary_emb(hidden[None], positions[None])  # [1, N, D] each
+        """cos and signed sin [N, 1, R] for the step's positions [N] (hidden [N, hidden] gives the dtype); R is the
+        rotary dims of a head, D unless the model rotates only part of it."""
+        cos, sin = self.rotary_emb(hidden[None], positions[None])  # [1, N, rotary_dim] each
         # [N, 1, D] broadcast over heads; the sign folded in once per step, so each layer's RoPE is three ops
         return cos[0, :, None, :], _signed_sin(sin[0, :, None, :])
 
@@ -153,13 +161,13 @@ class PagedLlama:
             if ops.qk_norm is not None:
                 qk = ops.qk_norm.both(qk)
             if ops.rope:
-                qk = _rope(qk, cos, sin)
+                qk = _rotate(qk, cos, sin)
             return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(n, hkv, d)
         q, k = ops.q(x).view(n, hq, d), ops.k(x).view(n, hkv, d)
         if ops.qk_norm is not None:
             q, k = ops.qk_norm.q(q), ops.qk_norm.k(k)
         if ops.rope:
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         return q, k, ops.v(x).view(n, hkv, d)
 
     def decode_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan: DecodePlan,
@@ -199,6 +207,15 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     is x rolled by D/2. Three ops per call instead of seven: RoPE runs twice per layer per step.
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE over the first R = cos.shape[-1] dims of each head of x [n, H, D], the rest passed through (Phi-4-mini:
+    R = 3/4 D, as transformers' apply_rotary_pos_emb). R == D, every other model, is the single fused _rope."""
+    rotary = cos.shape[-1]  # a shape: static, no sync
+    if rotary == x.shape[-1]:
+        return _rope(x, cos, signed_sin)
+    return torch.cat((_rope(x[..., :rotary], cos, signed_sin), x[..., rotary:]), dim=-1)
 
 
 @dataclass
