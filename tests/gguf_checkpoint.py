@@ -15,6 +15,7 @@ LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3: fused as in the checkpoint
 }
 # Gemma: four norms per layer under their own names, each stored as 1 + w (convert_hf_to_gguf adds the 1)
 GEMMA_LAYER_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
@@ -55,6 +56,8 @@ def write_gguf(model, path: str, architecture: str) -> str:
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if architecture == "phi3":
+        _add_phi3_rope(writer, config)
     _copy_tokenizer(writer, gguf.GGUFReader(bundled_gguf_path()))
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -72,6 +75,27 @@ def write_gguf(model, path: str, architecture: str) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_phi3_rope(writer, config) -> None:
+    """What llama.cpp's Phi3MiniModel converter writes besides the common keys: the rotary dims (from hidden / heads
+    and partial_rotary_factor), the pretraining context, the sliding window (0 for none) and, for LongRoPE, its
+    attention factor (sqrt(1 + ln(scale) / ln(original)), scale = max / original positions) and both factor
+    sets as the tensors rope_factors_long / rope_factors_short."""
+    import math
+
+    rope = config.rope_parameters
+    original = config.original_max_position_embeddings
+    heads = config.num_attention_heads
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * config.hidden_size) // heads)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.sliding_window or 0)
+    if rope.get("rope_type") != "longrope":
+        return
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    for kind in ("long", "short"):
+        writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
 
 
 def _gguf_name(name: str, layer_names: dict) -> str:

@@ -169,7 +169,7 @@ def test_qwen3_gguf_written_under_llama_cpp_names_loads_to_the_same_logits(tmp_p
     assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "lfm2", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "lfm2", "phimoe"])
 def test_families_not_yet_supported_are_refused_with_the_supported_list(tmp_path, model_type):
     import json
 

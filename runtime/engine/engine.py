@@ -37,7 +37,8 @@ class Engine:
         model_len = loaded.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or model_len, model_len)
         self.pool: PagePool = build_pool(loaded, self.oval, self.config, self.max_model_len)
-        self.runner = PagedLlama(loaded.model, self.pool, self.oval, attention=self.config.attention)
+        self.runner = PagedLlama(loaded.model, self.pool, self.oval, attention=self.config.attention,
+                                 context=min(self.pool.capacity_tokens, self.max_model_len))  # = token_limit()
         if self.oval.window_module:  # the calibrated output-aware window module (oval-edge calibrate)
             from oval_edge.sparse.window_module import window_hook
 

@@ -17,7 +17,7 @@ import torch
 from .families.gemma import GEMMA_TYPES, gemma_fields, text_part, with_defaults
 from .source import check_architecture
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")  # the MLP's gate activation (Gemma: GeGLU with tanh-gelu)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -55,6 +55,7 @@ class DecoderConfig:
     layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer; () = all full
     sliding_window: int = 0
     local_rope_theta: float = 0.0
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: 0.75, only the first head_dim * factor dims of a head rotate
     where: str = ""  # the file or folder it came from, for error messages
 
     def __post_init__(self) -> None:
@@ -92,6 +93,12 @@ class DecoderConfig:
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"model {self.where}: rope scaling {rope_type!r} is not supported; supported: "
                              f"{', '.join(ROPE_TYPES)}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"model {self.where}: partial_rotary_factor={self.partial_rotary_factor!r} gives "
+                             f"{self.rotary_dim} rotary dims of head_dim={self.head_dim}; it must be in (0, 1] and "
+                             "leave an even number of dims >= 2")
+        if rope_type == "longrope":
+            _check_longrope(self)
 
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer` attends only to its last `sliding_window` positions (its K/V live in a ring)."""
@@ -118,6 +125,11 @@ class DecoderConfig:
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")) if self.rope_scaling \
             else "default"
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head rotate (transformers' int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "DecoderConfig":
         """From transformers-named keys: a config.json, or the dict transformers parses out of a GGUF header."""
@@ -140,6 +152,9 @@ class DecoderConfig:
             hidden = int(d["hidden_size"])
             rope = dict(family.pop("global_rope", None) or d.get("rope_parameters") or d.get("rope_scaling") or {})
             theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+            partial = float(rope.pop("partial_rotary_factor", d.get("partial_rotary_factor") or 1.0))
+            if d["model_type"] == "phi3":
+                rope = _phi3_rope(rope, d)
             if rope.get("rope_type", rope.get("type")) == "default":
                 rope = {}
             kind, layers = d["model_type"], int(d["num_hidden_layers"])
@@ -158,7 +173,7 @@ class DecoderConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 hidden_act=d.get("hidden_activation") or d.get("hidden_act", "silu"),
                 bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), qk_norm=kind in ("qwen3", "gemma3_text"),
-                rope_layers=rope_layers, where=where, **family,
+                rope_layers=rope_layers, partial_rotary_factor=partial, where=where, **family,
             )
         except KeyError as exc:
             raise ValueError(f"model {where}: its configuration lacks {exc.args[0]!r}") from None
@@ -169,8 +184,9 @@ class DecoderConfig:
 
 
 def rotary_inv_freq(config: DecoderConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] (float32) as transformers computes them for each supported rope type."""
-    d = config.head_dim
+    """Inverse frequencies [rotary_dim / 2] (float32) as transformers computes them for each rope type but longrope
+    (longrope_inv_freq: it needs the context the runtime serves)."""
+    d = config.rotary_dim  # head_dim unless the model rotates only part of each head
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     kind, s = config.rope_type, config.rope_scaling
     if kind == "linear":
@@ -186,3 +202,55 @@ def rotary_inv_freq(config: DecoderConfig) -> torch.Tensor:
         medium = (wavelen >= old / high) & (wavelen <= old / low)
         return torch.where(medium, blended, scaled)
     return inv_freq
+
+
+def _phi3_rope(rope: dict, d: dict) -> dict:
+    """Phi-3's rope_scaling as transformers' Phi3Config reads it: the old type name 'su' is longrope, and
+    original_max_position_embeddings sits at the top of config.json (transformers copies it in)."""
+    rope = dict(rope)
+    if rope.get("type") == "su" or rope.get("rope_type") == "su":
+        rope.pop("type", None)
+        rope["rope_type"] = "longrope"
+    if rope.get("rope_type", rope.get("type")) == "longrope" and "original_max_position_embeddings" not in rope:
+        if d.get("original_max_position_embeddings") is None:
+            raise ValueError("longrope needs original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = int(d["original_max_position_embeddings"])
+    return rope
+
+
+def _check_longrope(config: DecoderConfig) -> None:
+    s, where, half = config.rope_scaling, config.where, config.rotary_dim // 2
+    for name in ("short_factor", "long_factor"):
+        factors = s.get(name)
+        if not isinstance(factors, (list, tuple)) or len(factors) != half \
+                or not all(isinstance(f, (int, float)) and f > 0 for f in factors):
+            raise ValueError(f"model {where}: longrope {name} must list {half} positive numbers (one per rotary "
+                             f"frequency of {config.rotary_dim} rotary dims), got {factors!r:.80}")
+    original = s.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original < 2:
+        raise ValueError(f"model {where}: longrope original_max_position_embeddings={original!r} must be an "
+                         "integer >= 2 (the context the model was pretrained with)")
+
+
+def longrope_uses_long_factors(config: DecoderConfig, context: int) -> bool:
+    """llama.cpp's rule, fixed per loaded model: the long factors when the context served per sequence exceeds the
+    pretraining context. (transformers switches by the current length, which would re-rotate keys already cached.)"""
+    return context > config.rope_scaling["original_max_position_embeddings"]
+
+
+def longrope_inv_freq(config: DecoderConfig, long: bool) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim / 2] fp32, attention scaling of cos and sin) for LongRoPE, as transformers computes them.
+
+    Each frequency is divided by its factor. The scaling is the config's attention_factor, else
+    sqrt(1 + ln(factor) / ln(original)) with factor = the config's, else max_position_embeddings / original; it
+    applies to both factor sets.
+    """
+    s, d = config.rope_scaling, config.rotary_dim
+    original = s["original_max_position_embeddings"]
+    factors = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
+    inv_freq = 1.0 / (factors * config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = s.get("attention_factor")
+    if scaling is None:
+        factor = float(s.get("factor") or config.max_position_embeddings / original)
+        scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq, float(scaling)

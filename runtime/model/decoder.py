@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DecoderConfig, rotary_inv_freq
+from .config import DecoderConfig, longrope_inv_freq, longrope_uses_long_factors, rotary_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -31,18 +31,39 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos, sin [B, N, head_dim] for positions [B, N], in transformers' rotate_half layout (frequencies twice)."""
+    """cos, sin [B, N, rotary_dim] for positions [B, N], in transformers' rotate_half layout (frequencies twice).
 
-    def __init__(self, config: DecoderConfig, freq_factors: torch.Tensor | None = None):
+    rotary_dim is head_dim unless the model rotates part of each head (Phi-4-mini). LongRoPE (Phi-3.5/4-mini)
+    fixes one factor set for the context the runtime serves (config.longrope_uses_long_factors): `context` here,
+    the model's max_position_embeddings when not given; `for_context` gives the embedding for another context.
+    """
+
+    def __init__(self, config: DecoderConfig, freq_factors: torch.Tensor | None = None, context: int | None = None):
         super().__init__()
-        inv_freq = rotary_inv_freq(config)  # [head_dim / 2] fp32 (config.rope_local() for Gemma 3's sliding layers)
+        self.config, self.freq_factors = config, freq_factors
+        self.attention_scaling = 1.0  # cos and sin are multiplied by it (LongRoPE's attention factor)
+        self.long_factors: bool | None = None  # which LongRoPE factor set is in use; None: not LongRoPE
+        if config.rope_type == "longrope":
+            self.long_factors = longrope_uses_long_factors(config, context or config.max_position_embeddings)
+            inv_freq, self.attention_scaling = longrope_inv_freq(config, self.long_factors)
+        else:
+            inv_freq = rotary_inv_freq(config)  # [rotary_dim / 2] fp32 (Gemma 3's sliding layers: config.rope_local())
         if freq_factors is not None:  # a Llama 3.1 GGUF's rope_freqs: llama.cpp divides each frequency by its factor
             inv_freq = inv_freq / freq_factors.float()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def for_context(self, context: int) -> "RotaryEmbedding":
+        """This embedding when the runtime serves `context` tokens per sequence: itself unless LongRoPE would pick
+        the other factor set for it."""
+        if self.long_factors is None or longrope_uses_long_factors(self.config, context) == self.long_factors:
+            return self
+        return RotaryEmbedding(self.config, self.freq_factors, context).to(self.inv_freq.device)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor):
-        freqs = positions[..., None].float() * self.inv_freq.to(x.device)  # [B, N, head_dim / 2]
+        freqs = positions[..., None].float() * self.inv_freq.to(x.device)  # [B, N, rotary_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_scaling != 1.0:  # a Python float fixed at load: no branch on device values
+            return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 

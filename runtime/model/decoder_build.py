@@ -20,10 +20,13 @@ from .heap import release_heap
 from .quantize import linear4bit, pack_for_cpu
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
-_REQUIRED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+_REQUIRED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 _LAYER_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 _SANDWICH_NORMS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")  # Gemma
+# The q/k/v and gate/up projections, stored apart (Llama, Qwen, SmolLM) or already fused in the checkpoint (Phi-3:
+# qkv_proj [(Hq + 2 Hkv) D, hidden] rows q | k | v, gate_up_proj [2 I, hidden] rows gate | up), read as they are.
+_ATTENTION_PARTS = (["q_proj", "k_proj", "v_proj"], ["qkv_proj"])
+_MLP_PARTS = (["gate_proj", "up_proj"], ["gate_up_proj"])
 
 
 def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.device, dtype: torch.dtype,
@@ -55,8 +58,14 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
         weight = read(name, torch.float32)
         return RMSNorm((weight + offset if offset else weight).to(device=device, dtype=dtype), config.rms_norm_eps)
 
+    shapes = _projection_shapes(config)
+
     def projection(parts: list[str], prefix: str) -> nn.Module:
         weight = torch.cat([read(f"{prefix}{p}.weight") for p in parts])  # [sum of outs, in]
+        expected = (sum(shapes[p][0] for p in parts), shapes[parts[0]][1])
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"model {where}: {prefix}{'+'.join(parts)} has shape {list(weight.shape)}, its "
+                             f"configuration says {list(expected)}; the weights and config.json do not match")
         biases = [f"{prefix}{p}.bias" for p in parts]
         bias = torch.cat([read(b) for b in biases]) if all(b in names for b in biases) else None
         if any(b in names for b in biases) and bias is None:
@@ -65,7 +74,11 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
 
     layers = []
     for index in range(config.num_hidden_layers):
+        attention_parts = _stored_parts(_ATTENTION_PARTS, "self_attn.", per_layer[index])
+        mlp_parts = _stored_parts(_MLP_PARTS, "mlp.", per_layer[index])
         missing = [r for r in _REQUIRED if r not in per_layer[index]]
+        missing += [] if attention_parts else ["self_attn.q_proj/k_proj/v_proj (or qkv_proj)"]
+        missing += [] if mlp_parts else ["mlp.gate_proj/up_proj (or gate_up_proj)"]
         if missing:
             raise ValueError(f"model {where}: layer {index} lacks {', '.join(missing)}")
         prefix = f"model.layers.{index}."
@@ -74,10 +87,10 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
             raise ValueError(f"model {where}: layer {index} lacks {' or '.join(head_norms)} ({config.model_type} "
                              "normalizes each query and key head)")
         q_norm, k_norm = (norm(prefix + n) for n in head_norms) if head_norms else (None, None)
-        attention = DecoderAttention(projection(["q_proj", "k_proj", "v_proj"], prefix + "self_attn."),
+        attention = DecoderAttention(projection(attention_parts, prefix + "self_attn."),
                                      projection(["o_proj"], prefix + "self_attn."), q_norm, k_norm,
                                      config.uses_rope(index))
-        mlp = DecoderMLP(projection(["gate_proj", "up_proj"], prefix + "mlp."),
+        mlp = DecoderMLP(projection(mlp_parts, prefix + "mlp."),
                          projection(["down_proj"], prefix + "mlp."), config.hidden_act)
         layer_norms = _LAYER_NORMS + (_SANDWICH_NORMS if config.sandwich_norms else ())
         missing = [n for n in layer_norms if n not in per_layer[index]]
@@ -93,8 +106,27 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
     embed, head = _embedding_and_head(weights, read, untied, quant, device, dtype)
     factors = read("rope_freqs", torch.float32) if "rope_freqs" in names else None
     stack = DecoderStack(config, embed, layers, norm("model.norm.weight"), factors)
-    stack.rotary_emb.to(device)  # everything else was created on `device`; .to() would touch the 4-bit params
+    for rotary in (stack.rotary_emb, getattr(stack, "rotary_emb_local", None)):
+        if rotary is not None:  # everything else was created on `device`; .to() would touch the 4-bit params
+            rotary.to(device)
     return DecoderModel(config, stack, head).eval().requires_grad_(False)
+
+
+def _stored_parts(choices: tuple[list[str], ...], module: str, stored: set[str]) -> list[str] | None:
+    """Which of the ways to store a fused projection this layer uses (its tensors all present), or None."""
+    for parts in choices:
+        if all(f"{module}{p}.weight" in stored for p in parts):
+            return parts
+    return None
+
+
+def _projection_shapes(config: DecoderConfig) -> dict[str, tuple[int, int]]:
+    """[out, in] of each projection the configuration implies, stored apart or fused."""
+    hq, hkv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    hidden, inner = config.hidden_size, config.intermediate_size
+    return {"q_proj": (hq, hidden), "k_proj": (hkv, hidden), "v_proj": (hkv, hidden),
+            "qkv_proj": (hq + 2 * hkv, hidden), "o_proj": (hidden, hq), "gate_proj": (inner, hidden),
+            "up_proj": (inner, hidden), "gate_up_proj": (2 * inner, hidden), "down_proj": (hidden, inner)}
 
 
 def _embedding_and_head(weights, read, untied: bool, quant: str, device: torch.device, dtype: torch.dtype):

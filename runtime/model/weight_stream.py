@@ -20,6 +20,8 @@ _GGUF_GLOBAL = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freqs",  # Llama 3.1 frequency factors (see config.rotary_inv_freq)
+    # Phi-3 LongRoPE factors: read into the configuration (gguf_metadata.py), not by the decoder build
+    "rope_factors_long.weight": "rope_factors_long", "rope_factors_short.weight": "rope_factors_short",
 }
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -34,7 +36,12 @@ _GGUF_GEMMA_LAYER = {
     **_GGUF_LAYER, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_GGUF_LAYER_BY_ARCH = {"gemma2": _GGUF_GEMMA_LAYER, "gemma3": _GGUF_GEMMA_LAYER, "gemma3_text": _GGUF_GEMMA_LAYER}
+# llama.cpp's phi3 keeps the checkpoint's fused projections: attn_qkv rows q | k | v, and ffn_up holding gate | up
+# (there is no ffn_gate), which for every other architecture is the up projection alone.
+_GGUF_PHI3_LAYER = {**_GGUF_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_GGUF_LAYER_BY_ARCH = {"gemma2": _GGUF_GEMMA_LAYER, "gemma3": _GGUF_GEMMA_LAYER, "gemma3_text": _GGUF_GEMMA_LAYER,
+                       "phi3": _GGUF_PHI3_LAYER}
+_NORMS_FOLDED = ("gemma2", "gemma3", "gemma3_text")
 _GGUF_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _CHUNK_BYTES = 4 << 20  # fp32 bytes dequantized at once: bounds the load peak whatever the tensor size
 
@@ -52,7 +59,7 @@ class GGUFWeights:
             if architecture in ("llama", "mistral", "smollm3") else {}
         layer_names = _GGUF_LAYER_BY_ARCH.get(architecture, _GGUF_LAYER)
         self._tensors = {_hf_name(tensor.name, path, layer_names): tensor for tensor in self._reader.tensors}
-        self.norms_folded = architecture in _GGUF_LAYER_BY_ARCH  # see _GGUF_GEMMA_LAYER
+        self.norms_folded = architecture in _NORMS_FOLDED  # see _GGUF_GEMMA_LAYER
         # The parsed header (49k vocabulary strings as numpy views: ~100 MB of Python objects) is not needed here;
         # the configuration and tokenizer are read elsewhere. The tensors keep their views into the file's map.
         self._reader.fields.clear()
@@ -185,7 +192,7 @@ def _hf_name(gguf_name: str, path: str, layer_names: dict) -> str:
     match = _GGUF_LAYER_NAME.match(gguf_name)
     if match is None or match.group(2) not in layer_names:
         raise ValueError(f"model {path}: tensor {gguf_name!r} is not part of a supported decoder; oval-edge runs "
-                         "Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 GGUF files")
+                         "Llama, SmolLM2, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3 and Gemma 3 GGUF files")
     return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
 
 

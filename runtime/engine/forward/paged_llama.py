@@ -54,9 +54,12 @@ class DecodeHooks:
 
 
 class PagedLlama:
-    def __init__(self, model: torch.nn.Module, pool: PagePool, config: OvalConfig, attention: str = "oval"):
+    def __init__(self, model: torch.nn.Module, pool: PagePool, config: OvalConfig, attention: str = "oval",
+                 context: int | None = None):
         """model: a decoder in transformers' module layout (runtime.model.decoder.DecoderModel, or a transformers
-        Llama-family *ForCausalLM, whose unfused projections are called one by one)."""
+        Llama-family *ForCausalLM, whose unfused projections are called one by one). context: the most tokens one
+        sequence may reach (the engine's token limit; default the pool's capacity, capped by the model's
+        max_position_embeddings); a LongRoPE model picks its one factor set by it (RotaryEmbedding.for_context)."""
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention={attention!r} is unknown; allowed: {', '.join(ATTENTION_MODES)}")
         cfg = model.config
@@ -82,8 +85,12 @@ class PagedLlama:
             self.hooks.layer = self._reuse_layer
         self.last_selections: list[Selection | None] = []
         sliding = [bool(getattr(cfg, "is_sliding", lambda i: False)(i)) for i in range(len(self.layers))]
+        if context is None:
+            context = min(pool.capacity_tokens, cfg.max_position_embeddings)
+        rotary = self.decoder.rotary_emb  # LongRoPE (Phi-3): the factor set for this engine's context
+        self.rotary_emb = rotary.for_context(context) if hasattr(rotary, "for_context") else rotary
         local = getattr(self.decoder, "rotary_emb_local", None)  # Gemma 3: the sliding layers' own rotary table
-        self.rotary_modules = [self.decoder.rotary_emb] + ([local] if local is not None else [])
+        self.rotary_modules = [self.rotary_emb] + ([local] if local is not None else [])
         self.ops = [LayerOps.bind(layer, self.num_heads, self.kv_heads, int(local is not None and sliding[i]),
                                   sliding[i]) for i, layer in enumerate(self.layers)]
         if any(sliding) and not pool.geometry.ring_layers:
@@ -166,9 +173,10 @@ class PagedLlama:
 
     def rotary(self, hidden: torch.Tensor, positions: torch.Tensor,
                module: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [N, 1, D] for the step's positions [N] (hidden [N, hidden] gives the dtype), from the
-        decoder's rotary embedding or `module`."""
-        cos, sin = (module or self.decoder.rotary_emb)(hidden[None], positions[None])  # [1, N, D] each
+        """cos and signed sin [N, 1, R] for the step's positions [N] (hidden [N, hidden] gives the dtype), from the
+        decoder's rotary embedding (for the engine's context) or `module`; R is the rotary dims of a head, D unless
+        the model rotates only part of it."""
+        cos, sin = (module or self.rotary_emb)(hidden[None], positions[None])  # [1, N, rotary_dim] each
         # [N, 1, D] broadcast over heads; the sign folded in once per step, so each layer's RoPE is three ops
         return cos[0, :, None, :], _signed_sin(sin[0, :, None, :])
 
@@ -185,13 +193,13 @@ class PagedLlama:
             if ops.qk_norm is not None:
                 qk = ops.qk_norm.both(qk)
             if ops.rope:
-                qk = _rope(qk, cos, sin)
+                qk = _rotate(qk, cos, sin)
             return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(n, hkv, d)
         q, k = ops.q(x).view(n, hq, d), ops.k(x).view(n, hkv, d)
         if ops.qk_norm is not None:
             q, k = ops.qk_norm.q(q), ops.qk_norm.k(k)
         if ops.rope:
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         return q, k, ops.v(x).view(n, hkv, d)
 
     def decode_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan: DecodePlan,
@@ -231,3 +239,12 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     is x rolled by D/2. Three ops per call instead of seven: RoPE runs twice per layer per step.
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE over the first R = cos.shape[-1] dims of each head of x [n, H, D], the rest passed through (Phi-4-mini:
+    R = 3/4 D, as transformers' apply_rotary_pos_emb). R == D, every other model, is the single fused _rope."""
+    rotary = cos.shape[-1]  # a shape: static, no sync
+    if rotary == x.shape[-1]:
+        return _rope(x, cos, signed_sin)
+    return torch.cat((_rope(x[..., :rotary], cos, signed_sin), x[..., rotary:]), dim=-1)
