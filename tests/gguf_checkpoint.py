@@ -47,9 +47,13 @@ def write_gguf(model, path: str, architecture: str) -> str:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     rope = config.rope_parameters
+    if architecture in GEMMA:
+        writer.add_sliding_window(config.sliding_window)
+    if architecture == "gemma2":
+        writer.add_float32("gemma2.attn_logit_softcapping", config.attn_logit_softcapping)
+        writer.add_float32("gemma2.final_logit_softcapping", config.final_logit_softcapping)
     if architecture == "gemma3":  # the full layers' rope (the sliding ones' base is fixed at 10000 by llama.cpp)
         rope = rope["full_attention"]
-        writer.add_sliding_window(config.sliding_window)
         if rope.get("rope_type") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(rope["factor"]))

@@ -1,10 +1,11 @@
-"""Gemma 3 (text): sliding-window layers on rings, (1 + w) sandwich norms, a scaled embedding, GeGLU, per-head q/k
+"""Gemma 3 (text) and Gemma 2: sliding-window layers on rings, (1 + w) sandwich norms, a scaled embedding, GeGLU, per-head q/k
 norms, query_pre_attn_scalar, and a second rotary base for the sliding layers — against transformers.
 
 A tiny random Gemma3TextConfig (window 64, a full layer every 3rd) saved as safetensors and written as GGUF under
 llama.cpp's names; the runtime's logits must equal transformers' within 1e-4 (fp32, quant none) at prefill and over
 64 greedy decode steps that run well past the window (the rings wrap), with OVAL at a budget covering the context
 and with dense attention. With a small budget the sliding layers still read exactly their window (counted).
+Gemma 2 adds soft-capped attention and final logits (tested with caps small enough to bite).
 """
 
 from __future__ import annotations
@@ -159,15 +160,50 @@ def test_4bit_path_runs_gemma3(gemma3):
     assert torch.nn.functional.cosine_similarity(ours[0], exact[0], dim=0) > 0.9
 
 
-def test_gemma2_is_refused_until_attention_softcapping_lands(tmp_path):
-    import json
+def gemma2_config(**extra):
+    import transformers
 
-    from oval_edge.runtime.model.loader import load_model
+    # soft-caps far below Gemma 2's 50 / 30, so that a tiny random model's logits are really capped
+    return transformers.Gemma2Config(
+        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_hidden_layers=4, vocab_size=49152, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        sliding_window=WINDOW, query_pre_attn_scalar=32, attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager", **extra)
 
-    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                 num_hidden_layers=4, head_dim=32)
-    (tmp_path / "config.json").write_text(json.dumps(dict(shape, model_type="gemma2")))
-    (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ValueError, match="soft-capping \\(50.0, Gemma 2\\) is not supported yet") as caught:
-        load_model(str(tmp_path), quant="none", device="cpu")
-    assert str(tmp_path) in str(caught.value)
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    folder = save_folder(tmp_path_factory.mktemp("gemma2"), gemma2_config())
+    _perturb_norms(folder)
+    return folder
+
+
+@pytest.mark.parametrize("attention", ["oval", "dense"])
+def test_gemma2_soft_capped_logits_equal_transformers_past_the_window(gemma2, attention):
+    """Gemma 2: every other layer sliding, attention logits capped at 0.5 * tanh(x / 0.5), final logits capped."""
+    engine = engine_for(gemma2, OvalConfig(page_size=16, top_k=16, kv_dtype="float32"), attention)
+    assert engine.runner.softcap == 0.5 and engine.pool.k.shape[0] == 2  # layers 1 and 3 keep pages
+    tokens, ours = decode_greedy(engine, PROMPT, STEPS)
+    full = _hf_all_logits(gemma2, PROMPT + tokens)
+    assert ours.abs().max().item() <= 2.0  # the final cap
+    assert tokens == full[len(PROMPT) - 1 : -1].argmax(-1).tolist()
+    assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4
+
+
+def test_gemma2_static_step_and_gguf_match(gemma2, tmp_path):
+    """The static step (soft-capped attention through the step's own op) and a llama.cpp-named GGUF (soft-caps read
+    from its header) give transformers' greedy tokens."""
+    import transformers
+
+    from gguf_checkpoint import write_gguf
+    from oval_edge.runtime import Engine, EngineConfig
+    from oval_edge.runtime.engine.sampling import SamplingParams
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(gemma2, dtype=torch.float32).eval()
+    path = write_gguf(model, str(tmp_path / "tiny-gemma2.gguf"), "gemma2")
+    wide = OvalConfig(page_size=16, top_k=16, kv_dtype="float32")
+    for source in (gemma2, path):
+        engine = Engine.load(source, quant="none", device="cpu", oval=wide, config=EngineConfig(num_pages=64))
+        request = engine.generate(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
+        want = _hf_all_logits(gemma2, PROMPT + request.output_ids)[len(PROMPT) - 1 : -1].argmax(-1).tolist()
+        assert request.output_ids == want, source

@@ -35,8 +35,10 @@ def gather_kv(pool: PagePool, layer: int, page_table: torch.Tensor, positions: t
     return gather_slots(pool, layer, flat_slots(page_table, positions, g.kv_heads, g.page_size))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
+           softcap: float = 0.0) -> torch.Tensor:
     """One softmax over the gathered slots. q [B, Hq, D]; k, v [B, Hkv, T, D]; valid [B, Hkv, T] -> [B, Hq, D].
+    softcap > 0: the logits are soft-capped first, softcap * tanh(logits / softcap) (Gemma 2).
 
     Written as two grouped matmuls around a masked softmax rather than SDPA: with one query per row, SDPA's CPU
     kernel costs ~1.6x more at T = 8k (measured) and needs the mask repeated per query head; here the G query
@@ -46,6 +48,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tenso
     hkv = k.shape[1]
     qg = q.view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]: query head i reads KV head i // G
     logits = torch.matmul(qg, k.to(q.dtype).transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, T]
+    if softcap:
+        logits = cap_logits(logits, softcap)
     logits.masked_fill_(~valid[:, :, None, :], float("-inf"))
     return torch.matmul(torch.softmax(logits, dim=-1), v.to(q.dtype)).view(b, hq, d)
 
@@ -61,6 +65,7 @@ def decode_attention(
     scores: torch.Tensor | None = None,
     plan: DecodePlan | None = None,
     window: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, Selection]:
     """Attention of one new token per row. q [B, Hq, D] (rotated) -> ([B, Hq, D], the selection used).
 
@@ -81,19 +86,21 @@ def decode_attention(
             scores = score_pages(config.scorer, group_queries(q, g.kv_heads), pool.summaries, pool.paged_index[layer],
                                  step.page_table, scale)
         selection = plan.select(scores, window)
-    return attend_selection(pool, layer, q, selection, scale), selection
+    return attend_selection(pool, layer, q, selection, scale, softcap), selection
 
 
 PER_HEAD_SLOTS = 2048  # from this many slots per KV head (dense layers at long context) gather one head at a time
 
 
-def attend_selection(pool: PagePool, layer: int, q: torch.Tensor, selection: Selection, scale: float) -> torch.Tensor:
+def attend_selection(pool: PagePool, layer: int, q: torch.Tensor, selection: Selection, scale: float,
+                     softcap: float = 0.0) -> torch.Tensor:
     """Attend over the selection's K/V in one layer of the pool. q [B, Hq, D] -> [B, Hq, D]."""
-    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], selection.flat, selection.valid, scale)
+    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], selection.flat, selection.valid, scale,
+                       softcap=softcap)
 
 
 def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor,
-                scale: float, limits: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, limits: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Attend over the valid slots `flat` [B, Hkv, T] of one layer's K/V rows [rows, D]. q [B, Hq, D] -> [B, Hq, D].
 
     limits [B]: row b reads only its first limits[b] slots (the static step's dense layers list every slot of a
@@ -103,7 +110,7 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fla
     and V live for one head only (at 8k: 4 MB instead of 12 MB per dense layer, and fresh multi-MB buffers
     page-fault on every step).
     """
-    kernels = decode_kernels(q.device)
+    kernels = decode_kernels(q.device) if not softcap else None  # the kernels take no soft-cap
     if kernels is not None:  # reads the selected rows in place: no gathered copy
         out = kernels.attend_slots(q, k_rows, v_rows, flat, valid, scale, limits)
         if out is not None:
@@ -112,13 +119,13 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fla
         valid = valid & (torch.arange(flat.shape[-1], device=flat.device) < limits[:, None, None])
     if flat.shape[-1] < PER_HEAD_SLOTS:
         k, v = gather_rows(k_rows, v_rows, flat)
-        return attend(q, k, v, valid, scale)
+        return attend(q, k, v, valid, scale, softcap)
     hkv = flat.shape[1]
     group = q.shape[1] // hkv
     out = torch.empty_like(q)
     for head, (k, v) in enumerate(head_by_head_kv(k_rows, v_rows, flat, q.dtype)):  # [B, 1, T, D] each
         heads = slice(head * group, (head + 1) * group)
-        out[:, heads] = attend(q[:, heads], k, v, valid[:, head : head + 1], scale)
+        out[:, heads] = attend(q[:, heads], k, v, valid[:, head : head + 1], scale, softcap)
     return out
 
 
@@ -175,6 +182,7 @@ def prefill_attention(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Dense causal attention for chunks of new tokens (prefill), after they were written to the pool.
 
@@ -191,7 +199,12 @@ def prefill_attention(
             # greedy tokens must equal this one's.
             ks = as_dtype(k_new[offset : offset + n], pool.k.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D]
             vs = as_dtype(v_new[offset : offset + n], pool.v.dtype).transpose(0, 1)[None]
-            res = _causal(qs, ks.to(q.dtype), vs.to(q.dtype), scale)
+            if softcap:
+                positions = torch.arange(n, device=q.device)
+                res = capped_attention(qs, ks.to(q.dtype), vs.to(q.dtype), positions[None, :] <= positions[:, None],
+                                       scale, softcap)
+            else:
+                res = _causal(qs, ks.to(q.dtype), vs.to(q.dtype), scale)
         else:
             flat = step.history_slots.get(row)
             if flat is None:  # the same for every layer of the step: built once
@@ -199,7 +212,7 @@ def prefill_attention(
                 flat = flat_slots(step.page_table[row : row + 1], positions, pool.geometry.kv_heads,
                                   pool.geometry.page_size)
                 step.history_slots[row] = flat
-            res = _attend_history(pool, layer, flat, qs, start, scale)
+            res = _attend_history(pool, layer, flat, qs, start, scale, softcap)
         out[offset : offset + n] = res[0].transpose(0, 1)
     return out
 
@@ -222,7 +235,7 @@ HISTORY_QUERY_BLOCK = 128  # queries per masked SDPA call over a long history: i
 
 
 def _attend_history(pool: PagePool, layer: int, flat: torch.Tensor, q: torch.Tensor, start: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, softcap: float = 0.0) -> torch.Tensor:
     """A later chunk's queries q [1, Hq, n, D] (positions start..end-1) over the row's whole history in the pool,
     whose flat slots [1, Hkv, end] are `flat`.
 
@@ -232,14 +245,14 @@ def _attend_history(pool: PagePool, layer: int, flat: torch.Tensor, q: torch.Ten
     """
     hkv = pool.geometry.kv_heads
     group = q.shape[1] // hkv
-    split = _split_attention_for_cpu() if q.device.type == "cpu" else None
+    split = _split_attention_for_cpu() if q.device.type == "cpu" and not softcap else None
     out = torch.empty_like(q)
     for head, (k, v) in enumerate(head_by_head_kv(pool.k_rows[layer], pool.v_rows[layer], flat, q.dtype)):
         heads = slice(head * group, (head + 1) * group)
         if split is not None:
             out[:, heads] = _history_without_mask(split, q[:, heads], k, v, start, scale)
         else:
-            out[:, heads] = _history_with_mask(q[:, heads], k, v, start, scale)
+            out[:, heads] = _history_with_mask(q[:, heads], k, v, start, scale, softcap)
     return out
 
 
@@ -264,17 +277,41 @@ def _history_without_mask(split, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return merged.div_(w_past + w_own)
 
 
-def _history_with_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+def _history_with_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                       softcap: float = 0.0) -> torch.Tensor:
     """The same attention as `_history_without_mask` through SDPA with a causal-with-offset mask, in blocks of
     queries (devices without the CPU flash kernel's log-sum-exp output). q [1, G, n, D] -> [1, G, n, D]."""
     n, end = q.shape[2], k.shape[2]
     key_pos = torch.arange(end, device=q.device)
     mask = key_pos[None, :] <= torch.arange(start, end, device=q.device)[:, None]  # [n, end]
+    if softcap:
+        return capped_attention(q, k, v, mask, scale, softcap)
     out = torch.empty_like(q)
     for first in range(0, n, HISTORY_QUERY_BLOCK):
         rows = slice(first, first + HISTORY_QUERY_BLOCK)
         out[:, :, rows] = F.scaled_dot_product_attention(q[:, :, rows], k, v, attn_mask=mask[rows], scale=scale,
                                                          enable_gqa=True)
+    return out
+
+
+def cap_logits(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Gemma 2's soft-capping of attention logits: softcap * tanh(logits / softcap)."""
+    return torch.tanh(logits / softcap) * softcap
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float) -> torch.Tensor:
+    """Masked attention with soft-capped logits, which SDPA and flash-attn do not take: q [1, Hq, n, D] over
+    k, v [1, Hkv, T, D] (GQA), mask [n, T] True where a query sees a key -> [1, Hq, n, D]. Blocks of queries bound
+    the [Hq, block, T] fp32 logits."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [1, Hq, T, D]
+    out = torch.empty_like(q)
+    for first in range(0, q.shape[2], HISTORY_QUERY_BLOCK):
+        rows = slice(first, first + HISTORY_QUERY_BLOCK)
+        logits = cap_logits(torch.matmul(q[:, :, rows], k.transpose(-1, -2)) * scale, softcap)
+        logits = logits.masked_fill(~mask[rows], float("-inf"))
+        out[:, :, rows] = torch.matmul(torch.softmax(logits.float(), dim=-1).to(q.dtype), v)
     return out
 
 

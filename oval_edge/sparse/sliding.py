@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import HISTORY_QUERY_BLOCK, as_dtype, attend_rows, chunk_rows
+from .attention import HISTORY_QUERY_BLOCK, as_dtype, attend_rows, capped_attention, chunk_rows
 
 
 def ring_slots(lengths: torch.Tensor, ring_base: torch.Tensor, geometry) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,14 +37,15 @@ def ring_slots(lengths: torch.Tensor, ring_base: torch.Tensor, geometry) -> tupl
 
 
 def sliding_decode(pool, layer: int, lengths: torch.Tensor, ring_base: torch.Tensor, q: torch.Tensor,
-                   scale: float, limits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, limits: torch.Tensor | None = None,
+                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One new token per row (already written to the ring): q [B, Hq, D] -> (out [B, Hq, D], valid [B, Hkv, S])."""
     flat, valid = ring_slots(lengths, ring_base, pool.geometry)
-    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, limits), valid
+    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, limits, softcap), valid
 
 
 def sliding_prefill(pool, layer: int, step, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, softcap: float = 0.0) -> torch.Tensor:
     """Chunks of new tokens, BEFORE they are written to the rings. q [N, Hq, D]; k_new, v_new [N, Hkv, D] ->
     [N, Hq, D]."""
     g = pool.geometry
@@ -66,6 +67,9 @@ def sliding_prefill(pool, layer: int, step, q: torch.Tensor, k_new: torch.Tensor
         mask = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - W)  # [n, keys]
         qs = q[offset : offset + n].transpose(0, 1)[None]  # [1, Hq, n, D]
         k, v = ks[None].to(q.dtype), vs[None].to(q.dtype)  # [1, Hkv, keys, D]
+        if softcap:  # Gemma 2
+            out[offset : offset + n] = capped_attention(qs, k, v, mask, scale, softcap)[0].transpose(0, 1)
+            continue
         res = torch.empty_like(qs)
         for block in range(0, n, HISTORY_QUERY_BLOCK):
             rows_ = slice(block, block + HISTORY_QUERY_BLOCK)

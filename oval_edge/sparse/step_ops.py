@@ -6,7 +6,7 @@ implementation, each is one node of the traced graph, with the CPU or Triton ker
 
     oval_edge::write_kv(k(a!), v(b!), layer, slots, k_new, v_new)       store one step's keys/values in the pool
     oval_edge::page_scores(q, basis, coords, layer, table, counts, scale)  oval page scores from the records
-    oval_edge::attend_slots(q, k, v, layer, flat, valid, limits, scale)  exact attention over the selected rows
+    oval_edge::attend_slots(q, k, v, layer, flat, valid, limits, scale, softcap)  exact attention over the selected rows
 
 `select_slots` (the page selection) needs no operator: under tracing it is torch code the compiler fuses; eager, on a
 CPU, one native kernel call.
@@ -34,9 +34,9 @@ from .selection import DecodePlan, window_slots
 _LIBRARY = torch.library.Library("oval_edge", "FRAGMENT")
 _LIBRARY.define("write_kv(Tensor(a!) k, Tensor(b!) v, int layer, Tensor slots, Tensor k_new, Tensor v_new) -> ()")
 _LIBRARY.define("page_scores(Tensor q, Tensor basis, Tensor coords, int layer, Tensor page_table, Tensor counts, "
-                "float scale) -> Tensor")
+                "float scale, float softcap=0.0) -> Tensor")
 _LIBRARY.define("attend_slots(Tensor q, Tensor k, Tensor v, int layer, Tensor flat, Tensor valid, Tensor? limits, "
-                "float scale) -> Tensor")
+                "float scale, float softcap=0.0) -> Tensor")
 
 
 def _write_kv(k: torch.Tensor, v: torch.Tensor, layer: int, slots: torch.Tensor, k_new: torch.Tensor,
@@ -55,10 +55,10 @@ def _page_scores(q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, lay
 
 
 def _attend_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, flat: torch.Tensor,
-                  valid: torch.Tensor, limits: torch.Tensor | None, scale: float) -> torch.Tensor:
+                  valid: torch.Tensor, limits: torch.Tensor | None, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """q [B, Hq, D] over the valid slots flat [B, Hkv, T] (the first limits[b] of them) of one layer -> [B, Hq, D]."""
     d = k.shape[-1]
-    return attend_rows(q, k[layer].view(-1, d), v[layer].view(-1, d), flat, valid, scale, limits)
+    return attend_rows(q, k[layer].view(-1, d), v[layer].view(-1, d), flat, valid, scale, limits, softcap)
 
 
 _LIBRARY.impl("write_kv", _write_kv, "CompositeExplicitAutograd")
@@ -77,7 +77,7 @@ def _page_scores_fake(q, basis, coords, layer, page_table, counts, scale):
 
 
 @torch.library.register_fake("oval_edge::attend_slots")
-def _attend_slots_fake(q, k, v, layer, flat, valid, limits, scale):
+def _attend_slots_fake(q, k, v, layer, flat, valid, limits, scale, softcap=0.0):
     return torch.empty_like(q)
 
 
@@ -106,11 +106,12 @@ def page_scores(pool, layer: int, q: torch.Tensor, page_table: torch.Tensor, cou
 
 
 def attend_slots(pool, layer: int, q: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor,
-                 limits: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [B, Hq, D] over the valid slots `flat` [B, Hkv, T] of one layer of the pool -> [B, Hq, D]."""
+                 limits: torch.Tensor | None, scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """q [B, Hq, D] over the valid slots `flat` [B, Hkv, T] of one layer of the pool -> [B, Hq, D] (logits
+    soft-capped when softcap > 0)."""
     if torch.compiler.is_compiling():
-        return torch.ops.oval_edge.attend_slots(q, *_storage(pool, layer), flat, valid, limits, scale)
-    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, limits)
+        return torch.ops.oval_edge.attend_slots(q, *_storage(pool, layer), flat, valid, limits, scale, softcap)
+    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, limits, softcap)
 
 
 def select_slots(plan: DecodePlan, scores: torch.Tensor, sealed: torch.Tensor):

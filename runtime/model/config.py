@@ -79,10 +79,6 @@ class DecoderConfig:
         if self.layer_types and (len(self.layer_types) != self.num_hidden_layers or bad_kinds):
             raise ValueError(f"model {self.where}: layer_types={list(self.layer_types)} must name one of "
                              f"{', '.join(LAYER_TYPES)} per layer ({self.num_hidden_layers} layers)")
-        if self.attn_softcap:
-            # The decode kernels (C, Triton) and SDPA take no soft-cap; refuse rather than attend wrongly.
-            raise ValueError(f"model {self.where}: attention logit soft-capping ({self.attn_softcap}, Gemma 2) is "
-                             "not supported yet; Gemma 3 models load")
         if "sliding_attention" in self.layer_types and self.sliding_window < 1:
             raise ValueError(f"model {self.where}: sliding layers need sliding_window >= 1, got {self.sliding_window}")
         if self.rope_layers and (len(self.rope_layers) != self.num_hidden_layers

@@ -112,9 +112,10 @@ def _fields_transformers_drops(path: str, values: dict) -> dict:
     """Config keys transformers' GGUF reader leaves out, read from the header or fixed as llama.cpp fixes them.
 
     - `{arch}.attention.key_length`: the head dimension where it is not hidden / heads (Qwen3: 128 at any width).
-    - Gemma 3 (llama.cpp's llama-model.cpp hard-codes what its header does not carry): a full layer every 6th,
-      sliding layers rotating with base 10000, attention scaled by head_dim ** -0.5 (hidden / heads for the 62-layer
-      27B), and the full layers' rope scaling from `gemma3.rope.scaling.type` / `.factor`.
+    - Gemma 2/3 (llama.cpp's llama-model.cpp hard-codes what its header does not carry): attention scaled by
+      head_dim ** -0.5 (hidden / heads for the 27B models); Gemma 2's soft-caps from its header; Gemma 3's full layer
+      every 6th, sliding layers rotating with base 10000, the full layers' rope scaling from
+      `gemma3.rope.scaling.type` / `.factor`.
     """
     from gguf import GGUFReader
 
@@ -133,11 +134,17 @@ def _fields_transformers_drops(path: str, values: dict) -> dict:
     head_dim = scalar("attention.key_length")
     if head_dim:
         extra["head_dim"] = int(head_dim)
-    if kind == "gemma3_text":
+    if kind in ("gemma2", "gemma3_text"):
         layers, heads = int(values["num_hidden_layers"]), int(values["num_attention_heads"])
-        extra.update(sliding_window_pattern=6, rope_local_base_freq=10000.0,
-                     query_pre_attn_scalar=values["hidden_size"] // heads if layers == 62
-                     else int(head_dim or values.get("head_dim") or 256))
+        big = layers == (46 if kind == "gemma2" else 62)  # llama.cpp's LLM_TYPE_27B for each
+        extra["query_pre_attn_scalar"] = values["hidden_size"] // heads if big else int(
+            head_dim or values.get("head_dim") or 256)
+    if kind == "gemma2":  # soft-caps from the header (llama.cpp writes both)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if scalar(key) is not None:
+                extra[key] = float(scalar(key))
+    if kind == "gemma3_text":
+        extra.update(sliding_window_pattern=6, rope_local_base_freq=10000.0)
         if scalar("rope.scaling.type") == "linear" and scalar("rope.scaling.factor"):
             extra["rope_scaling"] = {"rope_type": "linear", "factor": float(scalar("rope.scaling.factor"))}
     return extra

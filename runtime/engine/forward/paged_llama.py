@@ -76,12 +76,16 @@ class PagedLlama:
         self.scale = getattr(cfg, "scaling", self.head_dim**-0.5)
         self.embedding_scale = float(getattr(cfg, "embedding_scale", 1.0))
         self.final_softcap = float(getattr(cfg, "final_softcap", 0.0))
+        self.softcap = float(getattr(cfg, "attn_softcap", 0.0))  # Gemma 2: every attention's logits, tanh-capped
         self.qkv_split = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.hooks = DecodeHooks()
         # Selection reuse (DESIGN §4.7, oval_edge/sparse/reuse.py); None unless config.reuse_tau is set.
         self.reuse = SelectionReuse.for_model(config, len(self.layers), self.num_heads, self.kv_heads,
                                               self.head_dim, pool.device)
         if self.reuse is not None:
+            if self.softcap:
+                raise ValueError("selection reuse (reuse_tau) does not support soft-capped attention (Gemma 2); "
+                                 "leave reuse_tau unset")
             self.hooks.layer = self._reuse_layer
         self.last_selections: list[Selection | None] = []
         sliding = [bool(getattr(cfg, "is_sliding", lambda i: False)(i)) for i in range(len(self.layers))]
@@ -216,6 +220,7 @@ class PagedLlama:
             if decided is not None:
                 return decided
         return decode_attention(self.pool, index, step, q, self.config, self.scale, dense=dense, scores=scores,
+                                softcap=self.softcap,
                                 plan=plan, window=window)
 
     def _reuse_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan: DecodePlan,

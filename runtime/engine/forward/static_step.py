@@ -149,7 +149,7 @@ class StaticAttention:
         if step.sliding[index]:
             write_kv(self.pool, index, self.ring_slots, k, v)
             flat, valid = self.ring
-            return attend_slots(self.pool, index, q, flat, valid, None, self.runner.scale)
+            return attend_slots(self.pool, index, q, flat, valid, None, self.runner.scale, self.runner.softcap)
         write_kv(self.pool, index, self.slots, k, v)
         if step.dense[index]:
             dense = plan.full_dense()
@@ -159,7 +159,7 @@ class StaticAttention:
             limits = None
             self.valids.append(valid)
             self.windows.append(window)
-        return attend_slots(self.pool, index, q, flat, valid, limits, self.runner.scale)
+        return attend_slots(self.pool, index, q, flat, valid, limits, self.runner.scale, self.runner.softcap)
 
     def _scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Page scores [B, Hkv, W] of one sparse layer from the records (pages past `sealed` are not candidates)."""

@@ -53,11 +53,11 @@ class PrefillRows:
         if runner.hooks.window is not None:  # the hook's contract: called for every layer of every step
             runner.hooks.window(index, x, self.step)
         if runner.ops[index].sliding:  # reads the window from the ring before the chunk overwrites it
-            out = sliding_prefill(runner.pool, index, self.step, q, k, v, runner.scale)
+            out = sliding_prefill(runner.pool, index, self.step, q, k, v, runner.scale, runner.softcap)
             runner.pool.write(index, self.step, k, v)
             return out
         runner.pool.write(index, self.step, k, v)
-        return prefill_attention(runner.pool, index, self.step, q, k, v, runner.scale)
+        return prefill_attention(runner.pool, index, self.step, q, k, v, runner.scale, runner.softcap)
 
 
 class DecodeRows:
@@ -80,7 +80,8 @@ class DecodeRows:
         window = runner.hooks.window(index, x, self.step) if runner.hooks.window is not None else None
         runner.pool.write(index, self.step, k, v)
         if runner.ops[index].sliding:  # the row's ring, exactly: its window and nothing else
-            out, valid = sliding_decode(runner.pool, index, self.step.lengths, self.step.ring_base, q, runner.scale)
+            out, valid = sliding_decode(runner.pool, index, self.step.lengths, self.step.ring_base, q, runner.scale,
+                                        softcap=runner.softcap)
             read.kv_tokens_read += valid.numel()
             self.attended.append(valid)
             return out
