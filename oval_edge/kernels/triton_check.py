@@ -85,3 +85,29 @@ def self_check(kernels, device: torch.device) -> str | None:
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.allclose(got.float(), want.float(), rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE))
+
+
+def int8_head_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [n, K] @ (codes [V, K] * scales [V, K/32] per block of 32)^T -> [n, V] fp32, summed in fp64 (no TF32
+    whatever torch.backends says)."""
+    weight = (codes.double().view(codes.shape[0], -1, 32) * scales.double()[..., None]).view(codes.shape)
+    return (x.double() @ weight.T).float()
+
+
+def int8_head_check(module, device: torch.device) -> str | None:
+    """None when the int8 head kernel (triton_int8_head.py) agrees with its reference on 1, 5 and 40 rows, a
+    vocabulary that is not a multiple of its row block, and both 16-bit activation dtypes on CUDA (fp16 only in
+    the interpreter); else what disagreed."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, hidden = 200, 96
+    codes = torch.randint(-127, 128, (vocab, hidden), generator=gen, dtype=torch.int8).to(device)
+    scales = (torch.rand(vocab, hidden // 32, generator=gen) / 64).to(device)
+    for dtype in module.DOT_DTYPES if device.type == "cuda" else module.INTERPRETED_DTYPES:
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            continue
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, hidden, generator=gen).to(device=device, dtype=dtype)
+            got = module.int8_head(x, codes, scales)
+            if got is None or got.dtype != torch.float32 or not _close(got, int8_head_reference(x, codes, scales)):
+                return f"int8_head {dtype} rows={rows}"
+    return None
