@@ -178,6 +178,19 @@ def test_cuda_takes_the_int8_table_and_its_bytes_are_the_planned_ones():
     assert held == planned(shape, "nf4", "cuda").embedding == planned(shape, "nf4", "cuda").lm_head == 1000 * 96 * 9 // 8
 
 
+def test_cuda_table_head_traces_whole_under_torch_compile():
+    """The row-major table's head is the torch.library op oval_edge::int8_head_rows under torch.compile (the CPU
+    dispatch runs the same layout, so this needs no GPU): one graph, the eager result."""
+    from oval_edge.runtime.model.embeddings import CudaInt8Table
+
+    weight = torch.randn(100, 64, generator=torch.Generator().manual_seed(2))
+    table = CudaInt8Table.from_rows(lambda a, b: weight[a:b], 100, 64, torch.device("cpu"))
+    head = Int8Head(table, torch.float32)
+    x = torch.randn(3, 64)
+    compiled = torch.compile(head, fullgraph=True, backend="eager")
+    assert torch.allclose(compiled(x), head(x)) and head(x).shape == (3, 100)
+
+
 @needs_cuda
 @pytest.mark.parametrize("triton", ["1", "0"])
 def test_cuda_load_holds_int8_tables_with_logits_near_the_16_bit_head(monkeypatch, triton):

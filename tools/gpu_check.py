@@ -74,12 +74,12 @@ def describe_device() -> dict:
     import torch
 
     from oval_edge.kernels.cpu import describe_kernels
-    from oval_edge.runtime.model.embeddings import load_triton_head
+    from oval_edge.kernels.triton_check import load_int8_head
     from oval_edge.runtime.model.loader import compute_dtype_for
 
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
-    head = load_triton_head("cuda", False)  # the int8 head's Triton kernel, checked, or why not
+    head = load_int8_head("cuda", False)  # the int8 head's Triton kernel, checked, or why not
     return {"name": props.name, "capability": list(torch.cuda.get_device_capability(device)),
             "memory_gib": round(props.total_memory / 2**30, 1), "torch": torch.__version__,
             "cuda": torch.version.cuda, "kernels": describe_kernels(device),

@@ -24,18 +24,12 @@ and returns the activation dtype.
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from oval_edge.kernels.cpu import cpu_kernels
-from oval_edge.kernels.gpu import INTERPRET_ENV, TRITON_ENV
-
-log = logging.getLogger(__name__)
+from oval_edge.kernels.triton_check import int8_head_kernel
 
 BLOCK = 32  # weights per scale along the hidden dimension (the kernel's BLOCK)
 PANEL = 32  # output rows stored side by side (the kernel's PANEL)
@@ -46,7 +40,7 @@ PACK_ROWS = 2048  # rows converted per pass at load: the fp32 transients stay ~5
 # lines.
 _LIBRARY = torch.library.Library("oval_edge", "FRAGMENT")
 _LIBRARY.define("int8_head_cpu(Tensor x, Tensor codes, Tensor scales) -> Tensor")
-_LIBRARY.define("int8_head_cuda(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+_LIBRARY.define("int8_head_rows(Tensor x, Tensor codes, Tensor scales) -> Tensor")  # CudaInt8Table's layout
 
 
 def int8_table_applies(hidden: int, device: torch.device) -> bool:
@@ -58,7 +52,7 @@ def int8_table_applies(hidden: int, device: torch.device) -> bool:
 
 
 def int8_table_from_rows(read_rows, vocab: int, hidden: int, device: torch.device):
-    """The table int8_table_applies picked for `device`, from read_rows(start, stop) -> rows [stop - start, hidden]."""
+    """The table int8_table_applies picks for `device`, from read_rows(start, stop) -> rows [stop - start, hidden]."""
     if device.type == "cuda":
         return CudaInt8Table.from_rows(read_rows, vocab, hidden, device)
     return Int8Table.from_rows(read_rows, vocab, hidden)
@@ -162,7 +156,7 @@ class CudaInt8Table:
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         self.codes, self.scales = codes, scales
         self.rows, self.hidden = codes.shape
-        self.head_kernel = _triton_head(codes.device)
+        self.head_kernel = int8_head_kernel(codes.device)
 
     @classmethod
     def from_rows(cls, read_rows, vocab: int, hidden: int, device: torch.device) -> "CudaInt8Table":
@@ -177,8 +171,8 @@ class CudaInt8Table:
         return cls(codes, scales)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` [n] dequantized -> [n, hidden] fp32. Ids are not range-checked here: that would read them back
-        to the host inside a captured step (an id past the vocabulary trips CUDA's own index assertion)."""
+        """Rows `ids` [n] -> [n, hidden] fp32. No range check: it would read ids back to the host inside a captured
+        step (an id past the vocabulary trips CUDA's own index assertion)."""
         codes = self.codes[ids].float().view(ids.shape[0], -1, BLOCK)  # [n, K/32, 32]
         return (codes * self.scales[ids][..., None]).view(ids.shape[0], self.hidden)
 
@@ -187,7 +181,7 @@ class CudaInt8Table:
         if not x.is_contiguous():
             x = x.contiguous()
         if torch.compiler.is_compiling():
-            return torch.ops.oval_edge.int8_head_cuda(x, self.codes, self.scales)
+            return torch.ops.oval_edge.int8_head_rows(x, self.codes, self.scales)
         out = self.head_kernel.int8_head(x, self.codes, self.scales) if self.head_kernel is not None else None
         return out if out is not None else _int8_head_rows(x, self.codes, self.scales)
 
@@ -205,54 +199,23 @@ def _int8_head_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
     return out
 
 
-def _int8_head_cuda(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    kernel = _triton_head(codes.device)
+def _int8_head_rows_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    kernel = int8_head_kernel(codes.device)
     out = kernel.int8_head(x, codes, scales) if kernel is not None else None
     return out if out is not None else _int8_head_rows(x, codes, scales)
 
 
-_LIBRARY.impl("int8_head_cuda", _int8_head_cuda, "CUDA")
+_LIBRARY.impl("int8_head_rows", _int8_head_rows_op, "CUDA")
+_LIBRARY.impl("int8_head_rows", _int8_head_rows_op, "CPU")  # the same layout on CPU tensors (tests, interpreter)
 
 
-@torch.library.register_fake("oval_edge::int8_head_cuda")
-def _int8_head_cuda_fake(x, codes, scales):
+@torch.library.register_fake("oval_edge::int8_head_rows")
+def _int8_head_rows_fake(x, codes, scales):
     return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
 
 
-def _triton_head(device: torch.device):
-    """The int8 head's Triton module for `device` when it is on and passes its check there, else None (why is
-    logged once). Under TRITON_INTERPRET=1 CPU tensors take it too (the tests)."""
-    if os.environ.get(TRITON_ENV, "1").strip() == "0":
-        return None
-    interpret = os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "on", "yes")
-    if device.type != "cuda" and not (device.type == "cpu" and interpret):
-        return None
-    loaded = load_triton_head(device.type, interpret)
-    return None if isinstance(loaded, str) else loaded
-
-
-@functools.cache
-def load_triton_head(device_type: str, interpret: bool):
-    """Import and check the kernel once per device type: the module, or why not."""
-    try:
-        from oval_edge.kernels import triton_int8_head
-        from oval_edge.kernels.triton_check import int8_head_check
-    except Exception as exc:  # ImportError, or a Triton that fails on import
-        log.warning("Triton int8 head unavailable (%s); the head multiplies with torch ops", exc)
-        return f"Triton absent: {exc}"
-    try:
-        problem = int8_head_check(triton_int8_head, torch.device(device_type))
-    except Exception as exc:  # a compile or launch error is a failed check
-        problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-    if problem:
-        log.warning("Triton int8 head disagrees with the torch reference (%s); using torch ops", problem)
-        return f"self-check failed: {problem}"
-    return triton_int8_head
-
-
 class _Int8Module(nn.Module):
-    """Holds an Int8Table or CudaInt8Table; its tensors are registered so weight_bytes counts them (a shared table
-    once)."""
+    """Holds an int8 table; its tensors are registered so weight_bytes counts them (a shared table once)."""
 
     def __init__(self, table, out_dtype: torch.dtype):
         super().__init__()
