@@ -490,3 +490,28 @@ def test_planned_weight_bytes_match_the_loader_for_each_family(tmp_path, family,
     planned = weight_bytes(shape, quant, "cpu", flags).total
     held = runtime_weight_bytes(decoder)
     assert abs(planned - held) <= 0.03 * held, (family, quant, planned, held, (planned - held) / held)
+
+
+@pytest.mark.slow
+def test_qwen3_gguf_metadata_plans_its_q_k_norms_and_the_loaders_bytes(tmp_path):
+    """A tiny Qwen3 written as GGUF under llama.cpp's names (tests/gguf_checkpoint.py): plan finds attn_q_norm in the
+    tensor list and its bytes match what load_model holds from that file."""
+    pytest.importorskip("gguf")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from bitsandbytes.functional import has_avx512bf16
+    from gguf_checkpoint import write_gguf
+
+    from oval_edge.runtime.model.loader import load_model
+
+    config = transformers.Qwen3Config(**dict(TINY, vocab_size=49152), head_dim=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    path = write_gguf(model, str(tmp_path / "tiny-qwen3.gguf"), "qwen3")  # the bundled tokenizer: vocab 49152
+    shape = read_model_shape(path)
+    assert (shape.architecture, shape.qk_norm, shape.norms_per_layer, shape.tied_embeddings) == ("qwen3", True, 2,
+                                                                                                  False)
+    loaded = load_model(path, "nf4", "cpu")
+    flags = frozenset({"avx512_bf16"}) if has_avx512bf16() else frozenset()
+    planned = weight_bytes(shape, "nf4", "cpu", flags).total
+    assert abs(planned - loaded.weight_bytes) <= 0.03 * loaded.weight_bytes, (planned, loaded.weight_bytes)
