@@ -28,7 +28,7 @@ QK_NORM = ("qwen3", "gemma3", "gemma3_text")
 
 # transformers' config-class defaults for keys the published configs leave out (Gemma-3-4B's text_config names
 # only hidden/intermediate size, layers, rope scaling and the window). Checked against transformers' classes by
-# tests/test_plan.py::test_family_defaults_are_transformers_defaults.
+# tests/test_plan_families.py::test_family_defaults_are_transformers_defaults.
 CONFIG_DEFAULTS = {
     "gemma2": {"vocab_size": 256000, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                "max_position_embeddings": 8192, "sliding_window": 4096, "tie_word_embeddings": True},
