@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from oval_edge.runtime.model import embeddings as int8_table
-from oval_edge.runtime.model.embeddings import Int8Embedding, Int8Head, Int8Table
+from oval_edge.runtime.model.embeddings import Int8Embedding, Int8Head, Int8Table, int8_table_applies
 
 needs_kernels = pytest.mark.skipif(not int8_table.int8_table_applies(32, torch.device("cpu")),
                                    reason="the native CPU kernels are unavailable here")
@@ -156,3 +156,70 @@ def test_tables_built_from_file_slices_equal_the_whole_tensor_quantized(tmp_path
     sliced = Int8Table.from_rows(lambda a, b: stream.read_rows(name, torch.float32, a, b), stream.rows(name), 64)
     whole = Int8Table.quantize(weight)
     assert torch.equal(sliced.codes, whole.codes) and torch.equal(sliced.scales, whole.scales)
+
+
+# ---- CUDA: the row-major table (CudaInt8Table), its Triton head or torch fallback; run by `make gpu-check` ------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (make gpu-check runs these)")
+
+
+def test_cuda_takes_the_int8_table_and_its_bytes_are_the_planned_ones():
+    """Without a GPU: the loader's choice on CUDA (any hidden % 32 == 0) and the table's storage, built on CPU
+    tensors (the layout does not depend on the device), equal tools/plan/weights.py's CUDA formula exactly."""
+    from oval_edge.runtime.model.embeddings import CudaInt8Table
+    from oval_edge.tools.plan.model import ModelShape
+    from oval_edge.tools.plan.weights import weight_bytes as planned
+
+    assert int8_table_applies(4096, torch.device("cuda")) and not int8_table_applies(4100, torch.device("cuda"))
+    weight = torch.randn(1000, 96)  # 1000 rows: no padding on CUDA
+    table = CudaInt8Table.from_rows(lambda a, b: weight[a:b], 1000, 96, torch.device("cpu"))
+    held = table.codes.untyped_storage().nbytes() + table.scales.untyped_storage().nbytes()
+    shape = ModelShape("t", "-", "llama", 1, 96, 64, 2, 1, 48, 1000, 128, False, False, "test", 0)
+    assert held == planned(shape, "nf4", "cuda").embedding == planned(shape, "nf4", "cuda").lm_head == 1000 * 96 * 9 // 8
+
+
+def test_cuda_table_head_traces_whole_under_torch_compile():
+    """The row-major table's head is the torch.library op oval_edge::int8_head_rows under torch.compile (the CPU
+    dispatch runs the same layout, so this needs no GPU): one graph, the eager result."""
+    from oval_edge.runtime.model.embeddings import CudaInt8Table
+
+    weight = torch.randn(100, 64, generator=torch.Generator().manual_seed(2))
+    table = CudaInt8Table.from_rows(lambda a, b: weight[a:b], 100, 64, torch.device("cpu"))
+    head = Int8Head(table, torch.float32)
+    x = torch.randn(3, 64)
+    compiled = torch.compile(head, fullgraph=True, backend="eager")
+    assert torch.allclose(compiled(x), head(x)) and head(x).shape == (3, 100)
+
+
+@needs_cuda
+@pytest.mark.parametrize("triton", ["1", "0"])
+def test_cuda_load_holds_int8_tables_with_logits_near_the_16_bit_head(monkeypatch, triton):
+    """The bundled model on CUDA in nf4: one row-major int8 table (tied), planner bytes within 3% of the loader's,
+    logits within the quantization bound of the 16-bit head, the Triton kernel and the torch fallback alike."""
+    from oval_edge.runtime.model import embeddings
+    from oval_edge.runtime.model.loader import load_model
+    from oval_edge.tools.plan.model import read_model_shape
+    from oval_edge.tools.plan.weights import weight_bytes as planned
+
+    monkeypatch.setenv("OVAL_EDGE_TRITON", triton)
+    loaded = load_model("default", "nf4", "cuda")
+    embed, head = loaded.model.model.embed_tokens, loaded.model.lm_head
+    assert isinstance(embed.table, embeddings.CudaInt8Table) and embed.table is head.table
+    assert (head.table.head_kernel is not None) == (triton == "1"), "Triton head missing or failing its check"
+    plan = planned(read_model_shape("default"), "nf4", "cuda").total
+    assert abs(plan - loaded.weight_bytes) <= 0.03 * loaded.weight_bytes, (plan, loaded.weight_bytes)
+    ids = torch.tensor([1, 500, 49151], device="cuda")
+    x = embed(ids)  # [3, hidden] in the activation dtype
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (3, 49152)
+    table = head.table
+    dequantized = (table.codes.float().view(table.rows, -1, 32) * table.scales[..., None]).view(table.rows, -1)
+    assert torch.allclose(logits, x.float() @ dequantized.T, rtol=1e-4, atol=1e-3)
+    captured = torch.cuda.CUDAGraph()  # capturable: no host reads inside (a warm-up run compiles Triton first)
+    head(x)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(captured):
+        replayed = head(x)
+    captured.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, logits)

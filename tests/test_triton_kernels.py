@@ -32,11 +32,14 @@ _PREVIOUS = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from oval_edge.kernels import gpu, triton_attention, triton_check, triton_ops, triton_scoring  # noqa: E402
+from oval_edge.kernels import (  # noqa: E402
+    gpu, triton_attention, triton_check, triton_int8_head, triton_ops, triton_scoring,
+)
 
 if not all(isinstance(f, InterpretedFunction) for f in (triton_ops._add, triton_scoring._oval_kernel,
-                                                         triton_attention._attend_kernel)):
-    for _module in (triton_ops, triton_scoring, triton_attention):  # in import order: each binds the one before
+                                                         triton_attention._attend_kernel,
+                                                         triton_int8_head._int8_head_kernel)):
+    for _module in (triton_ops, triton_scoring, triton_attention, triton_int8_head):  # each binds the one before
         importlib.reload(_module)
 if _PREVIOUS is None:
     del os.environ["TRITON_INTERPRET"]
@@ -309,3 +312,64 @@ def test_score_pages_and_attend_rows_route_through_the_kernels_or_fall_back(path
     _near(attention.attend_rows(c["q"], k_rows, v_rows, c["flat"], c["valid"], scale, c["limits"]), want, 1e-4)
     got = step_ops._attend_slots(c["q"], c["keys"], c["values"], layer, c["flat"], c["valid"], c["limits"], scale)
     _near(got, want, 1e-4)
+
+
+# ---- the int8 output head (triton_int8_head.py) and the CUDA table around it (runtime/model/embeddings.py) ----
+
+def _int8_weights(gen: torch.Generator, vocab: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.randint(-127, 128, (vocab, hidden), generator=gen, dtype=torch.int8)
+    return codes, torch.rand(vocab, hidden // 32, generator=gen) / 50
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 70])
+def test_int8_head_kernel_equals_the_dequantized_matmul(rows):
+    """fp32 logits within fp32 summation error of x @ (codes * scales)^T: the kernel's only rounding is x's own
+    dtype (codes are exact in fp16/bf16, accumulation is fp32). 70 rows take two programs along the row axis;
+    vocab 200 is not a multiple of the 64-row block. fp16 only: the interpreter mis-handles bf16
+    (triton_int8_head.INTERPRETED_DTYPES); the device's self-check covers bf16 (make gpu-check)."""
+    dtype = F16
+    gen = torch.Generator().manual_seed(rows)
+    codes, scales = _int8_weights(gen, 200, 128)
+    x = torch.randn(rows, 128, generator=gen).to(dtype)
+    actual = triton_int8_head.int8_head(x, codes, scales)
+    assert actual.shape == (rows, 200) and actual.dtype == torch.float32
+    _near(actual, triton_check.int8_head_reference(x, codes, scales), 1e-5)
+
+
+def test_int8_head_kernel_declines_what_it_does_not_take():
+    codes, scales = _int8_weights(torch.Generator().manual_seed(1), 64, 64)
+    assert triton_int8_head.int8_head(torch.randn(2, 64), codes, scales) is None  # fp32 rows: the torch path
+    assert triton_int8_head.int8_head(torch.randn(2, 64).bfloat16(), codes, scales) is None  # interpreter: no bf16
+    assert triton_int8_head.int8_head(torch.randn(2, 64).half(), codes[:, :48], scales) is None  # shapes disagree
+    assert triton_check.int8_head_check(triton_int8_head, torch.device("cpu")) is None
+
+
+def test_cuda_table_layout_kernel_and_fallback_agree(monkeypatch):
+    """CudaInt8Table built on CPU tensors (its layout does not depend on the device): row-major codes and scales,
+    unpadded, the Q8 blocks of the rows; the Triton path (interpreter) and the torch fallback give the same logits;
+    lookups dequantize the gathered rows."""
+    from oval_edge.runtime.model import embeddings
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton_check.load_int8_head.cache_clear()
+    try:
+        gen = torch.Generator().manual_seed(3)
+        weight = torch.randn(embeddings.PACK_ROWS + 37, 64, generator=gen)
+        table = embeddings.CudaInt8Table.from_rows(lambda a, b: weight[a:b], *weight.shape, torch.device("cpu"))
+        assert table.codes.shape == (weight.shape[0], 64) and table.scales.shape == (weight.shape[0], 2)
+        assert table.head_kernel is triton_int8_head
+        blocks = weight.view(-1, 2, 32)
+        scale = blocks.abs().amax(-1) / 127
+        assert torch.allclose(table.scales, scale)
+        assert torch.equal(table.codes, (blocks / scale[..., None]).round().to(torch.int8).view_as(weight))
+        ids = torch.tensor([0, 5, weight.shape[0] - 1, 5])
+        dequantized = (table.codes.float().view(-1, 2, 32) * table.scales[..., None]).view_as(weight)
+        assert torch.equal(table.lookup(ids), dequantized[ids])
+        x = torch.randn(3, 64, generator=gen).half()
+        kernel = table.matmul(x)
+        fallback = embeddings._int8_head_rows(x, table.codes, table.scales)
+        assert kernel.dtype == fallback.dtype == torch.float32
+        _near(kernel, fallback, 1e-5)
+        _near(fallback, x.float() @ dequantized.T, 1e-5)
+    finally:
+        triton_check.load_int8_head.cache_clear()

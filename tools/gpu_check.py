@@ -3,8 +3,10 @@
 Stages, each with its own time limit, each printed as it ends:
   1. the device: name, compute capability, memory, which kernels and activation dtype the runtime picks there;
   2. the CUDA tests (tests/test_gpu.py: nf4 load, graph replay == eager logits in fp16/bf16, greedy equality, the
-     Triton kernels vs the torch ops on the GPU) and the CPU-side tests of the same paths and of the Triton kernels
-     in the interpreter (tests/test_cuda_paths.py, tests/test_triton_kernels.py);
+     Triton kernels vs the torch ops on the GPU), the int8 embedding/head on CUDA (tests/test_int8_head.py: the
+     Triton head and its torch fallback against the dequantized matmul, captured in a graph, the loader's bytes
+     against plan's) and the CPU-side tests of the same paths and of the Triton kernels in the interpreter
+     (tests/test_cuda_paths.py, tests/test_triton_kernels.py);
   3. the ways to multiply a batch by a 4-bit weight, timed side by side (tools/bench/four_bit_paths.py);
   4. `oval-edge bench` on the GPU at 512 and 8k tokens, oval and dense, the static step replayed from CUDA graphs:
      decode tok/s, launches per step and effective GB/s against the device's bandwidth;
@@ -24,7 +26,7 @@ import time
 
 LIMIT_S = 8 * 60
 STAGES_S = {"tests": 150, "four_bit": 40, "bench": 190, "bench_eager": 90}
-TESTS = ("tests/test_gpu.py", "tests/test_cuda_paths.py", "tests/test_triton_kernels.py")
+TESTS = ("tests/test_gpu.py", "tests/test_int8_head.py", "tests/test_cuda_paths.py", "tests/test_triton_kernels.py")
 REQUIRED = ("oval_edge.runtime", "bitsandbytes", "gguf", "transformers", "fastapi")
 
 
@@ -72,13 +74,16 @@ def describe_device() -> dict:
     import torch
 
     from oval_edge.kernels.cpu import describe_kernels
+    from oval_edge.kernels.triton_check import load_int8_head
     from oval_edge.runtime.model.loader import compute_dtype_for
 
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
+    head = load_int8_head("cuda", False)  # the int8 head's Triton kernel, checked, or why not
     return {"name": props.name, "capability": list(torch.cuda.get_device_capability(device)),
             "memory_gib": round(props.total_memory / 2**30, 1), "torch": torch.__version__,
             "cuda": torch.version.cuda, "kernels": describe_kernels(device),
+            "int8_head": head if isinstance(head, str) else "Triton (checked)",
             "activations": str(compute_dtype_for(device)).removeprefix("torch.")}
 
 

@@ -8,7 +8,15 @@ tests (tests/test_triton_kernels.py) check the kernels against the sparse packag
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+
 import torch
+
+from .gpu import INTERPRET_ENV, TRITON_ENV
+
+log = logging.getLogger(__name__)
 
 SELF_CHECK_TOLERANCE = 1e-4  # fp32 queries and accumulation on both sides, inputs rounded to the pool dtype once
 CHECKED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # pool dtypes the self-check covers
@@ -85,3 +93,60 @@ def self_check(kernels, device: torch.device) -> str | None:
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.allclose(got.float(), want.float(), rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE))
+
+
+def int8_head_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [n, K] @ (codes [V, K] * scales [V, K/32] per block of 32)^T -> [n, V] fp32, summed in fp64 (no TF32
+    whatever torch.backends says)."""
+    weight = (codes.double().view(codes.shape[0], -1, 32) * scales.double()[..., None]).view(codes.shape)
+    return (x.double() @ weight.T).float()
+
+
+def int8_head_check(module, device: torch.device) -> str | None:
+    """None when the int8 head kernel (triton_int8_head.py) agrees with its reference on 1, 5 and 40 rows, a
+    vocabulary that is not a multiple of its row block, and both 16-bit activation dtypes on CUDA (fp16 only in
+    the interpreter); else what disagreed."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, hidden = 200, 96
+    codes = torch.randint(-127, 128, (vocab, hidden), generator=gen, dtype=torch.int8).to(device)
+    scales = (torch.rand(vocab, hidden // 32, generator=gen) / 64).to(device)
+    for dtype in module.DOT_DTYPES if device.type == "cuda" else module.INTERPRETED_DTYPES:
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            continue
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, hidden, generator=gen).to(device=device, dtype=dtype)
+            got = module.int8_head(x, codes, scales)
+            if got is None or got.dtype != torch.float32 or not _close(got, int8_head_reference(x, codes, scales)):
+                return f"int8_head {dtype} rows={rows}"
+    return None
+
+
+def int8_head_kernel(device: torch.device):
+    """The int8 head's Triton module (triton_int8_head.py) for tensors on `device` when it is on (OVAL_EDGE_TRITON)
+    and passes int8_head_check there, else None (why is logged once). Under TRITON_INTERPRET=1 CPU tensors take it
+    too (the tests). The first call per device compiles and synchronises: the loader makes it (CudaInt8Table)."""
+    if os.environ.get(TRITON_ENV, "1").strip() == "0":
+        return None
+    interpret = os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+    if device.type != "cuda" and not (device.type == "cpu" and interpret):
+        return None
+    loaded = load_int8_head(device.type, interpret)
+    return None if isinstance(loaded, str) else loaded
+
+
+@functools.cache
+def load_int8_head(device_type: str, interpret: bool):
+    """Import and check the kernel once per device type: the module, or why not (make gpu-check prints it)."""
+    try:
+        from . import triton_int8_head
+    except Exception as exc:  # ImportError, or a Triton that fails on import
+        log.warning("Triton int8 head unavailable (%s); the head multiplies with torch ops", exc)
+        return f"Triton absent: {exc}"
+    try:
+        problem = int8_head_check(triton_int8_head, torch.device(device_type))
+    except Exception as exc:  # a compile or launch error is a failed check
+        problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    if problem:
+        log.warning("Triton int8 head disagrees with the torch reference (%s); using torch ops", problem)
+        return f"self-check failed: {problem}"
+    return triton_int8_head

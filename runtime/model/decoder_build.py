@@ -2,8 +2,8 @@
 
 Only one decoder layer is ever held in 16 bits: its q/k/v (and gate/up) rows are stacked and quantized as one
 4-bit layer (bitsandbytes quantizes blocks of 64 consecutive weights, so with rows a multiple of 64 long every
-row gets exactly the codes it would get alone), then dropped. The embedding and the head are one int8 table on a
-CPU in 4-bit modes, else kept in 16 bits (embeddings.py), and shared when the model ties them.
+row gets exactly the codes it would get alone), then dropped. The embedding and the head are one int8 table each in
+4-bit modes, else kept in 16 bits (embeddings.py), and shared when the model ties them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from .config import DecoderConfig
 from .decoder import DecoderAttention, DecoderLayer, DecoderMLP, DecoderModel, DecoderStack, RMSNorm
-from .embeddings import Int8Embedding, Int8Head, Int8Table, StoredEmbedding, StoredHead, int8_table_applies
+from .embeddings import Int8Embedding, Int8Head, StoredEmbedding, StoredHead, int8_table_applies, int8_table_from_rows
 from .heap import release_heap
 from .quantize import linear4bit, pack_for_cpu
 
@@ -130,15 +130,15 @@ def _projection_shapes(config: DecoderConfig) -> dict[str, tuple[int, int]]:
 
 
 def _embedding_and_head(weights, read, untied: bool, quant: str, device: torch.device, dtype: torch.dtype):
-    """The embedding and the head: in 4-bit modes on a CPU one int8 table each (one in all when tied; embeddings.py
-    says why), built from row slices of the file where the stream offers them, else kept in 16 bits, the head then
-    sharing the embedding's tensor when tied."""
+    """The embedding and the head: in 4-bit modes one int8 table each (one in all when tied; the CPU's panel layout
+    or CUDA's row-major one, embeddings.py says why), built from row slices of the file where the stream offers them,
+    the head returning fp32 logits; else kept in 16 bits, the head then sharing the embedding's tensor when tied."""
     names = ["model.embed_tokens.weight"] + (["lm_head.weight"] if untied else [])
     if quant != "none":
         sources = [_row_source(weights, read, name) for name in names]  # (read_rows, vocab, hidden) each
         if int8_table_applies(sources[0][2], device):
-            tables = [Int8Table.from_rows(*source) for source in sources]
-            return Int8Embedding(tables[0], dtype), Int8Head(tables[-1], dtype)
+            tables = [int8_table_from_rows(*source, device) for source in sources]
+            return Int8Embedding(tables[0], dtype), Int8Head(tables[-1], torch.float32)
     embed = StoredEmbedding(read(names[0]).to(device), dtype)  # [vocab, hidden]
     if untied:
         return embed, StoredHead(nn.Parameter(read(names[1]).to(device), requires_grad=False), dtype)

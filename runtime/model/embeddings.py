@@ -8,12 +8,18 @@ gives both measurements). The head multiplies through the native kernel (oval_ed
 activations, fp32 logits, ~2x faster than the bf16 GEMM at 8 rows, ~3.5x at 1); the embedding dequantizes only the
 rows it looks up. One table serves both when the model ties them.
 
-Int8 layout (what the kernel reads): output rows in panels of 32, codes [panels, hidden, 32] int8 and scales
-[panels, hidden / 32, 32] fp32; the vocabulary is padded with zero rows to a multiple of 32.
+Int8 layout on a CPU (what the kernel reads): output rows in panels of 32, codes [panels, hidden, 32] int8 and
+scales [panels, hidden / 32, 32] fp32; the vocabulary is padded with zero rows to a multiple of 32.
 
-Elsewhere (CUDA, quant 'none', hidden not a multiple of 32, no native kernels) the 16-bit classes hold the tensor:
-the residual stream stays in the activation dtype, lookups are upcast, the head multiplies in 16 bits and returns
-the activation dtype.
+On CUDA (CudaInt8Table) the same codes and scales are stored row-major, codes [vocab, hidden] and scales
+[vocab, hidden / 32], unpadded (oval_edge/kernels/triton_int8_head.py says why that layout reads coalesced): the
+head multiplies through the Triton kernel when Triton imports and passes its check at load, else through a torch
+fallback that dequantizes PACK_ROWS rows at a time (a bounded transient); the embedding dequantizes the rows it
+gathers. Both stay capturable (no host reads, shapes from the tensors), and the head returns fp32 logits.
+
+Elsewhere (quant 'none', hidden not a multiple of 32, a CPU without the native kernels) the 16-bit classes hold
+the tensor: the residual stream stays in the activation dtype, lookups are upcast, the head multiplies in 16 bits
+and returns the activation dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oval_edge.kernels.cpu import cpu_kernels
+from oval_edge.kernels.triton_check import int8_head_kernel
 
 BLOCK = 32  # weights per scale along the hidden dimension (the kernel's BLOCK)
 PANEL = 32  # output rows stored side by side (the kernel's PANEL)
@@ -33,11 +40,30 @@ PACK_ROWS = 2048  # rows converted per pass at load: the fp32 transients stay ~5
 # lines.
 _LIBRARY = torch.library.Library("oval_edge", "FRAGMENT")
 _LIBRARY.define("int8_head_cpu(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+_LIBRARY.define("int8_head_rows(Tensor x, Tensor codes, Tensor scales) -> Tensor")  # CudaInt8Table's layout
 
 
 def int8_table_applies(hidden: int, device: torch.device) -> bool:
-    """Whether a [vocab, hidden] matrix on `device` can be held as an Int8Table and multiplied by the native kernel."""
-    return device.type == "cpu" and hidden % BLOCK == 0 and cpu_kernels() is not None
+    """Whether a [vocab, hidden] matrix on `device` is held as an int8 table: on a CPU when the native kernel is
+    there (Int8Table), on CUDA always (CudaInt8Table: Triton or its torch fallback), for hidden % 32 == 0."""
+    if hidden % BLOCK:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and cpu_kernels() is not None)
+
+
+def int8_table_from_rows(read_rows, vocab: int, hidden: int, device: torch.device):
+    """The table int8_table_applies picks for `device`, from read_rows(start, stop) -> rows [stop - start, hidden]."""
+    if device.type == "cuda":
+        return CudaInt8Table.from_rows(read_rows, vocab, hidden, device)
+    return Int8Table.from_rows(read_rows, vocab, hidden)
+
+
+def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [n, K] float -> (codes [n, K] int8, scales [n, K/32] fp32): per block of 32, scale = absmax / 127."""
+    blocks = rows.float().view(rows.shape[0], -1, BLOCK)  # [n, K/32, 32]
+    scale = blocks.abs().amax(-1) / 127.0  # [n, K/32]
+    q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127)
+    return q.to(torch.int8).view(rows.shape), scale
 
 
 class Int8Table:
@@ -67,11 +93,9 @@ class Int8Table:
             pad = -n % PANEL
             if pad:
                 rows = torch.cat([rows, rows.new_zeros((pad, hidden))])
-            blocks = rows.view(-1, hidden // BLOCK, BLOCK)  # [n, K/32, 32]
-            scale = blocks.abs().amax(-1) / 127.0  # [n, K/32]
-            q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127)
+            q, scale = _quantize_rows(rows)  # [n + pad, K] int8, [n + pad, K/32]
             p0, p1 = first // PANEL, (first + n + pad) // PANEL
-            codes[p0:p1] = q.to(torch.int8).view(p1 - p0, PANEL, hidden).transpose(1, 2)
+            codes[p0:p1] = q.view(p1 - p0, PANEL, hidden).transpose(1, 2)
             scales[p0:p1] = scale.view(p1 - p0, PANEL, hidden // BLOCK).transpose(1, 2)
         return cls(codes, scales, vocab)
 
@@ -125,10 +149,75 @@ def _int8_head_fake(x, codes, scales):
     return x.new_empty((x.shape[0], codes.shape[0] * PANEL), dtype=torch.float32)
 
 
-class _Int8Module(nn.Module):
-    """Holds an Int8Table; its tensors are registered so weight_bytes counts them (a shared table once)."""
+class CudaInt8Table:
+    """A [vocab, hidden] matrix on CUDA as int8 codes [vocab, hidden] and fp32 scales [vocab, hidden / 32], row-major
+    (module doc). `head_kernel` is the checked Triton module, or None: the torch fallback multiplies."""
 
-    def __init__(self, table: Int8Table, out_dtype: torch.dtype):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        self.codes, self.scales = codes, scales
+        self.rows, self.hidden = codes.shape
+        self.head_kernel = int8_head_kernel(codes.device)
+
+    @classmethod
+    def from_rows(cls, read_rows, vocab: int, hidden: int, device: torch.device) -> "CudaInt8Table":
+        """Quantized on `device` PACK_ROWS rows at a time (an fp32 transient of PACK_ROWS x hidden)."""
+        if hidden % BLOCK:
+            raise ValueError(f"an int8 table needs hidden % {BLOCK} == 0, got hidden = {hidden}")
+        codes = torch.empty((vocab, hidden), dtype=torch.int8, device=device)
+        scales = torch.empty((vocab, hidden // BLOCK), dtype=torch.float32, device=device)
+        for first in range(0, vocab, PACK_ROWS):
+            last = min(vocab, first + PACK_ROWS)
+            codes[first:last], scales[first:last] = _quantize_rows(read_rows(first, last).to(device))
+        return cls(codes, scales)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [n] -> [n, hidden] fp32. No range check: it would read ids back to the host inside a captured
+        step (an id past the vocabulary trips CUDA's own index assertion)."""
+        codes = self.codes[ids].float().view(ids.shape[0], -1, BLOCK)  # [n, K/32, 32]
+        return (codes * self.scales[ids][..., None]).view(ids.shape[0], self.hidden)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> x W^T [n, vocab] fp32."""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if torch.compiler.is_compiling():
+            return torch.ops.oval_edge.int8_head_rows(x, self.codes, self.scales)
+        out = self.head_kernel.int8_head(x, self.codes, self.scales) if self.head_kernel is not None else None
+        return out if out is not None else _int8_head_rows(x, self.codes, self.scales)
+
+
+def _int8_head_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The torch fallback for CudaInt8Table: x [n, K] -> [n, vocab] fp32, PACK_ROWS vocabulary rows dequantized at
+    a time (transient PACK_ROWS x K fp32: 32 MiB at K = 4096)."""
+    vocab, hidden = codes.shape
+    xf = x.float()
+    out = xf.new_empty((x.shape[0], vocab))
+    for first in range(0, vocab, PACK_ROWS):
+        c, s = codes[first:first + PACK_ROWS], scales[first:first + PACK_ROWS]
+        w = (c.float().view(c.shape[0], -1, BLOCK) * s[..., None]).view(c.shape[0], hidden)
+        out[:, first:first + c.shape[0]] = xf @ w.T
+    return out
+
+
+def _int8_head_rows_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    kernel = int8_head_kernel(codes.device)
+    out = kernel.int8_head(x, codes, scales) if kernel is not None else None
+    return out if out is not None else _int8_head_rows(x, codes, scales)
+
+
+_LIBRARY.impl("int8_head_rows", _int8_head_rows_op, "CUDA")
+_LIBRARY.impl("int8_head_rows", _int8_head_rows_op, "CPU")  # the same layout on CPU tensors (tests, interpreter)
+
+
+@torch.library.register_fake("oval_edge::int8_head_rows")
+def _int8_head_rows_fake(x, codes, scales):
+    return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
+
+
+class _Int8Module(nn.Module):
+    """Holds an int8 table; its tensors are registered so weight_bytes counts them (a shared table once)."""
+
+    def __init__(self, table, out_dtype: torch.dtype):
         super().__init__()
         self.table, self.out_dtype = table, out_dtype
         self.register_buffer("codes", table.codes, persistent=False)
@@ -139,7 +228,7 @@ class _Int8Module(nn.Module):
 
 
 class Int8Embedding(_Int8Module):
-    """ids [n] -> [n, hidden] in `out_dtype`, from an Int8Table."""
+    """ids [n] -> [n, hidden] in `out_dtype`, from an Int8Table or CudaInt8Table."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() == 1:
@@ -148,7 +237,7 @@ class Int8Embedding(_Int8Module):
 
 
 class Int8Head(_Int8Module):
-    """hidden [n, hidden] -> logits [n, vocab] fp32 (then `out_dtype`), from an Int8Table (shared when tied)."""
+    """hidden [n, hidden] -> logits [n, vocab] fp32 (then `out_dtype`), from an int8 table (shared when tied)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dim() == 2:

@@ -139,11 +139,13 @@ def longest_context(shape: ModelShape, request: PlanRequest, page_size: int, tar
 
     oval = request.oval.replace(page_size=page_size)
 
+    rings = request.batch * geometry.ring_bytes_per_sequence  # sliding layers' rings, before any page
+
     def fits(tokens: int) -> bool:
         work = max(reserved_workspace_bytes(shape, geometry, target, request.prefill_chunk, tokens, request.batch),
                    workspace_bytes(shape, oval, geometry, target, tokens, request.batch, request.prefill_chunk,
                                    layout)["total"])
-        left = budget - weights - work - overhead
+        left = budget - weights - work - overhead - rings
         return left > 0 and left // geometry.bytes_per_page >= request.batch * math.ceil(tokens / page_size)
 
     low, high = 0, shape.max_context or (1 << 20)
@@ -166,8 +168,12 @@ def _page_plan(shape: ModelShape, request: PlanRequest, page_size: int, target: 
     # count the summaries built when pages are sealed); the written budget is lowered by the difference so that
     # serve, with its formula, allocates the same pages.
     work = max(serve_work, transient)
+    # Sliding layers' rings (max_batch sequences, K/V only) come out of the budget before the full pages are sized,
+    # as serve's size_pool does.
+    rings = request.batch * geometry.ring_bytes_per_sequence
     try:
-        sizing = size_pool(budget, weights.total, geometry, workspace_bytes=work, reserve_bytes=overhead)
+        sizing = size_pool(budget, weights.total, geometry, workspace_bytes=work, reserve_bytes=overhead,
+                           ring_sequences=request.batch)
         pages, explain = sizing.pages, sizing.explain()
     except ValueError as exc:  # not one page fits: the message carries the minimum for one page
         pages, explain = 0, str(exc)
@@ -183,12 +189,12 @@ def _page_plan(shape: ModelShape, request: PlanRequest, page_size: int, target: 
                                bandwidth, request.batch)
     served = next(p for p in paths if p.served)
     pool = pages * geometry.bytes_per_page
-    serving = overhead + weights.total + transient + pool
+    serving = overhead + weights.total + transient + pool + rings
     return PagePlan(
         page_size=page_size, pages=pages, bytes_per_page=geometry.bytes_per_page, pool_bytes=pool,
         tokens_in_pool=pages * page_size, max_context_per_sequence=max_ctx, fits=pages >= needed and pages > 0,
         pages_needed=needed,
-        minimum_budget=weights.total + work + overhead + needed * geometry.bytes_per_page,
+        minimum_budget=weights.total + work + overhead + rings + needed * geometry.bytes_per_page,
         tokens_read_per_step=reads["tokens_per_step"], kv_bytes_read_per_step=reads["kv_bytes"],
         summary_bytes_read_per_step=reads["summary_bytes"], bytes_per_step=step_bytes, roofline_tok_s=tok_s,
         decode_tok_s=served.tok_s, decode_tok_s_per_sequence=served.tok_s_per_sequence,
@@ -196,7 +202,7 @@ def _page_plan(shape: ModelShape, request: PlanRequest, page_size: int, target: 
         workspace_bytes=work, serve_workspace_bytes=serve_work, transient_bytes=transient, seal_bytes=parts["seal"],
         serve_memory_budget=budget - (work - serve_work) - (overhead if target == "cuda" else 0),
         predicted_serving_peak_bytes=serving,
-        predicted_peak_bytes=max(serving, load_peak), explain=explain,
+        predicted_peak_bytes=max(serving, load_peak), explain=explain, ring_bytes=rings,
     )
 
 

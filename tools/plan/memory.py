@@ -46,15 +46,23 @@ def target_of(kind: str) -> str:
 
 
 def geometry_for(shape: ModelShape, oval: OvalConfig, target: str) -> KVGeometry:
-    """The pool geometry serve builds for this model on `target` (runtime/engine/setup.pool_geometry)."""
-    return KVGeometry.for_oval(shape.layers, shape.kv_heads, shape.head_dim, oval, oval.pool_dtype(target))
+    """The pool geometry serve builds for this model on `target` (runtime/engine/setup.pool_geometry): pages of the
+    full-attention layers, and per sequence a ring for each sliding layer (oval_edge/kv/ring.py)."""
+    if shape.full_layers == 0:
+        raise ValueError(f"{shape.path}: every layer is a sliding-window layer; plan needs at least one full layer")
+    ring = tuple(i for i, kind in enumerate(shape.kinds) if kind == "sliding")
+    return KVGeometry.for_oval(shape.layers, shape.kv_heads, shape.head_dim, oval, oval.pool_dtype(target),
+                               ring=(ring, shape.sliding_window if ring else 0))
 
 
 def tokens_read_per_layer(shape: ModelShape, oval: OvalConfig, context: int) -> list[int]:
     """Token positions one sequence's decode step reads in each layer: the whole context in the first
-    `dense_layers` layers (and in every layer while the sequence fits the token budget), else the slots."""
+    `dense_layers` layers (and in every layer while the sequence fits the token budget), else the slots; a
+    sliding layer reads its window."""
     sparse = min(context, oval.token_budget)  # sink + top-k pages + window (= selection.slots_per_step)
-    return [context if layer < oval.dense_layers else sparse for layer in range(shape.layers)]
+    window = min(context, shape.sliding_window)
+    return [window if kind == "sliding" else context if layer < oval.dense_layers else sparse
+            for layer, kind in enumerate(shape.kinds)]
 
 
 def decode_reads(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, context: int, batch: int) -> dict:
@@ -62,10 +70,12 @@ def decode_reads(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, cont
     kv_token = 2 * shape.kv_heads * shape.head_dim * geometry.dtype_bytes  # K and V of one position, one layer
     kv = batch * sum(per_layer) * kv_token
     # Scoring reads the summary of every sealed page in each sparse layer once the row exceeds the budget.
-    sparse_layers = sum(1 for layer, t in enumerate(per_layer) if layer >= oval.dense_layers and t < context)
+    sparse_layers = sum(1 for layer, (t, kind) in enumerate(zip(per_layer, shape.kinds))
+                        if layer >= oval.dense_layers and t < context and kind == "full")
     summary_page = shape.kv_heads * geometry.summary_elements_per_head() * geometry.dtype_bytes
     summaries = batch * sparse_layers * (context // oval.page_size) * summary_page
-    return {"tokens_per_layer_dense": per_layer[0] if per_layer else 0, "tokens_per_layer_sparse": per_layer[-1],
+    return {"tokens_per_layer_dense": per_layer[0] if per_layer else 0, "tokens_per_layer_sparse": min(context, oval.token_budget),
+            "tokens_per_layer_sliding": min(context, shape.sliding_window) if shape.sliding_layers else 0,
             "tokens_per_step": sum(per_layer), "kv_bytes": kv, "summary_bytes": summaries}
 
 
@@ -175,6 +185,7 @@ class PagePlan:
     predicted_serving_peak_bytes: int
     predicted_peak_bytes: int
     explain: str
+    ring_bytes: int = 0  # sliding layers' rings for `batch` sequences, beside the pool (oval_edge/kv/ring.py)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

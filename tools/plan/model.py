@@ -3,7 +3,9 @@
 GGUF keys (llama.cpp's naming, prefixed by `general.architecture`, e.g. "llama."): block_count,
 embedding_length, feed_forward_length, attention.head_count, attention.head_count_kv, attention.key_length
 (optional head dim), context_length; the vocabulary is the length of tokenizer.ggml.tokens. A GGUF without an
-`output.weight` tensor ties the output head to the embedding. Qwen2 GGUFs carry attn_q/k/v biases.
+`output.weight` tensor ties the output head to the embedding. Qwen2 GGUFs carry attn_q/k/v biases, Qwen3 and Gemma-3
+GGUFs attn_q_norm / attn_k_norm, Gemma GGUFs post_attention_norm and post_ffw_norm (4 norms per layer) and
+`{arch}.attention.sliding_window`. What each family adds is in families.py.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from oval_edge.runtime.model.source import SUPPORTED_ARCHITECTURES, bundled_gguf_path
+from oval_edge.runtime.model.source import bundled_gguf_path
+
+from .families import PLANNED_ARCHITECTURES, QK_NORM, layer_kinds, norms_per_layer, text_part
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,32 @@ class ModelShape:
     qkv_bias: bool
     source: str  # "GGUF metadata" | "config.json"
     file_bytes: int  # size of the checkpoint on disk (GGUF file; 0 when only a config was given)
+    norms_per_layer: int = 2  # RMSNorm vectors of `hidden` per layer: 2 (Llama), 4 (Gemma 2/3)
+    qk_norm: bool = False  # q_norm and k_norm per layer (Qwen3, Gemma 3): 2 x head_dim weights
+    layer_kinds: tuple[str, ...] = ()  # "full" | "sliding" per layer; () = every layer full
+    sliding_window: int = 0  # tokens a sliding layer attends to (0: none)
+    rotary_dim: int = 0  # dims of each head that rotate (partial_rotary_factor); 0 = head_dim
+    notes: tuple[str, ...] = ()  # what reading the config left out or filled in
+
+    def __post_init__(self) -> None:
+        if self.layer_kinds and len(self.layer_kinds) != self.layers:
+            raise ValueError(f"{self.path}: {len(self.layer_kinds)} layer kinds for {self.layers} layers")
+        if self.sliding_layers and self.sliding_window < 1:
+            raise ValueError(f"{self.path}: sliding layers need a sliding_window >= 1, got {self.sliding_window}")
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.layer_kinds or ("full",) * self.layers
+
+    @property
+    def full_layers(self) -> int:
+        """Layers whose KV lives in the page pool (OVAL pages, scored)."""
+        return self.kinds.count("full")
+
+    @property
+    def sliding_layers(self) -> int:
+        """Layers whose KV lives in per-sequence rings (oval_edge/kv/ring.py)."""
+        return self.kinds.count("sliding")
 
     def projections(self) -> list[tuple[str, int, int]]:
         """(name, out_features N, in_features K) of the nn.Linear layers inside one decoder layer."""
@@ -44,7 +74,9 @@ class ModelShape:
 
     @property
     def parameters(self) -> int:
-        per_layer = sum(n * k for _, n, k in self.projections()) + 2 * self.hidden
+        per_layer = sum(n * k for _, n, k in self.projections()) + self.norms_per_layer * self.hidden
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         if self.qkv_bias:
             per_layer += (self.heads + 2 * self.kv_heads) * self.head_dim
         head = 0 if self.tied_embeddings else self.vocab * self.hidden
@@ -52,10 +84,15 @@ class ModelShape:
 
     def describe(self) -> str:
         tie = "tied" if self.tied_embeddings else "untied"
+        kinds = (f", {self.sliding_layers} of {self.layers} layers sliding on {self.sliding_window} tokens"
+                 if self.sliding_layers else "")
+        rotary = f", {self.rotary_dim} of {self.head_dim} dims rotate" if self.rotary_dim else ""
+        notes = "".join(f"; {n}" for n in self.notes)
         return (
             f"{self.name} ({self.architecture}, {self.layers} layers, hidden {self.hidden}, {self.heads} q / "
             f"{self.kv_heads} kv heads x {self.head_dim}, ffn {self.intermediate}, vocab {self.vocab}, {tie} head, "
-            f"{self.parameters / 1e6:.0f}M params, max context {self.max_context}; from {self.source})"
+            f"{self.parameters / 1e6:.0f}M params, max context {self.max_context}{kinds}{rotary}; from {self.source}"
+            f"{notes})"
         )
 
 
@@ -92,9 +129,11 @@ def _from_config(path: str) -> ModelShape:
         raise ValueError(f"model file {path} is neither a GGUF file nor a JSON config.json ({exc})") from exc
     if not isinstance(config, dict):
         raise ValueError(f"model config {path} is not a JSON object")
+    config, notes = text_part(config, path)
     arch = config.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{path}: model_type {arch!r} is not supported; oval-edge runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if arch not in PLANNED_ARCHITECTURES:
+        raise ValueError(f"{path}: model_type {arch!r} is not supported; oval-edge plans "
+                         f"{', '.join(PLANNED_ARCHITECTURES)}")
 
     def need(key: str) -> int:
         value = config.get(key)
@@ -107,15 +146,25 @@ def _from_config(path: str) -> ModelShape:
     head_dim = config.get("head_dim") or hidden // heads
     kv = config.get("num_key_value_heads") or heads
     folder = os.path.dirname(path)
+    layers, context = need("num_hidden_layers"), int(config.get("max_position_embeddings") or 0)
+    window = config.get("sliding_window") or 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"{path}: 'sliding_window' must be a positive integer or null, got {window!r}")
+    kinds = layer_kinds(arch, layers, window, config, context)
+    rotary = config.get("partial_rotary_factor")
+    if rotary is not None and not (isinstance(rotary, (int, float)) and 0 < rotary <= 1):
+        raise ValueError(f"{path}: 'partial_rotary_factor' must be in (0, 1], got {rotary!r}")
     return ModelShape(
         name=os.path.basename(folder) if os.path.basename(path) == "config.json" else os.path.splitext(os.path.basename(path))[0],
-        path=path, architecture=arch, layers=need("num_hidden_layers"), hidden=hidden,
+        path=path, architecture=arch, layers=layers, hidden=hidden,
         intermediate=need("intermediate_size"), heads=heads, kv_heads=int(kv), head_dim=int(head_dim),
-        vocab=need("vocab_size"), max_context=int(config.get("max_position_embeddings") or 0),
+        vocab=need("vocab_size"), max_context=context,
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; Llama/Mistral only when attention_bias is set.
         qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
-        source="config.json", file_bytes=0,
+        source="config.json", file_bytes=0, norms_per_layer=norms_per_layer(arch), qk_norm=arch in QK_NORM,
+        layer_kinds=kinds if "sliding" in kinds else (), sliding_window=window if "sliding" in kinds else 0,
+        rotary_dim=int(int(head_dim) * rotary) if rotary not in (None, 1, 1.0) else 0, notes=tuple(notes),
     )
 
 
@@ -130,23 +179,30 @@ def _from_gguf(path: str) -> ModelShape:
         raise ValueError(f"model file {path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
     fields = reader.fields
     arch = _scalar(fields, "general.architecture", path)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; oval-edge runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if arch not in PLANNED_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; oval-edge plans "
+                         f"{', '.join(PLANNED_ARCHITECTURES)}")
     heads = int(_scalar(fields, f"{arch}.attention.head_count", path))
     hidden = int(_scalar(fields, f"{arch}.embedding_length", path))
     key_length = fields.get(f"{arch}.attention.key_length")
     tokens = fields.get("tokenizer.ggml.tokens")
     vocab = len(tokens.data) if tokens is not None else int(_scalar(fields, f"{arch}.vocab_size", path))
     names = {t.name for t in reader.tensors}
+    layers, context = int(_scalar(fields, f"{arch}.block_count", path)), int(_scalar(fields, f"{arch}.context_length", path))
+    window_key = f"{arch}.attention.sliding_window"
+    window = int(_scalar(fields, window_key, path)) if window_key in fields else 0
+    kinds = layer_kinds(arch, layers, window, None, context)
     return ModelShape(
         name=os.path.splitext(os.path.basename(path))[0], path=path, architecture=arch,
-        layers=int(_scalar(fields, f"{arch}.block_count", path)), hidden=hidden,
+        layers=layers, hidden=hidden,
         intermediate=int(_scalar(fields, f"{arch}.feed_forward_length", path)), heads=heads,
         kv_heads=int(_scalar(fields, f"{arch}.attention.head_count_kv", path)) if f"{arch}.attention.head_count_kv" in fields else heads,
         head_dim=int(_scalar(fields, f"{arch}.attention.key_length", path)) if key_length is not None else hidden // heads,
-        vocab=vocab, max_context=int(_scalar(fields, f"{arch}.context_length", path)),
+        vocab=vocab, max_context=context,
         tied_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
         source="GGUF metadata", file_bytes=os.path.getsize(path),
+        norms_per_layer=4 if "blk.0.post_ffw_norm.weight" in names else 2, qk_norm="blk.0.attn_q_norm.weight" in names,
+        layer_kinds=kinds if "sliding" in kinds else (), sliding_window=window if "sliding" in kinds else 0,
     )
 
 

@@ -47,16 +47,20 @@ def format_device_plan(plan: DevicePlan) -> str:
         + f", embedding {format_bytes(w.embedding)}, lm_head "
         + ("tied (0 B)" if w.lm_head == 0 else format_bytes(w.lm_head))
         + f", norms {format_bytes(w.norms)}" + (f", biases {format_bytes(w.biases)}" if w.biases else ""),
-        f"KV       : {format_bytes(geo.kv_bytes_per_token)} per token ({geo.dtype}, all layers) + {r.oval.scorer} "
+        f"KV       : {format_bytes(geo.kv_bytes_per_token)} per token ({geo.dtype}, "
+        f"{'all' if not s.sliding_layers else f'the {s.full_layers} full'} layers) + {r.oval.scorer} "
         f"summaries (rank {r.oval.rank}) {format_bytes(geo.summary_bytes_per_page)} per page of {geo.page_size}; "
         f"top_k {r.oval.top_k}, sink {r.oval.sink_pages}, window {r.oval.window_max}, "
-        f"dense layers {r.oval.dense_layers}",
+        f"dense layers {r.oval.dense_layers}"
+        + (f"; {s.sliding_layers} sliding layers keep a ring of ceil(({s.sliding_window} - 1) / page) + 1 pages "
+           f"of K/V per sequence ({_span([p.ring_bytes for p in plan.rows])} for batch {r.batch}), beside the pool"
+           if s.sliding_layers else ""),
         f"process  : runtime overhead {format_bytes(plan.runtime_overhead)}; loading peaks at "
         f"{format_bytes(plan.load_peak_bytes)}",
         f"request  : context {r.context} x batch {r.batch}, prefill chunk {r.prefill_chunk}",
         f"workspace: per page size, serve's formula reserves {_span([p.serve_workspace_bytes for p in plan.rows])}; "
         f"the largest step needs {_span([p.transient_bytes for p in plan.rows])}, of which sealing pages "
-        f"(a few pages x {s.layers} layers x {s.kv_heads} heads at once, bounded by bytes) "
+        f"(a few pages x {s.full_layers} layers x {s.kv_heads} heads at once, bounded by bytes) "
         f"{_span([p.seal_bytes for p in plan.rows])}; the plan sets aside the larger",
         "",
     ]

@@ -207,7 +207,7 @@ STEP_COSTS = StepCostTable(
                                f"0.58 us per replayed node measured on a desktop GPU ({OCANNL}) x ~3.7 for the "
                                "Orin Nano's GPU clock (625 MHz at 15 W against ~2.3 GHz) = 2.1 us, rounded up for "
                                "kernels too small to reach the DRAM bandwidth; sanity check: with it plan predicts "
-                               f"~162-164 tok/s for SmolLM2 on the Orin Nano Super, where llama.cpp measures 165.2 "
+                               f"~169-171 tok/s for SmolLM2 (int8 head) on the Orin Nano Super, where llama.cpp measures 165.2 "
                                f"({SMOLHUB}, 25 W)"),
         ),
         DeviceStepCost(

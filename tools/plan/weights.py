@@ -17,10 +17,12 @@ compress_statistics=True). For a weight W [N out, K in], n = N*K, blocks = ceil(
       code        fp32 [16]
 The counting matches runtime.model.quantize.weight_bytes (each storage once; offset only while nested).
 
-On a CPU in 4-bit modes the embedding (and an untied head) is an int8 table (runtime/model/embeddings.py): one
-code byte per weight and one fp32 scale per 32, the vocabulary padded to a multiple of 32; on CUDA both stay in 16
-bits. Everything else stays dense (runtime/model/loader.py): RMSNorm weights in the activation dtype (fp32 on CPU,
-fp16 on CUDA/Jetson); q/k/v biases (Qwen2) in the 4-bit layers' compute dtype
+In 4-bit modes the embedding (and an untied head) is an int8 table (runtime/model/embeddings.py) when hidden is a
+multiple of 32: one code byte per weight and one fp32 scale per 32 weights. On a CPU the vocabulary is padded to a
+multiple of 32 (the native kernel's panels); on CUDA the rows are stored as they are ([vocab, hidden] codes and
+[vocab, hidden / 32] scales, no padding). Everything else stays dense (runtime/model/loader.py): RMSNorm weights in
+the activation dtype (fp32 on CPU, fp16 on CUDA/Jetson), 2 or 4 per layer (families.py) plus Qwen3/Gemma-3's
+q_norm and k_norm ([head_dim] each); q/k/v biases (Qwen2) in the 4-bit layers' compute dtype
 (bf16 on CPU, fp16 on CUDA), since bitsandbytes casts the bias to it on the first forward. A tied lm_head is the
 embedding tensor and is counted once. quant 'none' keeps every projection dense in the activation dtype.
 """
@@ -124,17 +126,18 @@ def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozense
     return WeightBreakdown(
         quant=quant, layout=layout, target=target, linear_codes=codes, quant_state=state, dense_linear=dense,
         biases=biases, embedding=embedding, lm_head=0 if shape.tied_embeddings else embedding,
-        # input + post-attention RMSNorm per layer, plus the final norm
-        norms=(2 * shape.layers + 1) * shape.hidden * act,
+        # 2 (or Gemma's 4) RMSNorms per layer, q/k norms where the family has them, plus the final norm
+        norms=((shape.norms_per_layer * shape.layers + 1) * shape.hidden
+               + (2 * shape.layers * shape.head_dim if shape.qk_norm else 0)) * act,
     )
 
 
 def _table_bytes(shape: ModelShape, quant: str, target: str) -> int:
     """Bytes of the embedding (and of an untied head): 'none' keeps it in the activation dtype; 4-bit modes keep an
-    int8 table on a CPU (when hidden is a multiple of 32, as the kernel needs) and 16 bits on CUDA."""
+    int8 table when hidden is a multiple of 32 (the vocabulary padded to whole panels on a CPU), else 16 bits."""
     if quant == "none":
         return shape.vocab * shape.hidden * ACTIVATION_BYTES[target]
-    if target == "cpu" and shape.hidden % INT8_BLOCK == 0:
-        rows = ceil_div(shape.vocab, INT8_PANEL) * INT8_PANEL
+    if shape.hidden % INT8_BLOCK == 0:
+        rows = ceil_div(shape.vocab, INT8_PANEL) * INT8_PANEL if target == "cpu" else shape.vocab
         return rows * shape.hidden + rows * (shape.hidden // INT8_BLOCK) * 4
     return shape.vocab * shape.hidden * 2

@@ -1,0 +1,91 @@
+"""What each model family adds to the Llama shape, for planning: norms per layer, q/k norms, the layer split into
+full and sliding attention, and the defaults a family's config.json may leave to transformers' config class.
+
+Families (as transformers builds them; only the weights and the KV cache matter here):
+  llama, mistral, qwen2, smollm3   2 RMSNorms per layer (input, post-attention); qwen2 adds q/k/v biases
+  qwen3                            + q_norm and k_norm per layer (an RMSNorm over each head's D: 2 x D weights)
+  phi3 (Phi-3/3.5, Phi-4-mini)     the checkpoint fuses qkv_proj and gate_up_proj (same parameter count as the
+                                   split projections); partial_rotary_factor only changes which dims rotate
+  gemma2                           4 RMSNorms per layer (input, post_attention, pre_feedforward, post_feedforward),
+                                   every other layer sliding (layer i sliding when (i + 1) % 2 != 0)
+  gemma3 / gemma3_text             as gemma2 plus q/k norms; layer i sliding unless (i + 1) % pattern == 0 (pattern
+                                   6 by default: 5 of every 6 layers on `sliding_window`)
+Gemma ties its embeddings and takes head_dim from the config (256 for Gemma-3-4B, not hidden / heads = 320).
+A `layer_types` list ("sliding_attention" / "full_attention"), where a config has one, wins over the rules.
+
+Gemma-3-4B's config.json is a multimodal Gemma3ForConditionalGeneration config ("gemma3" outside, the decoder
+under "text_config" as "gemma3_text", a SigLIP "vision_config" beside it): plan reads the text part and ignores
+the vision tower (oval-edge serves text only), and says so in the shape's notes.
+"""
+
+from __future__ import annotations
+
+from oval_edge.runtime.model.source import SUPPORTED_ARCHITECTURES as PLANNED_ARCHITECTURES  # the loader's list
+
+GEMMA = ("gemma2", "gemma3", "gemma3_text")
+QK_NORM = ("qwen3", "gemma3", "gemma3_text")
+
+# transformers' config-class defaults for keys the published configs leave out (Gemma-3-4B's text_config names
+# only hidden/intermediate size, layers, rope scaling and the window). Checked against transformers' classes by
+# tests/test_plan_families.py::test_family_defaults_are_transformers_defaults.
+CONFIG_DEFAULTS = {
+    "gemma2": {"vocab_size": 256000, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+               "max_position_embeddings": 8192, "sliding_window": 4096, "tie_word_embeddings": True},
+    "gemma3_text": {"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131072, "sliding_window": 4096, "sliding_window_pattern": 6,
+                    "tie_word_embeddings": True},
+}
+SLIDING_KINDS = {"sliding_attention": "sliding", "full_attention": "full"}
+
+
+def text_part(config: dict, path: str) -> tuple[dict, list[str]]:
+    """The decoder's config (a multimodal config's "text_config", with its family's defaults filled in) and notes
+    on what was left out."""
+    notes: list[str] = []
+    outer = config.get("model_type")
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        skipped = [k for k in ("vision_config", "audio_config") if k in config]
+        notes.append(f"read the decoder from text_config ({outer} -> {text.get('model_type')}); "
+                     f"{' and '.join(skipped) or 'nothing else'} ignored: oval-edge serves text only")
+        # The outer config carries tie_word_embeddings for the whole model (Gemma3Config); the text part wins.
+        text = {"tie_word_embeddings": config["tie_word_embeddings"]} | text if "tie_word_embeddings" in config \
+            else dict(text)
+        text.setdefault("model_type", f"{outer}_text" if outer else None)
+        config = text
+    elif text is not None:
+        raise ValueError(f"{path}: 'text_config' must be a JSON object, got {type(text).__name__}")
+    arch = config.get("model_type")
+    defaults = CONFIG_DEFAULTS.get("gemma3_text" if arch == "gemma3" else arch, {})
+    filled = [k for k in defaults if k not in config]
+    if filled:
+        notes.append(f"{arch} defaults (transformers' config class) for {', '.join(filled)}")
+    return defaults | config, notes
+
+
+def norms_per_layer(arch: str) -> int:
+    """RMSNorm weight vectors of `hidden` per decoder layer."""
+    return 4 if arch in GEMMA else 2
+
+
+def layer_kinds(arch: str, layers: int, window: int | None, config: dict | None = None,
+                max_context: int = 0) -> tuple[str, ...]:
+    """'full' or 'sliding' per layer: Gemma's rules or the config's layer_types. Only a window below the model's
+    context binds (else every layer is full)."""
+    config = config or {}
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or any(t not in SLIDING_KINDS for t in types):
+            raise ValueError(f"layer_types must list {layers} of {', '.join(SLIDING_KINDS)}, got {types!r}")
+        kinds = tuple(SLIDING_KINDS[t] for t in types)
+    elif arch == "gemma2":
+        kinds = tuple("sliding" if (i + 1) % 2 else "full" for i in range(layers))
+    elif arch in ("gemma3", "gemma3_text"):
+        pattern = config.get("sliding_window_pattern", 6)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
+        kinds = tuple("sliding" if (i + 1) % pattern else "full" for i in range(layers))
+    else:  # Llama, Qwen, Phi: every layer full. (A Mistral or Phi-3 window that binds is refused by the loader.)
+        kinds = ("full",) * layers
+    binds = bool(window) and (not max_context or window < max_context)
+    return kinds if binds else ("full",) * layers
