@@ -45,7 +45,7 @@ def cache_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def folders(tmp_path_factory, cache_root):
     return {kind: save_folder(tmp_path_factory.mktemp(kind), family_config(kind)) for kind in ("qwen3", "smollm3")}
 
 
@@ -223,3 +223,24 @@ def test_the_entry_is_a_plain_safetensors_file(cache_root, folders):
     with safe_open(path, framework="pt") as handle:
         assert "manifest" in handle.metadata()
         assert sorted(handle.keys()) == sorted(f"s{i}" for i in range(len(manifest["tree"]["storages"])))
+
+
+def test_the_serve_flag_turns_the_cache_off_and_the_report_times_the_start(monkeypatch):
+    import argparse
+
+    from oval_edge.runtime.model.weight_cache import cache_enabled
+    from oval_edge.runtime.server.options import add_engine_arguments, engine_spec
+    from oval_edge.runtime.server.serve import process_age_s, startup_timeline
+
+    monkeypatch.delenv(entry_module.DISABLE_ENV, raising=False)  # restored after the test, whatever engine_spec sets
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    engine_spec(parser.parse_args(["--no-weight-cache"]))
+    assert not cache_enabled()
+    engine_spec(parser.parse_args(["--weight-cache"]))
+    assert cache_enabled()
+    age = process_age_s()
+    assert age is None or age > 0
+    line = startup_timeline({"listening": 2.0, "load_start": 2.1, "model_s": 1.5, "ready": 4.2})
+    assert line == ("ready 4.2 s after the process started: imports and setup 2.0 s until listening, model 1.5 s, "
+                    "engine (KV pool, decode step) 0.6 s")

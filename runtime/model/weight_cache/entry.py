@@ -102,8 +102,9 @@ class WeightCacheEntry:
             if stale:
                 return None, f"stale ({stale})"
             storages = map_storages(self.path, manifest, header, data_start, threads or torch.get_num_threads())
-            if device.type != "cpu":
-                storages = [s.to(device) for s in storages]
+            if device.type != "cpu":  # each storage back where it was built (a CUDA build may keep some on the CPU)
+                kinds = [s["device"] for s in manifest["tree"]["storages"]]
+                storages = [s.to(device) if kind != "cpu" else s for s, kind in zip(storages, kinds)]
             model = TreeReader(manifest["tree"], storages).build()
         except (CorruptEntry, UncacheableTree) as exc:
             return None, str(exc)
