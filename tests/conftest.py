@@ -10,6 +10,9 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# The weight cache is off for the suite (the servers it starts inherit this): each test's tmp model would leave its
+# entry in the user's cache. tests/test_weight_cache.py turns it on under a tmp OVAL_EDGE_CACHE.
+os.environ.setdefault("OVAL_EDGE_WEIGHT_CACHE", "0")
 
 import pytest  # noqa: E402  (after the thread settings above)
 

@@ -90,7 +90,11 @@ class DecoderMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = gate_up_proj  # hidden -> 2 * intermediate, rows gate | up
         self.down_proj = down_proj
-        self.act_fn = GATE_ACTIVATIONS[act]
+        self.act = act  # a name (GATE_ACTIVATIONS): plain data, which the weight cache records as it is
+
+    @property
+    def act_fn(self):
+        return GATE_ACTIVATIONS[self.act]
 
 
 class DecoderLayer(nn.Module):

@@ -14,9 +14,11 @@ from .config import DecoderConfig
 from .decoder_build import build_decoder
 from .gguf_metadata import cached_metadata_folder, gguf_config_values
 from .heap import compact_heap_while_loading, return_freed_memory
-from .quantize import weight_bytes
+from .embeddings import int8_table_applies
+from .quantize import import_bitsandbytes, weight_bytes
 from .source import QUANT_TYPES, ModelSource, resolve_model
 from .tokenizer import load_tokenizer
+from .weight_cache import WeightCacheEntry, cache_enabled, load_or_build
 from .weight_stream import GGUFWeights, SafetensorsWeights
 
 
@@ -30,6 +32,7 @@ class LoadedModel:
     dtype: torch.dtype  # activations / embeddings / norms
     weight_bytes: int
     load_seconds: float
+    weights_origin: str = ""  # where the weights came from: the weight cache (its path) or quantized, and how long
 
     @property
     def config(self):
@@ -81,12 +84,14 @@ def compute_dtype_for(device: torch.device, requested: str = "auto",
 
 
 def load_model(model: str | None = "default", quant: str = "nf4", device: str | None = "auto",
-               dtype: str = "auto") -> LoadedModel:
+               dtype: str = "auto", weight_cache: bool | None = None) -> LoadedModel:
     """Load, quantize and report. Raises ValueError naming the path for a missing/broken/unsupported model.
 
     Weights stream from the file one layer at a time into the runtime's own decoder (runtime/model/decoder.py):
     q/k/v and gate/up are fused into single 4-bit layers (same numbers, fewer kernel calls), and transformers'
-    model classes are never imported (see runtime/model/config.py for why).
+    model classes are never imported (see runtime/model/config.py for why). The built decoder is kept in the weight
+    cache (runtime/model/weight_cache/) and memory-mapped from there at the next load with the same source and
+    settings; weight_cache: False bypasses it, None follows $OVAL_EDGE_WEIGHT_CACHE (on unless "0").
     """
     if quant not in QUANT_TYPES:
         raise ValueError(f"quant={quant!r} is unknown; allowed: {', '.join(QUANT_TYPES)}")
@@ -100,18 +105,25 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
     metadata = cached_metadata_folder(source.path) if source.gguf_file else None
     config = read_decoder_config(source, metadata)
     tokenizer = load_tokenizer(source, metadata)
-    weights = _open_weights(source, config)
-    try:
-        with compact_heap_while_loading():
-            decoder = build_decoder(weights, config, quant, dev, dtype, storage)
-    except ValueError:
-        raise
-    except Exception as exc:  # a tensor of the wrong shape or a short file: name the path
-        raise ValueError(f"model {source.path}: cannot load its weights ({type(exc).__name__}: {exc})") from exc
-    finally:
-        weights.close()
+
+    def build():
+        weights = _open_weights(source, config)
+        try:
+            with compact_heap_while_loading():
+                return build_decoder(weights, config, quant, dev, dtype, storage)
+        except ValueError:
+            raise
+        except Exception as exc:  # a tensor of the wrong shape or a short file: name the path
+            raise ValueError(f"model {source.path}: cannot load its weights ({type(exc).__name__}: {exc})") from exc
+        finally:
+            weights.close()
+
+    entry = None
+    if weight_cache if weight_cache is not None else cache_enabled():
+        entry = WeightCacheEntry.for_load(source.path, quant, dev, dtype, storage, build_layout(config, quant, dev))
+    decoder, origin = load_or_build(entry, dev, build)
     return_freed_memory()
-    logging.getLogger(__name__).info("loaded %s (%s) on %s", source.path, quant, dev)
+    logging.getLogger(__name__).info("loaded %s (%s) on %s: weights %s", source.path, quant, dev, origin)
     return LoadedModel(
         model=decoder,
         tokenizer=tokenizer,
@@ -121,7 +133,21 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
         dtype=dtype,
         weight_bytes=weight_bytes(decoder),
         load_seconds=time.perf_counter() - start,
+        weights_origin=origin,
     )
+
+
+def build_layout(config: DecoderConfig, quant: str, device: torch.device) -> dict:
+    """How build_decoder lays out the bytes on this host, beyond the load's settings: whether bitsandbytes repacks
+    4-bit weights for its AVX512-BF16 kernel, and whether the embedding/head become an int8 table (native kernels
+    present). A cached tree is only used where a fresh build would lay them out the same."""
+    if quant == "none":
+        return {"cpu_packed_4bit": False, "int8_table": False}
+    import_bitsandbytes()  # lean, before anything imports it (quantize.py says why)
+    from bitsandbytes.functional import has_avx512bf16
+
+    return {"cpu_packed_4bit": device.type == "cpu" and bool(has_avx512bf16()),
+            "int8_table": int8_table_applies(config.hidden_size, device)}
 
 
 def read_decoder_config(source: ModelSource, metadata: str | None = None) -> DecoderConfig:
@@ -156,4 +182,5 @@ def describe(loaded: LoadedModel) -> str:
         f"{c.num_key_value_heads} kv heads) from {os.path.basename(loaded.source.path)}, quant {loaded.quant}, "
         f"weights {loaded.weight_bytes / 2**20:.1f} MiB on {loaded.device}, activations "
         f"{str(loaded.dtype).removeprefix('torch.')}, loaded in {loaded.load_seconds:.1f} s"
+        + (f" (weights {loaded.weights_origin})" if loaded.weights_origin else "")
     )

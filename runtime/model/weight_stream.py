@@ -153,7 +153,10 @@ class SafetensorsWeights:
         source = self._where[name]
         name = self._stored.get(name, name)
         tensor = source[name] if isinstance(source, dict) else source.get_tensor(name)
-        return tensor.to(dtype).contiguous()
+        # Always a copy of our own: a tensor already in `dtype` would otherwise stay a view into the file's map, at
+        # whatever alignment the file gives it, and a one-row GEMV's rounding depends on its weight's alignment
+        # (measured on a tied head: a cached load, 64-byte aligned, differed in the last bit).
+        return tensor.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
     def read_rows(self, name: str, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop-1 of a 2-D tensor, read alone (safetensors slices the file's map)."""

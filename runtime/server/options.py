@@ -86,6 +86,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                        help="share full KV pages between requests whose prompts start alike (default: on); "
                             "--no-prefix-cache prefills every prompt in full")
+    group.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=None,
+                       help="keep the quantized weights under $OVAL_EDGE_CACHE/weights and memory-map them at the next "
+                            "start (default: on, unless $OVAL_EDGE_WEIGHT_CACHE=0); --no-weight-cache quantizes from "
+                            "the model file every time")
     group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        help="activations on CUDA: auto (the default) is bfloat16 on compute capability 8.0+ (Orin: "
                             "8.7) and float16 below; the CPU runs float32")
@@ -111,6 +115,13 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         import torch
 
         torch.set_num_threads(threads)
+    weight_cache = getattr(args, "weight_cache", None)
+    if weight_cache is not None:  # read by load_model (process-wide, like --threads), so serve and chat share it
+        import os
+
+        from oval_edge.runtime.model.weight_cache import DISABLE_ENV
+
+        os.environ[DISABLE_ENV] = "1" if weight_cache else "0"
     sections = {"model": {}, "oval": {}, "server": {}}
     if args.config:
         from oval_edge.runtime.config_file import load_config_file

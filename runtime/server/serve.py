@@ -58,7 +58,30 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def startup_report(engine, spec, url: str, api_key: bool) -> str:
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc/self/stat's start time, in clock ticks since boot), or None
+    where that is not readable. The startup report's clock starts there, before Python and torch load."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as handle:
+            fields = handle.read().rpartition(")")[2].split()
+        with open("/proc/uptime", encoding="ascii") as handle:
+            uptime = float(handle.read().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat; fields[0] is field 3
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def startup_timeline(marks: dict) -> str:
+    """'ready X s after the process started: ...' from process ages at listening, load start and ready."""
+    if marks.get("ready") is None:
+        return "timeline unavailable (no /proc here)"
+    model = marks["model_s"]
+    engine = marks["ready"] - marks["load_start"] - model
+    return (f"ready {marks['ready']:.1f} s after the process started: imports and setup {marks['listening']:.1f} s "
+            f"until listening, model {model:.1f} s, engine (KV pool, decode step) {engine:.1f} s")
+
+
+def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = None) -> str:
     from oval_edge.kernels.cpu import describe_kernels
 
     from oval_edge.runtime.model.loader import describe
@@ -78,6 +101,8 @@ def startup_report(engine, spec, url: str, api_key: bool) -> str:
         f"  serving   {url}/v1 (OpenAI API), {url}/health, {url}/metrics, {url}/docs"
         + ("; API key required" if api_key else ""),
     ]
+    if marks is not None:
+        lines.append(f"  startup   {startup_timeline(marks)}")
     return "\n".join(lines)
 
 
@@ -102,16 +127,26 @@ def run(args: argparse.Namespace) -> int:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
     outcome = {"rc": 0}
     server_ref: dict = {}
+    marks = {"listening": process_age_s()}
+
+    def load_engine():
+        marks["load_start"] = process_age_s()
+        engine = spec.load()
+        marks["model_s"] = engine.loaded.load_seconds
+        return engine
 
     def on_ready(engine) -> None:
-        print(startup_report(engine, spec, url, bool(settings.api_key)), flush=True)
+        marks["ready"] = process_age_s()
+        if None in (marks["listening"], marks["load_start"]):
+            marks["ready"] = None
+        print(startup_report(engine, spec, url, bool(settings.api_key), marks), flush=True)
 
     def on_load_error(message: str) -> None:
         print(f"oval-edge serve: error: {message}", file=sys.stderr, flush=True)
         outcome["rc"] = 1
         server_ref["server"].should_exit = True
 
-    app = create_app(settings, spec.load, on_ready=on_ready, on_load_error=on_load_error)
+    app = create_app(settings, load_engine, on_ready=on_ready, on_load_error=on_load_error)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=10,
                             lifespan="on")
     server = DrainingServer(config, app.state.server, args.shutdown_grace)
