@@ -11,7 +11,8 @@ import torch
 from oval_reference import make_pool, prefill, structured_kv, write_tokens
 
 from oval_edge import OvalConfig
-from oval_edge.sparse.attention import decode_attention, prefill_attention
+from oval_edge.sparse.attention import decode_attention
+from oval_edge.sparse.prefill import prefill_attention
 from oval_edge.sparse.selection import slots_per_step
 
 LAYERS, KV_HEADS, Q_HEADS, DIM = 2, 3, 9, 64
@@ -92,7 +93,7 @@ def test_chunked_prefill_equals_dense_causal(page_size, history, monkeypatch):
     path (history and chunk attended apart, merged by log-sum-exp); `mask`: the masked-SDPA path other devices take.
     """
     if history == "mask":
-        monkeypatch.setattr("oval_edge.sparse.attention._split_attention_for_cpu", lambda: None)
+        monkeypatch.setattr("oval_edge.sparse.prefill._split_attention_for_cpu", lambda: None)
     plan = [(50, 20, 0), (45, 70, 33), (0, 1, 61), (29, 16, 1)]  # new tokens per step for rows a, b, c
     totals = [sum(step[r] for step in plan) for r in range(3)]
     gen = torch.Generator().manual_seed(17)

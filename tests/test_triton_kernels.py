@@ -351,7 +351,7 @@ def test_cuda_table_layout_kernel_and_fallback_agree(monkeypatch):
     from oval_edge.runtime.model import embeddings
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    triton_check.load_int8_head.cache_clear()
+    gpu.load_int8_head.cache_clear()
     try:
         gen = torch.Generator().manual_seed(3)
         weight = torch.randn(embeddings.PACK_ROWS + 37, 64, generator=gen)
@@ -372,4 +372,4 @@ def test_cuda_table_layout_kernel_and_fallback_agree(monkeypatch):
         _near(kernel, fallback, 1e-5)
         _near(fallback, x.float() @ dequantized.T, 1e-5)
     finally:
-        triton_check.load_int8_head.cache_clear()
+        gpu.load_int8_head.cache_clear()

@@ -74,7 +74,7 @@ def describe_device() -> dict:
     import torch
 
     from oval_edge.kernels.cpu import describe_kernels
-    from oval_edge.kernels.triton_check import load_int8_head
+    from oval_edge.kernels.gpu import load_int8_head
     from oval_edge.runtime.model.loader import compute_dtype_for
 
     device = torch.device("cuda")

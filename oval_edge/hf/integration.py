@@ -23,7 +23,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from oval_edge.config import OvalConfig
-from oval_edge.sparse.attention import decode_attention, gather_kv, prefill_attention
+from oval_edge.sparse.attention import decode_attention, gather_kv
+from oval_edge.sparse.prefill import prefill_attention
 
 from .cache import (
     OVAL_ATTENTION_PREFIX,

@@ -78,14 +78,22 @@ def describe_gpu_kernels(device: torch.device) -> str:
     return f"torch ops ({loaded})"
 
 
-def _loaded(device: torch.device) -> TritonKernels | str:
-    """The kernels, or why not (a short reason for the startup report)."""
+def _interpreting() -> bool:
+    return os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _off_reason(device: torch.device) -> str | None:
+    """Why no Triton kernel runs for tensors on `device` (switched off, or neither CUDA nor the interpreter)."""
     if os.environ.get(TRITON_ENV, "1").strip() == "0":
         return f"{TRITON_ENV}=0"
-    interpret = os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "on", "yes")
-    if device.type == "cuda" or (device.type == "cpu" and interpret):
-        return _load(device.type, interpret)
+    if device.type == "cuda" or (device.type == "cpu" and _interpreting()):
+        return None
     return f"the Triton kernels run on CUDA only, not {device.type}"
+
+
+def _loaded(device: torch.device) -> TritonKernels | str:
+    """The kernels, or why not (a short reason for the startup report)."""
+    return _off_reason(device) or _load(device.type, _interpreting())
 
 
 @functools.cache
@@ -110,6 +118,36 @@ def _load(device_type: str, interpret: bool) -> TritonKernels | str:
         log.warning("Triton kernels disagree with the torch reference (%s); decoding with torch ops", problem)
         return f"self-check failed: {problem}"
     return kernels
+
+
+def int8_head_kernel(device: torch.device):
+    """The int8 head's Triton module (triton_int8_head.py) for tensors on `device` when it is on (OVAL_EDGE_TRITON)
+    and passes int8_head_check there, else None (why is logged once). Under TRITON_INTERPRET=1 CPU tensors take it
+    too (the tests). The first call per device compiles and synchronises: the loader makes it (CudaInt8Table)."""
+    if _off_reason(device) is not None:
+        return None
+    loaded = load_int8_head(device.type, _interpreting())
+    return None if isinstance(loaded, str) else loaded
+
+
+@functools.cache
+def load_int8_head(device_type: str, interpret: bool):
+    """Import and check the kernel once per device type: the module, or why not (make gpu-check prints it)."""
+    try:
+        from . import triton_int8_head
+    except Exception as exc:  # ImportError, or a Triton that fails on import
+        log.warning("Triton int8 head unavailable (%s); the head multiplies with torch ops", exc)
+        return f"Triton absent: {exc}"
+    try:
+        from .triton_check import int8_head_check
+
+        problem = int8_head_check(triton_int8_head, torch.device(device_type))
+    except Exception as exc:  # a compile or launch error is a failed check
+        problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    if problem:
+        log.warning("Triton int8 head disagrees with the torch reference (%s); using torch ops", problem)
+        return f"self-check failed: {problem}"
+    return triton_int8_head
 
 
 def _same_device(first: torch.Tensor, *others: torch.Tensor | None) -> bool:

@@ -14,7 +14,6 @@ import os
 
 import torch
 
-from .gpu import INTERPRET_ENV, TRITON_ENV
 
 log = logging.getLogger(__name__)
 
@@ -119,34 +118,3 @@ def int8_head_check(module, device: torch.device) -> str | None:
             if got is None or got.dtype != torch.float32 or not _close(got, int8_head_reference(x, codes, scales)):
                 return f"int8_head {dtype} rows={rows}"
     return None
-
-
-def int8_head_kernel(device: torch.device):
-    """The int8 head's Triton module (triton_int8_head.py) for tensors on `device` when it is on (OVAL_EDGE_TRITON)
-    and passes int8_head_check there, else None (why is logged once). Under TRITON_INTERPRET=1 CPU tensors take it
-    too (the tests). The first call per device compiles and synchronises: the loader makes it (CudaInt8Table)."""
-    if os.environ.get(TRITON_ENV, "1").strip() == "0":
-        return None
-    interpret = os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "on", "yes")
-    if device.type != "cuda" and not (device.type == "cpu" and interpret):
-        return None
-    loaded = load_int8_head(device.type, interpret)
-    return None if isinstance(loaded, str) else loaded
-
-
-@functools.cache
-def load_int8_head(device_type: str, interpret: bool):
-    """Import and check the kernel once per device type: the module, or why not (make gpu-check prints it)."""
-    try:
-        from . import triton_int8_head
-    except Exception as exc:  # ImportError, or a Triton that fails on import
-        log.warning("Triton int8 head unavailable (%s); the head multiplies with torch ops", exc)
-        return f"Triton absent: {exc}"
-    try:
-        problem = int8_head_check(triton_int8_head, torch.device(device_type))
-    except Exception as exc:  # a compile or launch error is a failed check
-        problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-    if problem:
-        log.warning("Triton int8 head disagrees with the torch reference (%s); using torch ops", problem)
-        return f"self-check failed: {problem}"
-    return triton_int8_head

@@ -27,3 +27,5 @@ def check_pool_invariants(pool) -> None:
     for sid, table in pool._tables.items():
         assert pool._lengths[sid] <= len(table) * pool.page_size, f"{sid}: length beyond its pages"
         assert pool._sealed[sid] <= pool._lengths[sid] // pool.page_size, f"{sid}: sealed a page not full"
+    if pool.rings is not None:
+        pool.rings.check_invariants()

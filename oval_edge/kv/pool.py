@@ -52,13 +52,10 @@ class PagePool:
         # The only allocations the pool ever makes: everything below is written in place.
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
-        # Sliding-window layers (ring.py) keep a ring per sequence instead of pages: at most ring_sequences
-        # sequences (default: one per page) hold pages at once.
+        # Sliding layers keep a ring per sequence (ring.py) for at most ring_sequences (default: pages) sequences.
         self.rings = SlidingRings(g, ring_sequences or num_pages, dtype, self.device) if g.ring_layers else None
-        # Model layer -> its row of k / v and the summaries (-1: a sliding layer, in the rings).
+        # Model layer -> its row of k / v / summaries (-1: in the rings), and its [rows, head_dim] views (no copy).
         self.paged_index = [-1 if layer in g.ring_layers else g.paged_index(layer) for layer in range(g.layers)]
-        # Per model layer [rows, head_dim] views (no copy): the rows decode writes and gathers, in the paged tensors
-        # or, for a sliding layer, in its ring.
         self.k_rows = [self.k[i].view(-1, g.head_dim) if i >= 0 else self.rings.k_rows[self.rings.index[layer]]
                        for layer, i in enumerate(self.paged_index)]
         self.v_rows = [self.v[i].view(-1, g.head_dim) if i >= 0 else self.rings.v_rows[self.rings.index[layer]]
@@ -172,8 +169,7 @@ class PagePool:
         return list(pages)
 
     def _take(self) -> int:
-        """One page for a sequence: from the free list, else the least recently used cached page (its name
-        dropped). Callers checked num_free first."""
+        """One page: from the free list, else the least recently used cached page. Callers checked num_free."""
         page = self._free.pop() if self._free else self.ledger.reclaim()
         self.ledger.take(page)
         self.unsummarized.discard(page)  # rewritten by its new sequence, sealed again when full
@@ -207,8 +203,7 @@ class PagePool:
         return len(pages)
 
     def record_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
-        """The ids of the tokens the next step writes for this sequence, in order: sealed pages are named by them
-        (prefix caching). A sequence allocated without tokens is never named."""
+        """The ids of the tokens the next step writes for this sequence, in order (they name its sealed pages)."""
         tail = self._tail.get(seq_id)
         if tail is not None:
             tail.extend(int(t) for t in token_ids)
@@ -238,13 +233,11 @@ class PagePool:
         return step
 
     def write(self, layer: int, step: StepIndex, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store this layer's new keys/values. k, v [N, kv_heads, head_dim] (keys already rotated). A sliding layer
-        stores into the sequence's ring (the tail a ring holds, ring.py)."""
+        """Store this layer's new keys/values k, v [N, kv_heads, head_dim] (rotated); a sliding layer's in rings."""
         g = self.geometry
-        if self.paged_index[layer] < 0:
-            tokens, slots = step.ring_writes  # the tokens a ring keeps, [M]; their rows [M * kv_heads]
-            self.write_rows(layer, slots, k.index_select(0, tokens), v.index_select(0, tokens))
-            return
+        if self.paged_index[layer] < 0:  # the tokens a ring keeps [M], at their rows [M * kv_heads]
+            tokens, slots = step.ring_writes
+            return self.write_rows(layer, slots, k.index_select(0, tokens), v.index_select(0, tokens))
         if step.write_slots is None:  # same for every layer of the step: compute once
             heads = torch.arange(g.kv_heads, device=self.device) * g.page_size
             step.write_slots = (step.write_base[:, None] + heads[None, :]).reshape(-1)  # [N * kv_heads]
@@ -302,8 +295,6 @@ class PagePool:
         return tuple(t.data_ptr() for t in self._tensors())
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if a page is lost, in two states, shared without its refcount, or a table is
+        """AssertionError if a page (or ring) is lost, in two states, shared without its refcount, or a table is
         inconsistent (used by tests; invariants.py). Free + cached + owned = all pages."""
         check_pool_invariants(self)
-        if self.rings is not None:
-            self.rings.check_invariants()

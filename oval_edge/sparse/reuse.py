@@ -285,9 +285,8 @@ class SelectionReuse:
             fresh = None
             if rest:  # rows without a hit (and short rows, whose scores go unused) are scored as usual
                 idx = torch.tensor(rest, dtype=torch.long, device=q.device)
-                fresh = score_pages(config.scorer, group_queries(q.index_select(0, idx), self.kv_heads),
-                                    pool.summaries, pool.paged_index[layer], step.page_table.index_select(0, idx),
-                                    scale).float()
+                fresh = score_pages(config.scorer, group_queries(q.index_select(0, idx), self.kv_heads), pool.summaries,
+                                    pool.paged_index[layer], step.page_table.index_select(0, idx), scale).float()
                 scores.index_copy_(0, idx, fresh)
             if window is None and not plan.fixed_window:
                 # Hit rows keep their selection's entropy window; scored rows get the entropy rule, as select would.

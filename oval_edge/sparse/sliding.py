@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import HISTORY_QUERY_BLOCK, as_dtype, attend_rows, capped_attention, chunk_rows
+from .attention import as_dtype, attend_rows
+from .prefill import HISTORY_QUERY_BLOCK, capped_attention, chunk_rows
 
 
 def ring_slots(lengths: torch.Tensor, ring_base: torch.Tensor, geometry) -> tuple[torch.Tensor, torch.Tensor]:

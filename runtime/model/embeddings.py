@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oval_edge.kernels.cpu import cpu_kernels
-from oval_edge.kernels.triton_check import int8_head_kernel
+from oval_edge.kernels.gpu import int8_head_kernel
 
 BLOCK = 32  # weights per scale along the hidden dimension (the kernel's BLOCK)
 PANEL = 32  # output rows stored side by side (the kernel's PANEL)

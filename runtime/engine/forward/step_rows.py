@@ -5,7 +5,7 @@ norms, projections and MLP run once over all of them (the 4-bit weights are read
 group); only attention is per group:
 
     PrefillRows       chunks of one or more prompts: dense, exact causal attention over the chunk and the row's
-                      earlier pages (oval_edge/sparse/attention.prefill_attention)
+                      earlier pages (oval_edge/sparse/prefill.prefill_attention)
     DecodeRows        one new token per row through the eager OVAL decode (hooks, the eval's policies, reuse)
     StaticDecodeRows  one new token per row through the static step's attention (static_step.py), so a decode row
                       computes the same whether its step also carries prefill chunks or not
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from oval_edge.kv.step_index import StepIndex
-from oval_edge.sparse.attention import decode_plan, prefill_attention
+from oval_edge.sparse.attention import decode_plan
+from oval_edge.sparse.prefill import prefill_attention
 from oval_edge.sparse.sliding import sliding_decode, sliding_prefill
 
 
