@@ -151,19 +151,24 @@ def _hf_all_logits(folder: str, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0]
 
 
-def test_qwen3_gguf_written_under_llama_cpp_names_loads_to_the_same_logits(tmp_path_factory):
-    """A GGUF (llama.cpp's tensor names and header keys, head_dim != hidden / heads as in every Qwen3) loads to
-    transformers' logits of the same weights."""
+@pytest.mark.parametrize("kind", ["qwen3", "smollm3"])
+def test_gguf_written_under_llama_cpp_names_loads_to_the_same_logits(tmp_path_factory, kind):
+    """A GGUF (llama.cpp's tensor names and header keys) loads to transformers' logits of the same weights: Qwen3
+    with head_dim != hidden / heads, SmolLM3 (whose header transformers' reader refuses: read from the generic keys,
+    its NoPE every 4th layer as llama.cpp fixes it)."""
     import transformers
 
     from gguf_checkpoint import write_gguf
 
-    config = family_config("qwen3")
-    folder = save_folder(tmp_path_factory.mktemp("qwen3-gguf-src"), config)
+    config = family_config(kind)
+    folder = save_folder(tmp_path_factory.mktemp(f"{kind}-gguf-src"), config)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    path = write_gguf(model, str(tmp_path_factory.mktemp("qwen3-gguf") / "tiny-qwen3.gguf"), "qwen3")
+    path = write_gguf(model, str(tmp_path_factory.mktemp(f"{kind}-gguf") / f"tiny-{kind}.gguf"), kind)
     engine = engine_for(path, OvalConfig(page_size=16, top_k=16, kv_dtype="float32"))
-    assert engine.runner.decoder.layers[0].self_attn.q_norm is not None and engine.runner.head_dim == 48
+    if kind == "qwen3":
+        assert engine.runner.decoder.layers[0].self_attn.q_norm is not None and engine.runner.head_dim == 48
+    else:
+        assert [op.rope for op in engine.runner.ops] == [True, True, True, False]
     tokens, ours = decode_greedy(engine, PROMPT, 8)
     full = _hf_all_logits(folder, PROMPT + tokens)
     assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4

@@ -90,12 +90,20 @@ def write_metadata_folder(gguf_path: str, folder: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+# Architectures whose header transformers' GGUF reader refuses, read here from llama.cpp's generic keys, with what
+# llama.cpp fixes in code (SmolLM3: n_no_rope_layer_step = 4, every 4th layer without RoPE).
+OWN_HEADER_READER = {"smollm3": {"no_rope_layer_interval": 4}}
+
+
 def gguf_config_values(source: ModelSource) -> dict:
-    """The GGUF header as Hugging Face config keys, read by transformers' GGUF reader."""
+    """The GGUF header as Hugging Face config keys, read by transformers' GGUF reader (or, for the architectures it
+    refuses, by _own_header_values)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
-        values = load_gguf_checkpoint(source.path, return_tensors=False)["config"]
+        values = _own_header_values(source.path)
+        if values is None:
+            values = load_gguf_checkpoint(source.path, return_tensors=False)["config"]
         values.update(_fields_transformers_drops(source.path, values))
     except Exception as exc:  # a truncated or foreign file raises anything from struct to numpy errors
         raise ValueError(f"model {source.path}: cannot read its configuration ({type(exc).__name__}: {exc})") from exc
@@ -106,6 +114,37 @@ def gguf_config_values(source: ModelSource) -> dict:
             raise ValueError(f"model {source.path}: cannot read its phi3 rope settings ({type(exc).__name__}: "
                              f"{exc})") from exc
     return values
+
+
+def header_scalar(fields, key: str):
+    """One scalar of a GGUF header (a number, or a string), None when absent."""
+    field = fields.get(key)
+    if field is None:
+        return None
+    part = field.parts[field.data[0]]
+    return bytes(part).decode() if part.dtype == "uint8" and len(part) > 1 else part[0].item()
+
+
+def _own_header_values(path: str) -> dict | None:
+    """Config keys of a GGUF whose architecture is in OWN_HEADER_READER, else None (transformers reads it)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    fields = reader.fields
+    arch = header_scalar(fields, "general.architecture")
+    if arch not in OWN_HEADER_READER:
+        return None
+    keys = dict(num_hidden_layers="block_count", max_position_embeddings="context_length",
+                hidden_size="embedding_length", intermediate_size="feed_forward_length",
+                num_attention_heads="attention.head_count", num_key_value_heads="attention.head_count_kv",
+                rope_theta="rope.freq_base", rms_norm_eps="attention.layer_norm_rms_epsilon")
+    values = {name: header_scalar(fields, f"{arch}.{key}") for name, key in keys.items()}
+    tokens = fields.get("tokenizer.ggml.tokens")
+    values.update(model_type=arch, vocab_size=len(tokens.data) if tokens is not None else None,
+                  tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
+                  bos_token_id=header_scalar(fields, "tokenizer.ggml.bos_token_id"),
+                  eos_token_id=header_scalar(fields, "tokenizer.ggml.eos_token_id"), **OWN_HEADER_READER[arch])
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def _fields_transformers_drops(path: str, values: dict) -> dict:
@@ -124,11 +163,7 @@ def _fields_transformers_drops(path: str, values: dict) -> dict:
     fields = GGUFReader(path).fields
 
     def scalar(key: str):
-        field = fields.get(f"{arch}.{key}")
-        if field is None:
-            return None
-        part = field.parts[field.data[0]]
-        return bytes(part).decode() if part.dtype == "uint8" and len(part) > 1 else part[0].item()
+        return header_scalar(fields, f"{arch}.{key}")
 
     extra = {}
     head_dim = scalar("attention.key_length")
@@ -161,8 +196,7 @@ def _phi3_values(path: str, values: dict) -> dict:
     reader = GGUFReader(path)
 
     def scalar(key: str):
-        field = reader.fields.get(f"phi3.{key}")
-        return field.parts[field.data[0]][0].item() if field is not None else None
+        return header_scalar(reader.fields, f"phi3.{key}")
 
     extra: dict = {}
     head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
