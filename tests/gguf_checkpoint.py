@@ -30,7 +30,9 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.view(heads, 2, out // heads // 2, cols).transpose(1, 2).reshape(out, cols)
 
 
-def write_gguf(model, path: str, architecture: str) -> str:
+def write_gguf(model, path: str, architecture: str, projection_type: str = "F32") -> str:
+    """projection_type: how the decoder layers' projection matrices are stored ("F32", or a GGML type gguf's
+    quantizer writes, e.g. "Q8_0"); everything else is F32."""
     import gguf
 
     from oval_edge.runtime.model.source import bundled_gguf_path
@@ -73,7 +75,12 @@ def write_gguf(model, path: str, architecture: str) -> str:
         if architecture in GEMMA and name.endswith("norm.weight"):
             tensor = tensor + 1.0
         names = GEMMA_LAYER_NAMES if architecture in GEMMA else LAYER_NAMES
-        writer.add_tensor(_gguf_name(name, names), np.ascontiguousarray(tensor.numpy()))
+        data = np.ascontiguousarray(tensor.numpy())
+        if projection_type != "F32" and name.startswith("model.layers.") and "norm" not in name and data.ndim == 2:
+            kind = gguf.GGMLQuantizationType[projection_type]
+            writer.add_tensor(_gguf_name(name, names), gguf.quants.quantize(data, kind), raw_dtype=kind)
+            continue
+        writer.add_tensor(_gguf_name(name, names), data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -68,3 +68,27 @@ def test_a_file_the_converter_rejects_falls_back(tmp_path, monkeypatch):
         broken.write_bytes(handle.read(4096))  # a header cut short
     assert cached_metadata_folder(str(broken)) is None
     assert not os.path.exists(metadata_folder_for(str(broken)))
+
+
+def test_startup_report_says_what_requantizing_a_q8_0_file_costs(tmp_path):
+    """A GGUF whose projections are Q8_0 is read tensor by tensor (dequantized in slices, no fp32 copy of the model)
+    to the same logits as its F32 twin within Q8_0's rounding, and the report says that nf4 loses precision the
+    file had; a Q4 file's report says it is rounded twice."""
+    import torch
+    import transformers
+
+    from gguf_checkpoint import write_gguf
+    from oval_edge.runtime.model.loader import describe, load_model, requantization_note
+    from test_decoder_loading import runtime_logits, save_folder
+    from test_families import family_config
+
+    folder = save_folder(tmp_path / "src", family_config("qwen3"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    exact = write_gguf(model, str(tmp_path / "f32.gguf"), "qwen3")
+    q8 = write_gguf(model, str(tmp_path / "q8.gguf"), "qwen3", projection_type="Q8_0")
+    ids = list(range(100, 160))
+    assert (runtime_logits(q8, ids) - runtime_logits(exact, ids)).abs().max().item() < 0.05
+    report = describe(load_model(q8, quant="nf4", device="cpu"))
+    assert "projections stored as Q8_0 x28" in report and "the Q8_0 ones lose precision" in report, report
+    assert "precision" not in describe(load_model(q8, quant="none", device="cpu"))
+    assert "a second rounding" in requantization_note({"oval_edge_gguf_projection_types": {"Q4_K": 3}}, "nf4")

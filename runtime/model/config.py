@@ -168,7 +168,8 @@ class DecoderConfig:
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=rope,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 hidden_act=d.get("hidden_activation") or d.get("hidden_act", "silu"),
-                bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), qk_norm=kind in ("qwen3", "gemma3_text"),
+                bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+                qk_norm=kind in ("qwen3", "gemma3_text"),
                 rope_layers=rope_layers, partial_rotary_factor=partial, where=where, **family,
             )
         except KeyError as exc:

@@ -5,8 +5,8 @@ header reader (for the config) and its GGUF -> tokenizers converter each build P
 entry (SmolLM2: 49k tokens and 48k merges); they are freed, but the heap they fragmented stays resident for as
 long as the process serves (~8 MB measured on SmolLM2). So the conversion runs once, in a child process, into a
 cache folder (config.json and the tokenizer's own files, written by `save_pretrained`), and every load reads that
-folder. The folder is keyed by the file's real path, size, mtime and the transformers version, and appears by an
-atomic rename, so a folder that exists is complete. If it cannot be written or the child fails, the loader parses
+folder. The folder is keyed by the file's real path, size, mtime, the transformers version and METADATA_FORMAT, and
+appears by an atomic rename, so a folder that exists is complete. If it cannot be written or the child fails, the loader parses
 the GGUF in-process as before (and that path reports what is wrong with the file).
 
 Cache location: $OVAL_EDGE_CACHE, else $XDG_CACHE_HOME/oval-edge, else ~/.cache/oval-edge.
@@ -30,6 +30,8 @@ from .source import ModelSource
 
 CONVERT_TIMEOUT_S = 600  # a large vocabulary converts in well under a minute; a hung child must not hang startup
 CONFIG_NAME = "config.json"
+# Bumped when what the conversion writes changes (2: the projections' tensor types), so older folders are redone.
+METADATA_FORMAT = 2
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,8 @@ def metadata_folder_for(gguf_path: str) -> str:
         transformers_version = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
         transformers_version = "none"
-    key = f"{os.path.realpath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|transformers {transformers_version}"
+    key = (f"{os.path.realpath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|transformers {transformers_version}"
+           f"|format {METADATA_FORMAT}")
     return os.path.join(cache_root(), "gguf-metadata", hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
@@ -107,6 +110,7 @@ def gguf_config_values(source: ModelSource) -> dict:
         values.update(_fields_transformers_drops(source.path, values))
     except Exception as exc:  # a truncated or foreign file raises anything from struct to numpy errors
         raise ValueError(f"model {source.path}: cannot read its configuration ({type(exc).__name__}: {exc})") from exc
+    values[PROJECTION_TYPES_KEY] = _projection_types(source.path)
     if values.get("model_type") == "phi3":
         try:
             values.update(_phi3_values(source.path, values))
@@ -114,6 +118,21 @@ def gguf_config_values(source: ModelSource) -> dict:
             raise ValueError(f"model {source.path}: cannot read its phi3 rope settings ({type(exc).__name__}: "
                              f"{exc})") from exc
     return values
+
+
+PROJECTION_TYPES_KEY = "oval_edge_gguf_projection_types"  # in the converted config.json: {GGML type: tensors}
+
+
+def _projection_types(path: str) -> dict[str, int]:
+    """How the file stores the decoder layers' projection matrices: {GGML type name: tensors} (the loader's startup
+    report says what re-quantizing them to 4 bits costs)."""
+    from gguf import GGUFReader
+
+    counts: dict[str, int] = {}
+    for tensor in GGUFReader(path).tensors:
+        if tensor.name.startswith("blk.") and len(tensor.shape) == 2 and "norm" not in tensor.name:
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return counts
 
 
 def header_scalar(fields, key: str):

@@ -12,7 +12,7 @@ import torch
 
 from .config import DecoderConfig
 from .decoder_build import build_decoder
-from .gguf_metadata import cached_metadata_folder, gguf_config_values
+from .gguf_metadata import PROJECTION_TYPES_KEY, cached_metadata_folder, gguf_config_values
 from .heap import compact_heap_while_loading, return_freed_memory
 from .embeddings import int8_table_applies
 from .quantize import import_bitsandbytes, weight_bytes
@@ -32,6 +32,7 @@ class LoadedModel:
     dtype: torch.dtype  # activations / embeddings / norms
     weight_bytes: int
     load_seconds: float
+    precision_note: str = ""  # a GGUF's stored tensor types and what re-quantizing them costs (requantization_note)
     weights_origin: str = ""  # where the weights came from: the weight cache (its path) or quantized, and how long
 
     @property
@@ -103,7 +104,8 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
     # 16 bits of the activations, so nothing is converted per step.
     storage = dtype if quant == "none" else (torch.bfloat16 if dev.type == "cpu" or dtype == torch.float32 else dtype)
     metadata = cached_metadata_folder(source.path) if source.gguf_file else None
-    config = read_decoder_config(source, metadata)
+    values = decoder_config_values(source, metadata)
+    config = DecoderConfig.from_dict(values, source.path)
     tokenizer = load_tokenizer(source, metadata)
 
     def build():
@@ -134,6 +136,7 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
         weight_bytes=weight_bytes(decoder),
         load_seconds=time.perf_counter() - start,
         weights_origin=origin,
+        precision_note=requantization_note(values, quant),
     )
 
 
@@ -153,6 +156,11 @@ def build_layout(config: DecoderConfig, quant: str, device: torch.device) -> dic
 def read_decoder_config(source: ModelSource, metadata: str | None = None) -> DecoderConfig:
     """The decoder's shape from the GGUF header (or its converted copy in `metadata`, runtime/model/gguf_metadata.py)
     or config.json."""
+    return DecoderConfig.from_dict(decoder_config_values(source, metadata), source.path)
+
+
+def decoder_config_values(source: ModelSource, metadata: str | None = None) -> dict:
+    """The transformers-named config keys read_decoder_config parses (a GGUF's also name its tensor types)."""
     if metadata is not None:
         with open(os.path.join(metadata, "config.json"), encoding="utf-8") as handle:
             values = json.load(handle)
@@ -161,7 +169,24 @@ def read_decoder_config(source: ModelSource, metadata: str | None = None) -> Dec
     else:
         with open(os.path.join(source.directory, "config.json"), encoding="utf-8") as handle:
             values = json.load(handle)  # resolve_model already checked that it parses
-    return DecoderConfig.from_dict(values, source.path)
+    return values
+
+
+# GGML types holding more than 4 bits a weight: re-quantizing them to nf4/fp4 loses precision the file had
+FINER_THAN_4_BITS = ("Q8_0", "Q8_1", "Q8_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "F16", "BF16", "F32")
+
+
+def requantization_note(values: dict, quant: str) -> str:
+    """What loading a GGUF's projections as `quant` does to their precision (for the startup report), or ''."""
+    types = values.get(PROJECTION_TYPES_KEY) or {}
+    if quant == "none" or not types:
+        return ""
+    stored = ", ".join(f"{name} x{count}" for name, count in sorted(types.items()))
+    finer = [name for name in types if name in FINER_THAN_4_BITS]
+    if finer:
+        return (f"projections stored as {stored}; re-quantized to {quant}, the {'/'.join(sorted(finer))} ones lose "
+                f"precision the file has (--quant none keeps it, at 4-8x the memory)")
+    return f"projections stored as {stored}; dequantized and re-quantized to {quant} (a second rounding)"
 
 
 def _open_weights(source: ModelSource, config: DecoderConfig):
@@ -183,4 +208,5 @@ def describe(loaded: LoadedModel) -> str:
         f"weights {loaded.weight_bytes / 2**20:.1f} MiB on {loaded.device}, activations "
         f"{str(loaded.dtype).removeprefix('torch.')}, loaded in {loaded.load_seconds:.1f} s"
         + (f" (weights {loaded.weights_origin})" if loaded.weights_origin else "")
+        + (f"; {loaded.precision_note}" if loaded.precision_note else "")
     )
