@@ -207,3 +207,46 @@ def test_gemma2_static_step_and_gguf_match(gemma2, tmp_path):
         request = engine.generate(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
         want = _hf_all_logits(gemma2, PROMPT + request.output_ids)[len(PROMPT) - 1 : -1].argmax(-1).tolist()
         assert request.output_ids == want, source
+
+
+def test_static_step_with_rings_has_no_host_sync(gemma3, monkeypatch):
+    """The rings keep the static decode step free of host reads and device copies, with the same ops and shapes at
+    two lengths (the ring slots and their validity are computed on the device from the lengths)."""
+    from oval_edge.runtime import Engine, EngineConfig
+    from test_static_step import MAX_LEN, prefill, traced_step
+
+    _, folder = gemma3
+    oval = OvalConfig(page_size=16, top_k=4, window_min=32, window_max=32, dense_layers=0, kv_dtype="float32")
+    engine = Engine.load(folder, quant="none", device="cpu", oval=oval,
+                         config=EngineConfig(num_pages=200, max_batch=2, max_model_len=MAX_LEN))
+    prefill(engine, "a", 150, seed=1)
+    traces = [traced_step(engine, ["a"], [7], monkeypatch), traced_step(engine, ["a"], [8], monkeypatch)]
+    assert traces[0].count > 0 and traces[0].calls == traces[1].calls
+    assert all(t.host_reads == [] and t.device_copies == [] for t in traces)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_compiled_step_traces_rings_and_softcaps_whole(gemma3, gemma2, family):
+    """torch.compile(fullgraph=True) traces the static step with rings (and Gemma 2's capped attention op) without a
+    graph break, and recompiles not once over 60 steps that wrap the rings; logits equal the eager step's."""
+    from oval_edge.runtime import Engine, EngineConfig
+    from oval_edge.runtime.engine.forward.static_step import StaticDecoder
+    from test_static_step import MAX_LEN, prefill, static_step
+
+    folder = gemma3[1] if family == "gemma3" else gemma2
+    oval = OvalConfig(page_size=16, top_k=4, window_min=32, window_max=32, dense_layers=0, kv_dtype="float32")
+    engines = [Engine.load(folder, quant="none", device="cpu", oval=oval,
+                           config=EngineConfig(num_pages=200, max_batch=1, max_model_len=MAX_LEN)) for _ in range(2)]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    engines[1].static = StaticDecoder(engines[1].runner, 1, engines[1].token_limit(), compile_backend="aot_eager")
+    for engine in engines:
+        prefill(engine, "r", 100)
+    token = 5
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(60):
+            want, _ = static_step(engines[0], ["r"], [token])
+            got, _ = static_step(engines[1], ["r"], [token])
+            assert (got - want).abs().max().item() < 1e-4
+            token = int(want[0].argmax())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
