@@ -45,8 +45,6 @@ class KVGeometry:
                                  or not all(0 <= i < self.layers for i in self.ring_layers)):
             raise ValueError(f"ring_layers={self.ring_layers} must be distinct increasing layer indices below "
                              f"layers={self.layers}, with a window >= 1 (got {self.window})")
-        if len(self.ring_layers) == self.layers:
-            raise ValueError("every layer is a sliding-window layer: at least one layer must keep pages")
 
     @classmethod
     def for_oval(cls, layers: int, kv_heads: int, head_dim: int, oval, dtype: str,
@@ -137,7 +135,7 @@ def seal_chunk_pages(geometry: KVGeometry) -> int:
     """
     g = geometry
     per_page = 6 * g.paged_layers * g.kv_heads * (g.head_dim * g.head_dim + g.page_size * g.head_dim) * 4
-    return max(1, SEAL_WORKSPACE_BYTES // per_page)
+    return max(1, SEAL_WORKSPACE_BYTES // per_page) if per_page else 1  # no paged layer: nothing is summarised
 
 
 def seal_workspace_bytes(geometry: KVGeometry) -> int:

@@ -250,3 +250,25 @@ def test_compiled_step_traces_rings_and_softcaps_whole(gemma3, gemma2, family):
             assert (got - want).abs().max().item() < 1e-4
             token = int(want[0].argmax())
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_mistral_window_on_every_layer_sizes_by_rings_and_equals_transformers(tmp_path):
+    """Mistral v0.1's window binds on every layer: no page holds bytes, the rings are the whole KV cache, and the
+    pool is sized by sequences (max_batch at full length) instead of by the budget; 64 steps past the window give
+    transformers' logits."""
+    import transformers
+
+    from oval_edge.runtime import Engine, EngineConfig
+
+    config = transformers.MistralConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                        num_key_value_heads=2, num_hidden_layers=2, vocab_size=49152,
+                                        max_position_embeddings=4096, sliding_window=48, attn_implementation="eager")
+    folder = save_folder(tmp_path / "mistral", config)
+    engine = Engine.load(folder, quant="none", device="cpu", oval=OvalConfig(page_size=16, kv_dtype="float32"),
+                         config=EngineConfig(max_batch=2, max_model_len=512))
+    pool = engine.pool
+    assert pool.k.numel() == 0 and pool.num_pages == 2 * 512 // 16 and pool.rings.sequences == 2
+    tokens, ours = decode_greedy(engine, PROMPT, STEPS)
+    full = _hf_all_logits(folder, PROMPT + tokens)
+    assert tokens == full[len(PROMPT) - 1 : -1].argmax(-1).tolist()
+    assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4

@@ -271,7 +271,7 @@ class PagePool:
                 to_seal.extend(sealed_now)
             self._sealed[sid] = full
             self._name_pages(sid, sealed_now)
-        if to_seal:
+        if to_seal and self.geometry.paged_layers:  # no paged layer (all sliding): nothing to summarise
             self.seal(to_seal)
         return len(to_seal)
 

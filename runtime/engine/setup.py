@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -109,6 +110,10 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         log.info("prefix cache: off (%d sliding-window layers keep only their window; a cached page's keys are "
                  "gone from their rings)", len(geometry.ring_layers))
         salt = None
+    if config.num_pages is None and geometry.paged_layers == 0:
+        # Every layer on a window (Mistral v0.1, Phi-3-mini-4k): pages hold no bytes, only positions; enough of them
+        # for max_batch sequences at full length, and the rings are the whole KV cache.
+        config = dataclasses.replace(config, num_pages=config.max_batch * -(-max_model_len // oval.page_size))
     if config.num_pages is not None:
         pool = PagePool(geometry, config.num_pages, loaded.device, eta=oval.eta, prefix_salt=salt,
                         ring_sequences=config.max_batch)

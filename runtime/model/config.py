@@ -20,6 +20,7 @@ from .source import check_architecture
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")  # the MLP's gate activation (Gemma: GeGLU with tanh-gelu)
 LAYER_TYPES = ("full_attention", "sliding_attention")
+UNIFORM_SLIDING = ("mistral", "phi3")  # families whose sliding_window, when it binds, applies to every layer
 
 
 @dataclass(frozen=True)
@@ -139,11 +140,13 @@ class DecoderConfig:
             sliding = "sliding_attention" in (d.get("layer_types") or [])
             if not family and window and (d.get("use_sliding_window", True) or sliding) \
                     and window < d.get("max_position_embeddings", 0):
-                # Only the families whose sliding layers are known (Gemma) keep a ring per sliding layer; for the
-                # others refuse rather than attend wrongly.
-                raise ValueError(f"model {where}: sliding-window attention ({window} tokens) is not supported for "
-                                 f"{d['model_type']}; use a model without it (e.g. Mistral v0.2+, where "
-                                 "sliding_window is null)")
+                if d["model_type"] not in UNIFORM_SLIDING:
+                    # Qwen2's max_window_layers mixes kinds by a rule not built here: refuse, not attend wrongly.
+                    raise ValueError(f"model {where}: sliding-window attention ({window} tokens) is not supported "
+                                     f"for {d['model_type']}; use a model without it")
+                # Mistral v0.1, Phi-3-mini-4k: every layer on the window, each in a ring (no pages at all)
+                family = dict(layer_types=("sliding_attention",) * int(d["num_hidden_layers"]),
+                              sliding_window=int(window))
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
             rope = dict(family.pop("global_rope", None) or d.get("rope_parameters") or d.get("rope_scaling") or {})

@@ -85,7 +85,7 @@ def layer_kinds(arch: str, layers: int, window: int | None, config: dict | None 
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise ValueError(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
         kinds = tuple("sliding" if (i + 1) % pattern else "full" for i in range(layers))
-    else:  # Llama, Qwen, Phi: every layer full. (A Mistral or Phi-3 window that binds is refused by the loader.)
+    else:  # Llama, Qwen, Phi: every layer full (a Mistral v0.1 / Phi-3-mini-4k window is counted as full: over)
         kinds = ("full",) * layers
     binds = bool(window) and (not max_context or window < max_context)
     return kinds if binds else ("full",) * layers
