@@ -65,9 +65,9 @@ def format_device_plan(plan: DevicePlan) -> str:
         "",
     ]
     if plan.load_exceeds_budget:
-        lines.insert(-1, f"warning  : loading as runtime/model/loader.py does (whole dense model, then quantize layer by "
-                         f"layer) peaks at {format_bytes(plan.load_peak_bytes)}, above the budget: it would swap or be "
-                         "OOM-killed; quantize on another machine or load layer by layer")
+        lines.insert(-1, f"warning  : the first start (decoder_build.py quantizes one layer at a time) peaks at "
+                         f"{format_bytes(plan.load_peak_bytes)}, above the budget: it may swap or be OOM-killed; "
+                         "later starts map the weight cache and quantize nothing")
     if s.max_context and r.context > s.max_context:
         lines.insert(-1, f"warning  : context {r.context} exceeds the model's trained context {s.max_context}")
     paths = [p["path"] for p in plan.rows[0].step_cost["paths"]]
@@ -190,8 +190,8 @@ def format_all_table(plans: list[DevicePlan]) -> str:
     text = title + "\n" + _table(header, rows) + (f"\ndecode tok/s: {FORMULA}, for the path serve runs; "
                                                   "`--device NAME` shows the fixed costs and their sources")
     if any(plan.load_exceeds_budget for plan in plans):
-        text += ("\n(!) loading as runtime/model/loader.py does (whole dense model, then quantize) needs more than the "
-                 "budget on this module")
+        text += ("\n(!) the first start (quantizing one layer at a time) needs more than the budget on this module; "
+                 "later starts map the weight cache")
     return text
 
 
