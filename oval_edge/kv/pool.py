@@ -235,9 +235,9 @@ class PagePool:
     def write(self, layer: int, step: StepIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this layer's new keys/values k, v [N, kv_heads, head_dim] (rotated); a sliding layer's in rings."""
         g = self.geometry
-        if self.paged_index[layer] < 0:  # the tokens a ring keeps [M], at their rows [M * kv_heads]
+        if self.paged_index[layer] < 0:  # the tokens a ring keeps [M] (None: all), at their rows [M * kv_heads]
             tokens, slots = step.ring_writes
-            return self.write_rows(layer, slots, k.index_select(0, tokens), v.index_select(0, tokens))
+            return self.write_rows(layer, slots, *((k, v) if tokens is None else (k[tokens], v[tokens])))
         if step.write_slots is None:  # same for every layer of the step: compute once
             heads = torch.arange(g.kv_heads, device=self.device) * g.page_size
             step.write_slots = (step.write_base[:, None] + heads[None, :]).reshape(-1)  # [N * kv_heads]

@@ -20,6 +20,13 @@ import torch
 from oval_edge.geometry import KVGeometry
 
 
+def ring_row(geometry: KVGeometry, base, position):
+    """Head-0 row of `position` in a sequence's ring that starts at ring page `base`, in a sliding layer's
+    [pages * Hkv * P, D] view (head h is P rows further). Ints or tensors alike (the static step passes tensors)."""
+    g = geometry
+    return (base + (position // g.page_size) % g.ring_pages) * g.kv_heads * g.page_size + position % g.page_size
+
+
 class SlidingRings:
     def __init__(self, geometry: KVGeometry, sequences: int, dtype: torch.dtype, device: torch.device) -> None:
         if sequences < 1:
@@ -65,15 +72,14 @@ class SlidingRings:
         A chunk longer than the ring keeps only its tail: the tokens of its last R pages, so no slot is written
         twice in one step (index_copy_ with repeated indices keeps an arbitrary one)."""
         g, R = self.geometry, self.ring_pages
-        P, H = g.page_size, g.kv_heads
         tokens, slots, offset = [], [], 0
         for sid, n, end in zip(seq_ids, new_tokens, lengths_after):
             start = end - n
-            first = max(start, ((end - 1) // P - R + 1) * P)
+            first = max(start, ((end - 1) // g.page_size - R + 1) * g.page_size)
             base = self.base(sid)
             for position in range(first, end):
                 tokens.append(offset + position - start)
-                slots.append((base + (position // P) % R) * H * P + position % P)
+                slots.append(ring_row(g, base, position))
             offset += n
         return tokens, slots
 

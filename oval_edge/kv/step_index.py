@@ -38,7 +38,7 @@ class StepIndex:
     # Sliding-window layers (ring.py), set by attach_rings: each row's first ring page [B], and the step's ring
     # writes (token indices [M] into the N new tokens, their rows [M * kv_heads] in a ring layer's view)
     ring_base: torch.Tensor | None = None
-    ring_writes: tuple[torch.Tensor, torch.Tensor] | None = None
+    ring_writes: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
     def attach_rings(self, rings, device) -> None:
         """Where this step's tokens go in the sliding layers' rings (PagePool.prepare)."""
@@ -47,7 +47,9 @@ class StepIndex:
         heads = torch.arange(g.kv_heads) * g.page_size
         rows = (torch.tensor(slots, dtype=torch.long)[:, None] + heads[None, :]).reshape(-1)
         self.ring_base = torch.tensor([rings.base(sid) for sid in self.seq_ids], dtype=torch.long, device=device)
-        self.ring_writes = (torch.tensor(tokens, dtype=torch.long, device=device), rows.to(device))
+        # tokens None: every new token is kept (decode steps, short chunks), so the writer needs no gather
+        kept = None if len(tokens) == len(self.positions) else torch.tensor(tokens, dtype=torch.long, device=device)
+        self.ring_writes = (kept, rows.to(device))
 
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from oval_edge.kv.ring import ring_row
+
 from .attention import as_dtype, attend_rows
 from .prefill import HISTORY_QUERY_BLOCK, capped_attention, chunk_rows
 
@@ -37,12 +39,12 @@ def ring_slots(lengths: torch.Tensor, ring_base: torch.Tensor, geometry) -> tupl
     return flat, valid[:, None, :].expand(-1, H, -1).contiguous()
 
 
-def sliding_decode(pool, layer: int, lengths: torch.Tensor, ring_base: torch.Tensor, q: torch.Tensor,
-                   scale: float, limits: torch.Tensor | None = None,
-                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One new token per row (already written to the ring): q [B, Hq, D] -> (out [B, Hq, D], valid [B, Hkv, S])."""
-    flat, valid = ring_slots(lengths, ring_base, pool.geometry)
-    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, limits, softcap), valid
+def sliding_decode(pool, layer: int, ring: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, scale: float,
+                   softcap: float = 0.0) -> torch.Tensor:
+    """One new token per row (already written to the ring): q [B, Hq, D] -> out [B, Hq, D]. ring: the step's
+    ring_slots (flat, valid), the same in every sliding layer, so computed once per step."""
+    flat, valid = ring
+    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, softcap=softcap)
 
 
 def sliding_prefill(pool, layer: int, step, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -50,7 +52,7 @@ def sliding_prefill(pool, layer: int, step, q: torch.Tensor, k_new: torch.Tensor
     """Chunks of new tokens, BEFORE they are written to the rings. q [N, Hq, D]; k_new, v_new [N, Hkv, D] ->
     [N, Hq, D]."""
     g = pool.geometry
-    P, R, W, H = g.page_size, g.ring_pages, g.window, g.kv_heads
+    P, W, H = g.page_size, g.window, g.kv_heads
     out = torch.empty_like(q)
     for row, offset, start, end in chunk_rows(step):
         n = end - start
@@ -59,8 +61,8 @@ def sliding_prefill(pool, layer: int, step, q: torch.Tensor, k_new: torch.Tensor
         vs = as_dtype(v_new[offset : offset + n], pool.v.dtype).transpose(0, 1)
         if first < start:  # the window before the chunk, still in the ring
             positions = torch.arange(first, start, device=q.device)
-            page = pool.rings.base(step.seq_ids[row]) + (positions // P) % R  # [m]
-            rows = (page[None, :] * H + torch.arange(H, device=q.device)[:, None]) * P + positions % P  # [Hkv, m]
+            base = ring_row(g, pool.rings.base(step.seq_ids[row]), positions)  # [m]
+            rows = base[None, :] + torch.arange(H, device=q.device)[:, None] * P  # [Hkv, m]
             ks = torch.cat([pool.k_rows[layer].index_select(0, rows.reshape(-1)).view(H, -1, g.head_dim), ks], 1)
             vs = torch.cat([pool.v_rows[layer].index_select(0, rows.reshape(-1)).view(H, -1, g.head_dim), vs], 1)
         key_pos = torch.arange(first, end, device=q.device)

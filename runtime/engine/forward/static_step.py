@@ -26,6 +26,7 @@ import torch
 
 from oval_edge.geometry import batch_buckets
 from oval_edge.kernels.cpu import decode_kernels
+from oval_edge.kv.ring import ring_row
 from oval_edge.sparse.scoring import group_queries, score_pages
 from oval_edge.sparse.selection import DecodePlan, slots_per_step
 from oval_edge.sparse.sliding import ring_slots
@@ -136,8 +137,7 @@ class StaticAttention:
         self.ring_slots = self.ring = None
         if step.sliding_layers:  # the rows' ring rows (the same in every sliding layer) and what the rings hold
             g = self.pool.geometry
-            page = step.ring_base + (step.positions // g.page_size) % g.ring_pages  # [B]
-            base = page * (g.kv_heads * g.page_size) + step.positions % g.page_size
+            base = ring_row(g, step.ring_base, step.positions)  # [B]
             self.ring_slots = (base[:, None] + step.head_offsets).reshape(-1)  # [B * Hkv]
             self.ring = ring_slots(step.lengths, step.ring_base, g)  # flat, valid [B, Hkv, R * P]
         self.valids: list[torch.Tensor] = []

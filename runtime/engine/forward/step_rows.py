@@ -23,7 +23,7 @@ import torch
 from oval_edge.kv.step_index import StepIndex
 from oval_edge.sparse.attention import decode_plan
 from oval_edge.sparse.prefill import prefill_attention
-from oval_edge.sparse.sliding import sliding_decode, sliding_prefill
+from oval_edge.sparse.sliding import ring_slots, sliding_decode, sliding_prefill
 
 
 @dataclass
@@ -74,6 +74,7 @@ class DecodeRows:
         self.plan = decode_plan(runner.pool, step, runner.config)
         self.read = StepStats()
         self.attended: list[torch.Tensor] = []  # summed once in stats(): no per-layer reduction on the hot path
+        self.ring: tuple[torch.Tensor, torch.Tensor] | None = None  # sliding layers' slots (flat, valid) this step
         self.selections = []
 
     def attend(self, index: int, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -81,8 +82,10 @@ class DecodeRows:
         window = runner.hooks.window(index, x, self.step) if runner.hooks.window is not None else None
         runner.pool.write(index, self.step, k, v)
         if runner.ops[index].sliding:  # the row's ring, exactly: its window and nothing else
-            out, valid = sliding_decode(runner.pool, index, self.step.lengths, self.step.ring_base, q, runner.scale,
-                                        softcap=runner.softcap)
+            if self.ring is None:  # the same slots in every sliding layer: built by the first one
+                self.ring = ring_slots(self.step.lengths, self.step.ring_base, runner.pool.geometry)
+            out = sliding_decode(runner.pool, index, self.ring, q, runner.scale, runner.softcap)
+            valid = self.ring[1]
             read.kv_tokens_read += valid.numel()
             self.attended.append(valid)
             return out
