@@ -177,5 +177,5 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def cap_logits(logits: torch.Tensor, softcap: float) -> torch.Tensor:
-    """Gemma 2's soft-capping of attention logits: softcap * tanh(logits / softcap)."""
+    """Gemma 2's soft-capping of logits (attention and final): softcap * tanh(logits / softcap)."""
     return torch.tanh(logits / softcap) * softcap

@@ -19,7 +19,7 @@ from oval_edge.geometry import head_dim_of
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
 from oval_edge.runtime.model.projections import bind_norm
-from oval_edge.sparse.attention import decode_attention
+from oval_edge.sparse.attention import cap_logits, decode_attention
 from oval_edge.sparse.reuse import SelectionReuse
 from oval_edge.sparse.selection import DecodePlan, Selection
 
@@ -99,7 +99,7 @@ class PagedLlama:
                                   sliding[i]) for i, layer in enumerate(self.layers)]
         if any(sliding) and not pool.geometry.ring_layers:
             raise ValueError("this model has sliding-window layers but the pool keeps no ring for them; build the "
-                             "pool with KVGeometry.for_model (ring_layers, window)")
+                             "pool's geometry with KVGeometry.for_oval(..., ring=ring_layout(config))")
         self.final_norm = bind_norm(self.decoder.norm)
 
     @torch.inference_mode()
@@ -151,14 +151,10 @@ class PagedLlama:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm and the head: hidden [n, hidden] -> fp32 logits [n, vocab] (Gemma 2 soft-caps them)."""
         logits = self.model.lm_head(self.final_norm(hidden)).float()
-        if self.final_softcap:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return cap_logits(logits, self.final_softcap) if self.final_softcap else logits
 
     def rotary_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> list:
         """[(cos, signed sin) [N, 1, D]] per rotary table the layers use (one; Gemma 3: global and local)."""
-        if len(self.rotary_modules) == 1:
-            return [self.rotary(hidden, positions)]
         return [self.rotary(hidden, positions, module) for module in self.rotary_modules]
 
     def run_layers(self, hidden: torch.Tensor, tables: list, attention) -> torch.Tensor:
