@@ -26,6 +26,7 @@ class EngineStats:
     decode_steps: int = 0
     # Last decode step: bytes of K/V gathered (all layers, all rows) and tokens attended per layer and row.
     kv_bytes_last_step: int = 0
+    summary_bytes_last_step: int = 0  # page records (summaries) the last decode step's scoring read, all layers
     attended_per_row_layer: float = 0.0
     window_mean: float = 0.0
     sparse_layer_steps: int = 0

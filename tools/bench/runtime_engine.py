@@ -79,6 +79,7 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
         "reuse_lookups": counts.lookups if counts is not None else None,
         "kv_bytes_per_step": engine.stats.kv_bytes_last_step,
         "kv_bytes_source": "measured: K/V gathered at the last decode step, all layers (engine stats)",
+        "summary_bytes_per_step": engine.stats.summary_bytes_last_step,
         "kv_dtype": geometry.dtype,
         "weight_bytes": engine.loaded.weight_bytes,
         "pool_pages": pages,
