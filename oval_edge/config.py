@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .geometry import RECORD_FORMATS
 from .units import parse_bytes
 
 SCORERS = ("oval", "quest")
@@ -35,7 +36,10 @@ class OvalConfig:
     window_max    entropy of the candidate-page scores (peaked -> window_min, flat -> window_max).
     dense_layers  the first layers attend densely (their attention is broad; selection there costs quality).
     scorer        'oval' (output-aware local basis, DESIGN §4.3) or 'quest' (per-channel key min/max).
-    rank, eta     the oval basis rank r and the output-aware mix eta (0 = key-only spectral basis).
+    rank, eta     the oval basis rank r (at most page_size - 1) and the output-aware mix eta (0 = key-only
+                  spectral basis; > 0 mixes in the output projection's metric, DESIGN §4.3).
+    record        how oval page records are stored: 'float' (the pool's dtype), 'int8' or 'int4' (quantized with
+                  per-page scales, read in place by the kernels; oval_edge/kv/page_record.py).
     kv_dtype      dtype of the page pool; 'auto' = float16 on CUDA, float32 on CPU.
     window_module path of a calibrated output-aware window module (`oval-edge calibrate`): it sets each KV
                   head's window within [window_min, window_max] from the layer's hidden state; None = off.
@@ -54,7 +58,8 @@ class OvalConfig:
     dense_layers: int = 2
     scorer: str = "oval"
     rank: int = 4
-    eta: float = 0.5
+    eta: float = 0.0
+    record: str = "float"
     kv_dtype: str = "auto"
     memory_budget: int | str | None = None
     # Reuse of a recent selection when the query barely moved (DESIGN §4.7, oval_edge/sparse/reuse.py); None = off.
@@ -88,6 +93,9 @@ class OvalConfig:
         _check_int("rank", self.rank, 1, 256, " (the oval basis rank r; at most the head dim)")
         if isinstance(self.eta, bool) or not isinstance(self.eta, (int, float)) or not 0.0 <= self.eta <= 1.0:
             raise ValueError(f"eta={self.eta!r} is out of range: allowed [0.0, 1.0] (0 = key-only basis)")
+        if self.record not in RECORD_FORMATS:
+            raise ValueError(f"record={self.record!r} is unknown; allowed: {', '.join(RECORD_FORMATS)} (how oval page "
+                             "records are stored)")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} is unknown; allowed: {', '.join(KV_DTYPES)}")
         if self.memory_budget is not None:

@@ -11,6 +11,10 @@ from .units import format_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SUMMARY_KINDS = ("oval", "quest")
+# How an oval page record (mean, basis, coordinates) is stored: in the pool's dtype, or quantized with one fp32 scale
+# per page and head for the mean and one per basis vector and coordinate row (oval_edge/kv/page_record.py).
+RECORD_FORMATS = ("float", "int8", "int4")
+RECORD_SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,7 @@ class KVGeometry:
     dtype: str = "float32"  # a key of DTYPE_BYTES
     summary_kinds: tuple[str, ...] = ("oval",)
     rank: int = 4
+    record: str = "float"  # a RECORD_FORMATS entry: how oval records are stored
     # Sliding-window layers (Gemma): each keeps only the last `window` positions of a sequence, in a ring of
     # ring_pages pages per sequence (no summaries, never scored) outside the paged layers' pool. () = none.
     ring_layers: tuple[int, ...] = ()
@@ -41,6 +46,15 @@ class KVGeometry:
             raise ValueError(f"summary kind(s) {bad} unknown; allowed: {', '.join(SUMMARY_KINDS)}")
         if not 1 <= self.rank <= self.head_dim:
             raise ValueError(f"rank={self.rank} must be in [1, head_dim={self.head_dim}]")
+        if "oval" in self.summary_kinds and self.rank > self.page_size - 1:
+            # Centred keys of a page span at most P - 1 directions: a P-th one would be noise (DESIGN §4.3).
+            raise ValueError(f"rank={self.rank} is above page_size - 1 = {self.page_size - 1}: a page's centred keys "
+                             f"span at most page_size - 1 directions; lower rank or raise page_size")
+        if self.record not in RECORD_FORMATS:
+            raise ValueError(f"record={self.record!r} is unknown; allowed: {', '.join(RECORD_FORMATS)}")
+        if self.record == "int4" and self.head_dim % 2:
+            raise ValueError(f"record='int4' packs two values a byte and needs an even head_dim (got {self.head_dim});"
+                             " use record='int8'")
         if self.ring_layers and (self.window < 1 or sorted(set(self.ring_layers)) != list(self.ring_layers)
                                  or not all(0 <= i < self.layers for i in self.ring_layers)):
             raise ValueError(f"ring_layers={self.ring_layers} must be distinct increasing layer indices below "
@@ -53,7 +67,7 @@ class KVGeometry:
         """The geometry an OvalConfig asks for (its page size and rank; its scorer's summaries unless told).
         ring: (sliding-window layers, window), ring_layout() of the model config."""
         return cls(layers, kv_heads, head_dim, oval.page_size, dtype, tuple(summary_kinds or (oval.scorer,)),
-                   oval.rank, *ring)
+                   oval.rank, oval.record, *ring)
 
     @property
     def dtype_bytes(self) -> int:
@@ -85,18 +99,28 @@ class KVGeometry:
         """K and V of one token position in every paged layer and KV head."""
         return 2 * self.paged_layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
-    def summary_elements_per_head(self) -> int:
-        """Summary numbers stored per (layer, page, KV head) for the kinds kept."""
+    def oval_record_bytes(self) -> int:
+        """Bytes of one oval record (one page, one KV head): mean mu [D], basis B^T [r, D], coordinates R^T [r, P],
+        in the pool's dtype, or quantized (int8: a byte a value; int4: two values a byte, the mean int8) with
+        1 + 2r fp32 scales."""
+        d, p, r = self.head_dim, self.page_size, self.rank
+        if self.record == "float":
+            return (d + r * d + r * p) * self.dtype_bytes
+        packed = r * (d + p) if self.record == "int8" else -(-r * d // 2) + -(-r * p // 2)
+        return d + packed + (1 + 2 * r) * RECORD_SCALE_BYTES
+
+    def summary_bytes_per_head(self) -> int:
+        """Summary bytes stored per (layer, page, KV head) for the kinds kept; what scoring one page reads."""
         n = 0
         if "quest" in self.summary_kinds:
-            n += 2 * self.head_dim  # per-channel min and max of the keys
+            n += 2 * self.head_dim * self.dtype_bytes  # per-channel min and max of the keys
         if "oval" in self.summary_kinds:
-            n += self.head_dim * self.rank + self.page_size * self.rank  # U (D x r) and C (P x r)
+            n += self.oval_record_bytes()
         return n
 
     @property
     def summary_bytes_per_page(self) -> int:
-        return self.paged_layers * self.kv_heads * self.summary_elements_per_head() * self.dtype_bytes
+        return self.paged_layers * self.kv_heads * self.summary_bytes_per_head()
 
     @property
     def bytes_per_page(self) -> int:

@@ -28,9 +28,19 @@ def structured_kv(gen: torch.Generator, layers: int, heads: int, length: int, di
     return keys.float(), values.float()
 
 
-def make_pool(layers, kv_heads, head_dim, page_size, num_pages, rank=4, eta=0.5) -> PagePool:
-    geometry = KVGeometry(layers, kv_heads, head_dim, page_size, "float32", ("oval", "quest"), rank)
-    return PagePool(geometry, num_pages, eta=eta)
+def output_metric(layers: int, heads: int, dim: int, seed: int = 5) -> torch.Tensor:
+    """A stand-in for the output projection's G^{1/2} [layers, heads, D, D]: symmetric positive definite, far from
+    the identity (so eta > 0 really reweights the tokens), fixed by `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(layers, heads, dim, dim, generator=gen, dtype=torch.float64)
+    return (a @ a.transpose(-1, -2) / dim + 0.1 * torch.eye(dim, dtype=torch.float64)).float()
+
+
+def make_pool(layers, kv_heads, head_dim, page_size, num_pages, rank=4, eta=0.5, record="float") -> PagePool:
+    geometry = KVGeometry(layers, kv_heads, head_dim, page_size, "float32", ("oval", "quest"), rank, record)
+    pool = PagePool(geometry, num_pages, eta=eta)
+    pool.set_output_metric(list(output_metric(layers, kv_heads, head_dim)))
+    return pool
 
 
 def write_tokens(pool: PagePool, seq_ids, keys, values, counts):
@@ -71,30 +81,35 @@ def ref_quest_summary(keys_page):
     return mins, maxs
 
 
-def ref_oval_summary(keys_page, values_page, rank: int, eta: float):
-    """keys_page, values_page [P, D] -> (U [D, r], C [P, r], eigenvalues descending [D])."""
+def ref_oval_summary(keys_page, values_page, rank: int, eta: float, metric_sqrt=None):
+    """keys_page, values_page [P, D] -> (mu [D], B [D, r], R [P, r], eigenvalues of trace-normalised M descending).
+
+    The authors' record from its definition: X = K - mu, Y = V - mean(V), Z = Y G^{1/2},
+    M = (1 - eta) X^T X / tr(X^T X) + eta X^T Z Z^T X / tr(X^T Z Z^T X), B = top-r eigenvectors of M, R = X B.
+    """
     k, v = keys_page.double(), values_page.double()
-    a = k.T @ k
-    a = a / torch.trace(a)
-    w = torch.tensor([float(((v[j] - v.mean(0)) ** 2).sum()) for j in range(k.shape[0])], dtype=torch.float64)
-    b = k.T @ torch.diag(w) @ k
-    b = b / torch.trace(b)
-    m = (1 - eta) * a + eta * b
+    mu = torch.stack([k[:, d].mean() for d in range(k.shape[1])])
+    x = k - mu
+    m = x.T @ x / torch.trace(x.T @ x)
+    if eta > 0:
+        z = (v - v.mean(0)) @ metric_sqrt.double()
+        out = x.T @ z @ z.T @ x
+        m = (1 - eta) * m + eta * out / torch.trace(out)
     evals, evecs = torch.linalg.eigh(m)
     order = torch.argsort(evals, descending=True)
-    u = evecs[:, order[:rank]]
-    return u, k @ u, evals[order]
+    b = evecs[:, order[:rank]]
+    return mu, b, x @ b, evals[order]
 
 
-def ref_page_score(scorer, queries, keys_page, values_page, rank, eta, scale):
+def ref_page_score(scorer, queries, keys_page, values_page, rank, eta, scale, metric_sqrt=None):
     """Score of one page for one KV head; queries [G, D] are the group's query heads."""
     q = queries.double()
     if scorer == "quest":
         kmin, kmax = ref_quest_summary(keys_page)
         per_head = [scale * torch.maximum(q[g] * kmax, q[g] * kmin).sum() for g in range(q.shape[0])]
         return float(torch.logsumexp(torch.stack(per_head), 0))
-    u, c, _ = ref_oval_summary(keys_page, values_page, rank, eta)
-    logits = [scale * c[j] @ (u.T @ q[g]) for j in range(c.shape[0]) for g in range(q.shape[0])]
+    mu, b, r, _ = ref_oval_summary(keys_page, values_page, rank, eta, metric_sqrt)
+    logits = [scale * (mu @ q[g] + r[j] @ (b.T @ q[g])) for j in range(r.shape[0]) for g in range(q.shape[0])]
     return float(torch.logsumexp(torch.stack(logits), 0))
 
 

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from oval_reference import output_metric
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oval_edge import OvalConfig
@@ -80,6 +81,8 @@ def test_scorer_fit_scores_pages_and_measures_the_output_as_the_runtime_does():
     n = pages * P
     geometry = KVGeometry(1, kv_heads, d, P, "float32", ("oval",), r)
     pool = PagePool(geometry, pages, eta=0.5)
+    metric = output_metric(1, kv_heads, d)  # [1, Hkv, D, D]: the output projection's G^{1/2} stand-in
+    pool.set_output_metric(list(metric))
     keys, values = torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
     pool.allocate("s", n)
     step = pool.prepare(["s"], [n])
@@ -90,13 +93,14 @@ def test_scorer_fit_scores_pages_and_measures_the_output_as_the_runtime_does():
     runtime = score_pages("oval", q, pool.summaries, 0, table, 0.25)  # the runtime's scorer
     kp = keys.view(pages, P, kv_heads, d).transpose(1, 2).reshape(-1, P, d)  # [Np * Hkv, P, D] as pages
     vp = values.view(pages, P, kv_heads, d).transpose(1, 2).reshape(-1, P, d)
-    basis, coords = oval_summary(kp, vp, r, 0.5)
-    got = page_scores(q, basis.view(pages, kv_heads, d, r), coords.view(pages, kv_heads, P, r), 0.25)
+    mean, basis_t, coords_t = oval_summary(kp, vp, r, 0.5, metric[0].repeat(pages, 1, 1))
+    got = page_scores(q, mean.view(pages, kv_heads, d), basis_t.view(pages, kv_heads, r, d),
+                      coords_t.view(pages, kv_heads, r, P), 0.25)
     torch.testing.assert_close(got, runtime, atol=1e-4, rtol=1e-4)
     # Output error of one decode step at position t, by brute force over the runtime's selection.
     t, config = n - 1, OvalConfig(page_size=P, top_k=2, window_min=16, window_max=16)
     tally = ScorerTally([0.5], [r], config, d)
-    tally.add(q[:1].flatten(1, 2), keys, values, torch.tensor([t]), torch.tensor([False]), 0.25)
+    tally.add(q[:1].flatten(1, 2), keys, values, torch.tensor([t]), torch.tensor([False]), 0.25, metric=metric[0])
     start = min(t + 1 - 16, (t // P) * P)
     err = norm = 0.0
     for h in range(kv_heads):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from oval_reference import output_metric
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oval_edge import OvalConfig
@@ -68,6 +69,7 @@ def test_eval_pool_seals_each_row_with_its_own_eta():
     torch.manual_seed(1)
     geometry = geometry_for(tiny_loaded().config, 16, 4)
     pool = EvalPool(geometry, 9)
+    pool.set_output_metric(list(output_metric(geometry.layers, geometry.kv_heads, geometry.head_dim)))
     keys = torch.randn(geometry.layers, 48, geometry.kv_heads, geometry.head_dim)
     values = torch.randn_like(keys)
     etas = {"a": 0.0, "b": 0.7, "c": None}
@@ -81,13 +83,13 @@ def test_eval_pool_seals_each_row_with_its_own_eta():
             kmin, kmax = quest_summary(k)
             torch.testing.assert_close(pool.summaries["kmin"][:, page].reshape_as(kmin), kmin)
             torch.testing.assert_close(pool.summaries["kmax"][:, page].reshape_as(kmax), kmax)
-            stored = pool.summaries["basis"][:, :, page].reshape(-1, 4, geometry.head_dim).transpose(1, 2)  # U^T -> U
+            stored = pool.summaries["basis"][:, :, page].reshape(-1, 4, geometry.head_dim)  # B^T [L*Hkv, r, D]
             if eta is None:  # rows that never score with oval summaries skip the eigensolver
                 assert not bool(stored.any())
                 continue
-            basis, _ = oval_summary(k, v, 4, eta)
+            _, basis, _ = oval_summary(k, v, 4, eta, pool.output_metric.reshape(-1, *k.shape[-1:] * 2))
             # Eigenvectors are defined up to sign: compare the projectors onto the basis.
-            torch.testing.assert_close(stored @ stored.transpose(1, 2), basis @ basis.transpose(1, 2), atol=1e-4,
+            torch.testing.assert_close(stored.transpose(1, 2) @ stored, basis.transpose(1, 2) @ basis, atol=1e-4,
                                        rtol=0)
 
 

@@ -94,7 +94,8 @@ def test_nf4_loads_on_cuda_and_chunked_projection_matches_the_module():
 def test_triton_kernels_agree_with_the_torch_ops_on_the_gpu():
     from oval_edge.kernels.gpu import gpu_kernels
     from oval_edge.sparse.attention import attend, gather_rows
-    from oval_edge.sparse.scoring import oval_scores
+    from oval_edge.kernels.cpu_check import random_records
+    from oval_edge.sparse.scoring import record_scores
 
     kernels = gpu_kernels(torch.device("cuda"))
     if kernels is None:
@@ -103,14 +104,15 @@ def test_triton_kernels_agree_with_the_torch_ops_on_the_gpu():
     for dtype in (torch.float16, torch.bfloat16):
         b, hkv, group, d, page, r, pages, width = 3, 3, 3, 64, 32, 4, 64, 40
         q = torch.randn(b, hkv, group, d, device="cuda", dtype=dtype, generator=g)
-        basis = torch.randn(hkv, pages, r, d, device="cuda", dtype=dtype, generator=g)
-        coords = torch.randn(hkv, pages, r, page, device="cuda", dtype=dtype, generator=g)
         table = torch.randint(0, pages, (b, width), device="cuda", generator=g)
         counts = torch.tensor([width, 17, 5], device="cuda")
-        got = kernels.oval_scores(q, basis, coords, table, 0.125, counts)
-        want = oval_scores(q, basis[:, table].movedim(0, 1), coords[:, table].movedim(0, 1), 0.125)
         live = torch.arange(width, device="cuda")[None, None, :] < counts[:, None, None]
-        torch.testing.assert_close(got[live.expand_as(got)], want[live.expand_as(want)], rtol=2e-2, atol=5e-2)
+        for fmt in ("float", "int8", "int4"):
+            cpu_records = random_records(torch.Generator().manual_seed(1), hkv, pages, r, d, page, fmt, dtype)
+            records = type(cpu_records)(*(t.cuda() if t is not None else None for t in cpu_records))
+            got = kernels.oval_scores(q, records, table, 0.125, counts)
+            want = record_scores(q, records, table, 0.125)
+            torch.testing.assert_close(got[live.expand_as(got)], want[live.expand_as(want)], rtol=2e-2, atol=5e-2)
         rows = pages * hkv * page
         k_rows = torch.randn(rows, d, device="cuda", dtype=dtype, generator=g)
         v_rows = torch.randn(rows, d, device="cuda", dtype=dtype, generator=g)

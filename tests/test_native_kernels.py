@@ -18,8 +18,9 @@ from oval_edge.cache_dir import CACHE_ENV
 from oval_edge.kernels import cpu as native_kernels
 from oval_edge.kernels import cpu_build, cpu_check
 from oval_edge.kernels.cpu import NATIVE_ENV, cpu_kernels
+from oval_edge.kernels.cpu_check import random_records
 from oval_edge.sparse.attention import attend
-from oval_edge.sparse.scoring import oval_scores
+from oval_edge.sparse.scoring import record_scores
 
 TOL = 2e-5  # fp32 with a different summation order and a 2^x polynomial good to ~1e-7
 
@@ -29,22 +30,25 @@ def _near(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert error <= TOL * max(1.0, float(expected.abs().max())), f"max abs diff {error:.3g}"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+FORMATS = [("float", torch.bfloat16), ("float", torch.float32), ("int8", None), ("int4", None)]
+
+
+@pytest.mark.parametrize("fmt,dtype", FORMATS, ids=["bf16", "fp32", "int8", "int4"])
 @pytest.mark.parametrize(
     "dim,page_size,group,rank",
-    [(64, 32, 3, 4), (64, 16, 1, 1), (64, 64, 7, 8), (128, 32, 4, 4), (128, 16, 2, 16), (48, 128, 5, 3)],
+    [(64, 32, 3, 4), (64, 16, 1, 1), (64, 64, 7, 8), (128, 32, 4, 4), (128, 32, 2, 16), (48, 128, 5, 3)],
 )
-def test_page_scores_equal_the_torch_scorer(kernels, dtype, dim, page_size, group, rank):
+def test_page_scores_equal_the_torch_scorer(kernels, fmt, dtype, dim, page_size, group, rank):
+    """Every record format, read in place by the kernel, scores as the torch scorer over the decoded records."""
     gen = torch.Generator().manual_seed(dim + page_size + group + rank)
     batch, kv_heads, pages, listed = 2, 3, 40, 17
     q = torch.randn(batch, kv_heads, group, dim, generator=gen)
-    basis = torch.randn(kv_heads, pages, rank, dim, generator=gen).to(dtype)
-    coords = (3 * torch.randn(kv_heads, pages, rank, page_size, generator=gen)).to(dtype)
+    records = random_records(gen, kv_heads, pages, rank, dim, page_size, fmt, dtype)
     table = torch.stack([torch.randperm(pages, generator=gen)[:listed] for _ in range(batch)])
     table[1, :3] = table[0, :3]  # two rows may list the same physical page
     scale = dim**-0.5
-    expected = oval_scores(q, basis[:, table].movedim(0, 1), coords[:, table].movedim(0, 1), scale)
-    actual = kernels.oval_scores(q, basis, coords, table, scale)
+    expected = record_scores(q, records, table, scale)
+    actual = kernels.oval_scores(q, records, table, scale)
     assert actual.shape == (batch, kv_heads, listed) and actual.dtype == torch.float32
     _near(actual, expected)
 
@@ -78,20 +82,22 @@ def test_a_head_with_no_valid_slot_gets_zeros_and_invalid_slots_are_never_read(k
 
 
 def test_out_of_range_indices_are_errors_not_reads(kernels):
-    basis, coords = torch.zeros(1, 4, 2, 64).bfloat16(), torch.zeros(1, 4, 2, 32).bfloat16()
+    records = random_records(torch.Generator().manual_seed(0), 1, 4, 2, 64, 32, "float", torch.bfloat16)
     with pytest.raises(ValueError, match=r"page outside 0..3"):
-        kernels.oval_scores(torch.zeros(1, 1, 1, 64), basis, coords, torch.tensor([[1, 4]]), 1.0)
+        kernels.oval_scores(torch.zeros(1, 1, 1, 64), records, torch.tensor([[1, 4]]), 1.0)
     rows = torch.zeros(8, 64).bfloat16()
     with pytest.raises(ValueError, match=r"outside the layer's 0..7 rows"):
         kernels.attend_slots(torch.zeros(1, 1, 64), rows, rows, torch.tensor([[[8]]]), torch.tensor([[[True]]]), 1.0)
 
 
 def test_inputs_the_kernels_do_not_take_fall_back_to_torch(kernels):
-    fp16 = torch.zeros(1, 4, 2, 64, dtype=torch.float16)
-    assert kernels.oval_scores(torch.zeros(1, 1, 1, 64), fp16, fp16, torch.tensor([[0]]), 1.0) is None
-    wide = torch.zeros(1, 4, 2, 512).bfloat16()  # head dim above the C limit
-    coords = torch.zeros(1, 4, 2, 32).bfloat16()
-    assert kernels.oval_scores(torch.zeros(1, 1, 1, 512), wide, coords, torch.tensor([[0]]), 1.0) is None
+    gen = torch.Generator().manual_seed(0)
+    fp16 = random_records(gen, 1, 4, 2, 64, 32, "float", torch.float16)
+    assert kernels.oval_scores(torch.zeros(1, 1, 1, 64), fp16, torch.tensor([[0]]), 1.0) is None
+    wide = random_records(gen, 1, 4, 2, 512, 32, "float", torch.bfloat16)  # head dim above the C limit
+    assert kernels.oval_scores(torch.zeros(1, 1, 1, 512), wide, torch.tensor([[0]]), 1.0) is None
+    no_scales = random_records(gen, 1, 4, 2, 64, 32, "int8", None)._replace(scales=None)
+    assert kernels.oval_scores(torch.zeros(1, 1, 1, 64), no_scales, torch.tensor([[0]]), 1.0) is None
 
 
 def test_loading_the_kernels_leaves_subnormal_floats_alone(kernels):
@@ -152,4 +158,4 @@ def test_a_library_that_disagrees_with_torch_is_not_published(monkeypatch, tmp_p
 def test_self_check_rejects_a_kernel_that_disagrees_with_torch(kernels, monkeypatch):
     wrong = kernels.oval_scores
     monkeypatch.setattr(kernels, "oval_scores", lambda *args: wrong(*args) + 1e-2)
-    assert cpu_check.self_check(kernels) == "oval_scores torch.float32"
+    assert cpu_check.self_check(kernels) == "oval_scores float torch.float32"

@@ -169,7 +169,8 @@ def test_bytes_per_page_counts_kv_and_summaries(kinds, dtype, nbytes):
     layers, heads, dim, page, rank = 30, 3, 64, 32, 4
     geometry = KVGeometry(layers, heads, dim, page, dtype, kinds, rank)
     kv = 2 * layers * heads * page * dim * nbytes
-    summary = layers * heads * nbytes * (("quest" in kinds) * 2 * dim + ("oval" in kinds) * (dim + page) * rank)
+    # quest: per-channel min and max; oval: the mean, the basis and the coordinates (dim + (dim + page) * rank)
+    summary = layers * heads * nbytes * (("quest" in kinds) * 2 * dim + ("oval" in kinds) * (dim + (dim + page) * rank))
     assert geometry.bytes_per_page == kv + summary
 
 

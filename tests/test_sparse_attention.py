@@ -63,7 +63,8 @@ def _ref_scores(ctx, scorer, row, head, sealed):
         queries = ctx["q"][row, head * group : (head + 1) * group]
         k, v = ctx["keys"][row][LAYER, head], ctx["values"][row][LAYER, head]
         ctx["scores"][key] = {
-            j: ref_page_score(scorer, queries, k[j * P : j * P + P], v[j * P : j * P + P], RANK, ETA, DIM**-0.5)
+            j: ref_page_score(scorer, queries, k[j * P : j * P + P], v[j * P : j * P + P], RANK, ETA, DIM**-0.5,
+                              ctx["pool"].output_metric[LAYER, head])
             for j in range(sealed)
         }
     return ctx["scores"][key]

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from oval_edge import OvalConfig
-from oval_edge.sparse.scoring import oval_scores
+from oval_edge.kernels.cpu_check import random_records
+from oval_edge.sparse.scoring import record_scores
 from oval_edge.sparse.selection import DecodePlan, window_slots
 
 
@@ -45,12 +46,11 @@ def test_scores_and_attention_skip_what_the_row_bounds_leave_out(kernels):
     gen = torch.Generator().manual_seed(3)
     hkv, group, dim, rank, page, pool_pages = 2, 3, 64, 4, 16, 12
     q = torch.randn(2, hkv, group, dim, generator=gen)
-    basis = torch.randn(hkv, pool_pages, rank, dim, generator=gen)
-    coords = torch.randn(hkv, pool_pages, rank, page, generator=gen)
+    records = random_records(gen, hkv, pool_pages, rank, dim, page, "float", torch.float32)
     table = torch.tensor([[3, 1, 4, 0, 0, 0], [5, 9, 2, 6, 11, 7]])  # row 0 padded after 3 pages
     counts = torch.tensor([3, 6])
-    got = kernels.oval_scores(q, basis, coords, table, 0.125, counts=counts)
-    want = oval_scores(q, basis[:, table].movedim(0, 1), coords[:, table].movedim(0, 1), 0.125)
+    got = kernels.oval_scores(q, records, table, 0.125, counts=counts)
+    want = record_scores(q, records, table, 0.125)
     torch.testing.assert_close(got[0, :, :3], want[0, :, :3], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
     assert bool((got[0, :, 3:] < -1e38).all())  # not read: the kernel writes the 'unscored' value

@@ -12,6 +12,7 @@ import pytest
 import torch
 from oval_reference import (
     make_pool,
+    output_metric,
     prefill,
     ref_oval_summary,
     ref_page_score,
@@ -23,6 +24,7 @@ from oval_edge.kv.summaries import oval_summary
 from oval_edge.sparse.scoring import group_queries, score_pages
 
 LAYERS, KV_HEADS, Q_HEADS, DIM, RANK = 2, 3, 9, 64, 4
+METRIC = output_metric(LAYERS, KV_HEADS, DIM)  # what make_pool gives the pool as its output projection's G^{1/2}
 LENGTHS = (100, 70, 45)  # not page multiples: every sequence also holds an open, unsealed page
 TOL = 1e-5
 
@@ -84,14 +86,16 @@ def test_oval_summary_matches_loop_reference(sealed_pool):
         for layer in range(LAYERS):
             for head in range(KV_HEADS):
                 keys, values = _page(data, row, layer, head, logical, P)
-                u_ref, c_ref, evals = ref_oval_summary(keys, values, RANK, eta)
-                # The data has a gap after the r-th eigenvalue, so the top-r subspace (U U^T) is well defined.
-                assert float(evals[RANK - 1] - evals[RANK]) > 1e-2
-                u = pool.summaries["basis"][layer, head, phys].double().T  # stored U^T [r, D] -> U [D, r]
-                c = pool.summaries["coords"][layer, head, phys].double().T  # stored C^T [r, P] -> C [P, r]
+                mu_ref, u_ref, c_ref, evals = ref_oval_summary(keys, values, RANK, eta, METRIC[layer, head])
+                # The data has a gap after the r-th eigenvalue, so the top-r subspace (B B^T) is well defined.
+                assert float(evals[RANK - 1] - evals[RANK]) > 1e-3
+                mu = pool.summaries["mean"][layer, head, phys].double()
+                u = pool.summaries["basis"][layer, head, phys].double().T  # stored B^T [r, D] -> B [D, r]
+                c = pool.summaries["coords"][layer, head, phys].double().T  # stored R^T [r, P] -> R [P, r]
+                torch.testing.assert_close(mu, mu_ref, atol=TOL, rtol=0)
                 torch.testing.assert_close(u.T @ u, torch.eye(RANK, dtype=torch.float64), atol=TOL, rtol=0)
-                torch.testing.assert_close(u @ u.T, u_ref @ u_ref.T, atol=TOL, rtol=0)
-                torch.testing.assert_close(c, keys.double() @ u, atol=TOL, rtol=0)  # C = K U for the stored U
+                torch.testing.assert_close(u @ u.T, u_ref @ u_ref.T, atol=10 * TOL, rtol=0)
+                torch.testing.assert_close(c, (keys.double() - mu) @ u, atol=TOL, rtol=0)  # R = X B, stored B
                 q = torch.randn(DIM, generator=gen, dtype=torch.float64)
                 _assert_near(c @ (u.T @ q), c_ref @ (u_ref.T @ q))
                 checked += 1
@@ -104,15 +108,26 @@ def test_eta_zero_ignores_values_and_eta_changes_the_basis():
     keys, values = structured_kv(gen, 1, 4, 32, DIM)
     keys, values = keys[0], values[0]  # [4 pages, 32, D]
     other_values = torch.randn(values.shape, generator=gen)
-    u0, _ = oval_summary(keys, values, RANK, 0.0)
-    u0_other, _ = oval_summary(keys, other_values, RANK, 0.0)
-    proj = lambda u: u @ u.transpose(-1, -2)  # noqa: E731
+    metric = METRIC[0, :1].expand(4, DIM, DIM)
+    _, u0, _ = oval_summary(keys, values, RANK, 0.0)
+    _, u0_other, _ = oval_summary(keys, other_values, RANK, 0.0)
+    proj = lambda u: u.transpose(-1, -2) @ u  # noqa: E731  (stored B^T [r, D] -> B B^T)
     torch.testing.assert_close(proj(u0), proj(u0_other), atol=TOL, rtol=0)
     # Values that load all their spread on the tokens with small keys pull the output-aware basis away.
     smallest = keys.norm(dim=-1).argsort(dim=-1)[:, :8]  # [4, 8]
     weights = torch.zeros(4, 32, 1).scatter_(1, smallest[..., None], 1.0)
-    u1, _ = oval_summary(keys, values * weights, RANK, 1.0)
+    _, u1, _ = oval_summary(keys, values * weights, RANK, 1.0, metric)
     assert float((proj(u1) - proj(u0)).abs().max()) > 1e-2
+    with pytest.raises(ValueError, match="eta > 0 needs the output projection's metric"):
+        oval_summary(keys, values, RANK, 0.5)
+
+
+def test_rank_is_capped_below_page_size():
+    """Centred keys of a page span at most P - 1 directions: the pool refuses rank >= page_size."""
+    from oval_edge.geometry import KVGeometry
+
+    with pytest.raises(ValueError, match=r"rank=16 is above page_size - 1 = 15"):
+        KVGeometry(2, 1, 64, 16, "float32", ("oval",), 16)
 
 
 @pytest.mark.parametrize("scorer", ["oval", "quest"])
@@ -130,7 +145,7 @@ def test_scores_match_loop_reference(sealed_pool, scorer, decode_kernels):
         for head in range(KV_HEADS):
             keys, values = _page(data, row, 1, head, logical, P)
             queries = q[row, head * group : (head + 1) * group]  # the query heads that share this KV head
-            expected = ref_page_score(scorer, queries, keys, values, RANK, eta, scale)
+            expected = ref_page_score(scorer, queries, keys, values, RANK, eta, scale, METRIC[1, head])
             _assert_near(scores[row, head, logical], torch.tensor(expected))
 
 

@@ -49,7 +49,9 @@ else:
 from oval_edge.kernels import cpu as native  # noqa: E402
 from oval_edge.sparse import attention, scoring, step_ops  # noqa: E402
 from oval_edge.sparse.attention import attend, gather_rows  # noqa: E402
-from oval_edge.sparse.scoring import oval_scores, quest_scores  # noqa: E402
+from oval_edge.kernels.cpu_check import random_records  # noqa: E402
+from oval_edge.kv.page_record import layer_records  # noqa: E402
+from oval_edge.sparse.scoring import quest_scores, record_scores  # noqa: E402
 
 DIM, RANK = 64, 4
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -81,18 +83,19 @@ SCORE_CASES = [
 SCORE_IDS = [f"{hq}of{hkv}-P{p}-B{b}-{str(dt)[6:]}" for hq, hkv, p, b, dt in SCORE_CASES]
 
 
+@pytest.mark.parametrize("fmt", ["float", "int8", "int4"])
 @pytest.mark.parametrize("hq,hkv,page,batch,dtype", SCORE_CASES, ids=SCORE_IDS)
-def test_oval_scores_equal_the_torch_scorer(hq, hkv, page, batch, dtype):
+def test_oval_scores_equal_the_torch_scorer(hq, hkv, page, batch, dtype, fmt):
+    """Every record format, read in place through the page table, scores as the torch scorer over the decoded
+    records."""
     gen = torch.Generator().manual_seed(hq + page + batch)
     pages, width = 24, 9
     q = torch.randn(batch, hkv, hq // hkv, DIM, generator=gen).to(dtype)
-    basis = torch.randn(hkv, pages, RANK, DIM, generator=gen).to(dtype)
-    coords = (3 * torch.randn(hkv, pages, RANK, page, generator=gen)).to(dtype)
+    records = random_records(gen, hkv, pages, RANK, DIM, page, fmt, dtype)
     table, counts = _table(gen, batch, width, pages)
     scale = DIM**-0.5
-    expected = oval_scores(q.float(), basis[:, table].movedim(0, 1).float(), coords[:, table].movedim(0, 1).float(),
-                           scale)
-    actual = triton_scoring.oval_scores(q, basis, coords, table, scale, counts)
+    expected = record_scores(q.float(), records, table, scale)
+    actual = triton_scoring.oval_scores(q, records, table, scale, counts)
     assert actual.shape == (batch, hkv, width) and actual.dtype == torch.float32
     _check_counted(actual, expected, counts)
 
@@ -122,11 +125,10 @@ def _check_counted(actual: torch.Tensor, expected: torch.Tensor, counts: torch.T
 def test_pages_outside_the_pool_are_not_read():
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 3, DIM, generator=gen)
-    basis, coords = torch.randn(2, 6, RANK, DIM, generator=gen), torch.randn(2, 6, RANK, 16, generator=gen)
+    records = random_records(gen, 2, 6, RANK, DIM, 16, "float", torch.float32)
     table = torch.tensor([[1, 6, 2, -1]])  # 6 and -1 lie outside the 6-page pool
-    actual = triton_scoring.oval_scores(q, basis, coords, table, 0.125)
-    expected = oval_scores(q, basis[:, table.clamp(0, 5)].movedim(0, 1), coords[:, table.clamp(0, 5)].movedim(0, 1),
-                           0.125)
+    actual = triton_scoring.oval_scores(q, records, table, 0.125)
+    expected = record_scores(q, records, table.clamp(0, 5), 0.125)
     _near(actual[..., [0, 2]], expected[..., [0, 2]], 1e-4)
     assert bool((actual[..., [1, 3]] == triton_scoring.UNSCORED).all())
 
@@ -268,10 +270,10 @@ def _decode_inputs():
     """One layer of pool-shaped records and rows (bf16), a padded batch of 3 with counts and limits."""
     gen = torch.Generator().manual_seed(11)
     layers, hkv, group, page, pages = 2, 3, 3, 16, 10
-    basis = torch.randn(layers, hkv, pages, RANK, DIM, generator=gen).to(BF16)
-    coords = torch.randn(layers, hkv, pages, RANK, page, generator=gen).to(BF16)
+    per_layer = [random_records(gen, hkv, pages, RANK, DIM, page, "float", BF16) for _ in range(layers)]
     keys = torch.randn(layers, pages, hkv, page, DIM, generator=gen).to(BF16)
-    summaries = {"basis": basis, "coords": coords, "kmin": keys.amin(3), "kmax": keys.amax(3)}
+    summaries = {name: torch.stack([getattr(r, name) for r in per_layer]) for name in ("mean", "basis", "coords")}
+    summaries.update(kmin=keys.amin(3), kmax=keys.amax(3))
     table, counts = _table(gen, 3, 5, pages)
     q = torch.randn(3, hkv * group, DIM, generator=gen)
     flat, valid, limits = _dense(gen, 3, hkv, page, pages)
@@ -297,13 +299,12 @@ def test_score_pages_and_attend_rows_route_through_the_kernels_or_fall_back(path
     grouped = scoring.group_queries(c["q"], c["hkv"])
     listed = (torch.arange(table.shape[1]) < counts[:, None])[:, None].expand(-1, c["hkv"], -1)
     s = c["summaries"]
-    want = {"oval": oval_scores(grouped, s["basis"][layer][:, table].movedim(0, 1).float(),
-                                s["coords"][layer][:, table].movedim(0, 1).float(), scale),
+    want = {"oval": scoring.record_scores(grouped, layer_records(s, layer), table, scale),
             "quest": quest_scores(grouped, s["kmin"][layer][table].float(), s["kmax"][layer][table].float(), scale)}
     for scorer in ("oval", "quest"):
         got = scoring.score_pages(scorer, grouped, s, layer, table, scale, counts)
         _near(got[listed], want[scorer][listed], 1e-4)
-    got = step_ops._page_scores(grouped, s["basis"], s["coords"], layer, table, counts, scale)
+    got = step_ops._page_scores(grouped, s["mean"], s["basis"], s["coords"], None, layer, table, counts, scale)
     _near(got[listed], want["oval"][listed], 1e-4)
     k_rows, v_rows = c["keys"][layer].reshape(-1, DIM), c["values"][layer].reshape(-1, DIM)
     bounded = c["valid"] & (torch.arange(c["flat"].shape[-1]) < c["limits"][:, None, None])

@@ -22,6 +22,7 @@ from oval_edge.config import OvalConfig
 from oval_edge.geometry import KVGeometry, kv_dims, size_pool
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
+from oval_edge.kv.summaries import output_metric_sqrt
 from oval_edge.sparse.selection import Selection
 
 OVAL_ATTENTION_PREFIX = "oval"
@@ -126,6 +127,11 @@ def build_state(model, config: OvalConfig, num_pages: int | None = None) -> Oval
     else:
         num_pages = math.ceil(model.config.max_position_embeddings / config.page_size)
     pool = PagePool(geometry, num_pages, device=device, eta=config.eta, sizing=sizing)
+    if config.eta > 0 and "basis" in pool.summaries:  # records with eta > 0 weigh values by W_O (DESIGN §4.3)
+        c, project = model.config, lambda o_proj: (lambda x: o_proj(x.to(param.dtype)).float())
+        pool.set_output_metric([output_metric_sqrt(project(layer.self_attn.o_proj), c.num_attention_heads,
+                                                   geometry.kv_heads, geometry.head_dim, device)
+                                for layer in model.model.layers])
     return OvalState(model.config, config, pool)
 
 

@@ -24,12 +24,14 @@ from .gpu import TritonKernels, describe_gpu_kernels, gpu_kernels
 NATIVE_ENV = "OVAL_EDGE_NATIVE"  # "0": never use the kernels (A/B measurements, debugging)
 REFUSED, OUT_OF_RANGE = 1, 2  # the C kernels' return codes: shapes above their fixed limits, an index outside the pool
 ELEMENT_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# Oval record formats by the basis dtype (page_record.py): the pool's float dtypes, int8, int4 packed in uint8.
+RECORD_SUFFIX = {**ELEMENT_SUFFIX, torch.int8: "int8", torch.uint8: "int4"}
 
 log = logging.getLogger(__name__)
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
-_SCORE_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr]
+_SCORE_ARGS = [_ptr] * 7 + [_i64] * 8 + [ctypes.c_float, _ptr]
 _ATTEND_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr]
 
 
@@ -40,12 +42,14 @@ class NativeKernels:
     def __init__(self, library: ctypes.CDLL, path: str) -> None:
         self.path = path
         self._scores, self._attend = {}, {}
-        for dtype, suffix in ELEMENT_SUFFIX.items():
+        for dtype, suffix in RECORD_SUFFIX.items():
             scores = getattr(library, f"oval_scores_{suffix}")
             scores.argtypes, scores.restype = _SCORE_ARGS, ctypes.c_int
+            self._scores[dtype] = scores
+        for dtype, suffix in ELEMENT_SUFFIX.items():
             attend = getattr(library, f"attend_slots_{suffix}")
             attend.argtypes, attend.restype = _ATTEND_ARGS, ctypes.c_int
-            self._scores[dtype], self._attend[dtype] = scores, attend
+            self._attend[dtype] = attend
         self._rms_norm = library.rms_norm_f32
         self._rms_norm.argtypes, self._rms_norm.restype = [_ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr], ctypes.c_int
         self._select = library.select_slots
@@ -55,25 +59,32 @@ class NativeKernels:
         self._rows = library.int8_rows_f32
         self._rows.argtypes, self._rows.restype = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr], ctypes.c_int
 
-    def oval_scores(self, q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, page_table: torch.Tensor,
-                    scale: float, counts: torch.Tensor | None = None) -> torch.Tensor | None:
-        """scoring.oval_scores over the pages `page_table` [B, Np] lists, reading one layer's summaries in place.
+    def oval_scores(self, q: torch.Tensor, records, page_table: torch.Tensor, scale: float,
+                    counts: torch.Tensor | None = None) -> torch.Tensor | None:
+        """scoring.oval_scores over the pages `page_table` [B, Np] lists, reading one layer's records in place.
 
-        q [B, Hkv, G, D]; basis U^T [Hkv, pages, r, D]; coords C^T [Hkv, pages, r, P] -> scores [B, Hkv, Np] fp32.
+        q [B, Hkv, G, D]; records: page_record.LayerRecords of one layer (mean [Hkv, pages, D], basis, coords,
+        scales; any record format) -> scores [B, Hkv, Np] fp32.
         counts [B] int64: score only each row's first counts[b] pages (the rest get -3e38 and are not read).
         """
+        mean, basis, coords, scales = records
         kernel = self._scores.get(basis.dtype)
         b, hkv, group, dim = q.shape
-        _, pages_total, rank, page_size = coords.shape
-        if (kernel is None or coords.dtype != basis.dtype or not _on_cpu(q, basis, coords, page_table)
-                or not (basis.is_contiguous() and coords.is_contiguous())):
+        pages_total, rank = basis.shape[1], basis.shape[2]
+        quantized = scales is not None
+        if (kernel is None or not _on_cpu(q, mean, basis, coords, page_table)
+                or not all(t.is_contiguous() for t in records if t is not None)
+                or quantized != (basis.dtype in (torch.int8, torch.uint8))
+                or (quantized and scales.dtype != torch.float32)
+                or (not quantized and not (mean.dtype == coords.dtype == basis.dtype))):
             return None
+        page_size = coords.shape[-1] * (2 if basis.dtype == torch.uint8 else 1)  # int4 packs two a byte
         q = _as(q, torch.float32).contiguous()
         table = _as(page_table, torch.int64).contiguous()
         out = torch.empty((b, hkv, table.shape[1]), dtype=torch.float32)
-        code = kernel(q.data_ptr(), basis.data_ptr(), coords.data_ptr(), table.data_ptr(), _row_bounds(counts), b,
-                      hkv, group, dim,
-                      rank, page_size, table.shape[1], pages_total, float(scale), out.data_ptr())
+        code = kernel(q.data_ptr(), mean.data_ptr(), basis.data_ptr(), coords.data_ptr(),
+                      scales.data_ptr() if quantized else None, table.data_ptr(), _row_bounds(counts), b, hkv, group,
+                      dim, rank, page_size, table.shape[1], pages_total, float(scale), out.data_ptr())
         return _result(code, out, "oval_scores", "page table holds a page outside 0..{}", pages_total - 1)
 
     def attend_slots(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,

@@ -13,12 +13,22 @@ import sys
 import torch
 
 from oval_edge.config import OvalConfig
-from oval_edge.sparse.scoring import oval_scores
+from oval_edge.kv.page_record import LayerRecords, encode
+from oval_edge.sparse.scoring import record_scores
 from oval_edge.sparse.selection import DecodePlan
 
 from .cpu import ELEMENT_SUFFIX, NativeKernels
 
 SELF_CHECK_TOLERANCE = 1e-4
+
+
+def random_records(gen: torch.Generator, hkv: int, pages: int, rank: int, dim: int, page_size: int, fmt: str,
+                   dtype: torch.dtype) -> LayerRecords:
+    """One layer's records of random pages, stored in `fmt` (float ones in `dtype`) as the pool holds them."""
+    basis = torch.linalg.qr(torch.randn(hkv, pages, dim, rank, generator=gen)).Q.transpose(-1, -2)  # [Hkv, n, r, D]
+    stored = encode(torch.randn(hkv, pages, dim, generator=gen), basis,
+                    4 * torch.randn(hkv, pages, rank, page_size, generator=gen), fmt, dtype)
+    return LayerRecords(stored["mean"], stored["basis"], stored["coords"], stored.get("scales"))
 
 
 def self_check(kernels: NativeKernels) -> str | None:
@@ -29,18 +39,18 @@ def self_check(kernels: NativeKernels) -> str | None:
     table = torch.tensor([[4, 1, 3], [0, 5, 2]])
     flat = torch.randint(0, pages * hkv * page_size, (2, hkv, 40), generator=gen)
     valid = torch.rand(2, hkv, 40, generator=gen) < 0.7
+    for fmt in ("float", "int8", "int4"):  # every record format, each kernel instantiation it has
+        for dtype in ELEMENT_SUFFIX if fmt == "float" else (torch.float32,):
+            records = random_records(gen, hkv, pages, rank, dim, page_size, fmt, dtype)
+            want = record_scores(q, records, table, 0.125)
+            got = kernels.oval_scores(q, records, table, 0.125)
+            if got is None or not torch.allclose(got, want, rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE):
+                return f"oval_scores {fmt} {dtype}"
+            counted = kernels.oval_scores(q, records, table, 0.125, counts=torch.tensor([2, 3]))
+            if counted is None or not (torch.equal(counted[0, :, :2], got[0, :, :2])
+                                       and torch.equal(counted[1], got[1]) and bool((counted[0, :, 2] < -1e38).all())):
+                return f"oval_scores with counts {fmt} {dtype}"
     for dtype in ELEMENT_SUFFIX:
-        basis = torch.randn(hkv, pages, rank, dim, generator=gen).to(dtype)
-        coords = torch.randn(hkv, pages, rank, page_size, generator=gen).to(dtype)
-        picked = (basis[:, table].movedim(0, 1), coords[:, table].movedim(0, 1))  # [B, Hkv, Np, r, *]
-        want = oval_scores(q, *picked, 0.125)
-        got = kernels.oval_scores(q, basis, coords, table, 0.125)
-        if got is None or not torch.allclose(got, want, rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE):
-            return f"oval_scores {dtype}"
-        counted = kernels.oval_scores(q, basis, coords, table, 0.125, counts=torch.tensor([2, 3]))
-        if counted is None or not (torch.equal(counted[0, :, :2], got[0, :, :2]) and torch.equal(counted[1], got[1])
-                                   and bool((counted[0, :, 2] < -1e38).all())):
-            return f"oval_scores with counts {dtype}"
         k_rows = torch.randn(pages * hkv * page_size, dim, generator=gen).to(dtype)
         v_rows = torch.randn(pages * hkv * page_size, dim, generator=gen).to(dtype)
         k, v = k_rows[flat].float(), v_rows[flat].float()  # [B, Hkv, T, D]

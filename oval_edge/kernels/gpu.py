@@ -35,15 +35,18 @@ class TritonKernels:
         self._scoring, self._attention = scoring, attention  # the kernel modules (a reload keeps these objects)
         self.version = version
 
-    def oval_scores(self, q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, page_table: torch.Tensor,
-                    scale: float, counts: torch.Tensor | None = None) -> torch.Tensor | None:
-        """q [B, Hkv, G, D]; basis U^T [Hkv, pages, r, D]; coords C^T [Hkv, pages, r, P] (one layer);
-        page_table [B, Np] -> [B, Hkv, Np] fp32. counts [B]: pages at or past counts[b] score -3e38, unread."""
+    def oval_scores(self, q: torch.Tensor, records, page_table: torch.Tensor, scale: float,
+                    counts: torch.Tensor | None = None) -> torch.Tensor | None:
+        """q [B, Hkv, G, D]; records: page_record.LayerRecords of one layer (any format); page_table [B, Np]
+        -> [B, Hkv, Np] fp32. counts [B]: pages at or past counts[b] score -3e38, unread."""
+        mean, basis, coords, scales = records
         page = coords.shape[-1]
-        if not (_same_device(q, basis, coords, page_table, counts) and _floats(q, basis, coords)
-                and basis.is_contiguous() and coords.is_contiguous() and (page & (page - 1)) == 0):
+        present = [t for t in records if t is not None]
+        if not (_same_device(q, *present, page_table, counts) and _floats(q)
+                and (_floats(mean, basis, coords) or scales is not None)
+                and all(t.is_contiguous() for t in present) and (page & (page - 1)) == 0):
             return None
-        return self._scoring.oval_scores(q, basis, coords, page_table, scale, counts)
+        return self._scoring.oval_scores(q, records, page_table, scale, counts)
 
     def quest_scores(self, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_table: torch.Tensor,
                      scale: float, counts: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -84,26 +84,47 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return acc;
 }
 
+/* Record element formats (page_record.py): the pool's dtype, or quantized. FMT is a constant after inlining. */
+#define FMT_F32 0
+#define FMT_BF16 1
+#define FMT_INT8 2
+#define FMT_INT4 3 /* two values a byte, the even element in the low nibble, stored as q + 8 */
+
+/* Element i of a record tensor in format fmt, before its scale (int formats give the integer level). */
+static inline __attribute__((always_inline)) float load_record(const void *base, int64_t i, int fmt) {
+    if (fmt == FMT_F32) return ((const float *)base)[i];
+    if (fmt == FMT_BF16) return widen_bf16(((const uint16_t *)base)[i]);
+    if (fmt == FMT_INT8) return (float)((const int8_t *)base)[i];
+    uint8_t byte = ((const uint8_t *)base)[i >> 1];
+    return (float)((int)((i & 1) ? byte >> 4 : byte & 15) - 8);
+}
+
 /* Page scores (scoring.oval_scores): for each row b, KV head h and listed page n,
- *   out[b, h, n] = ln( sum over the group's query heads g and the page's tokens p of exp(scale * C[p] . (U^T q_g)) )
- * q [B, Hkv, G, D] fp32; basis U^T [Hkv, pages_total, r, D]; coords C^T [Hkv, pages_total, r, P] (one layer of the
- * pool's head-major summaries); page_table [B, Np] physical pages; out [B, Hkv, Np] fp32.
+ *   out[b, h, n] = ln( sum over the group's heads g and the page's tokens p of exp(scale * (mu . q_g + R[p] . (B^T q_g))) )
+ * q [B, Hkv, G, D] fp32; one layer's records (page_record.py), head-major: mean [Hkv, pages_total, D], basis B^T
+ * [Hkv, pages_total, r, D], coords R^T [Hkv, pages_total, r, P], scales [Hkv, pages_total, 1 + 2r] fp32 (int
+ * formats; NULL for float ones): value = scale * level, the mean's scale first, then each basis row's, then each
+ * coordinate row's. The scales fold into the projections, so the inner loops are those of the float record.
+ * page_table [B, Np] physical pages; out [B, Hkv, Np] fp32.
  * counts [B] (or NULL: all Np): how many leading pages of each row to score. Why: the static decode step pads every
  * page table to the longest allowed sequence; pages past a row's count are not read and get UNSCORED (callers mask
  * them: they are not candidates), so the work follows the row's length while the shapes stay fixed.
  * Returns 1 for shapes above the fixed limits, 2 for a page index outside the pool. */
 static inline __attribute__((always_inline)) int oval_scores(
-    const float *restrict q, const void *restrict basis, const void *restrict coords,
-    const int64_t *restrict page_table, const int64_t *restrict counts, int64_t batch, int64_t kv_heads,
-    int64_t group, int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages, int64_t pages_total, float scale,
-    float *restrict out, int is_bf16) {
+    const float *restrict q, const void *restrict mean, const void *restrict basis, const void *restrict coords,
+    const float *restrict scales, const int64_t *restrict page_table, const int64_t *restrict counts, int64_t batch,
+    int64_t kv_heads, int64_t group, int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages,
+    int64_t pages_total, float scale, float *restrict out, int fmt) {
     if (dim > MAX_DIM || group > MAX_GROUP || rank > MAX_RANK || page_size > MAX_PAGE) return 1;
+    if (fmt >= FMT_INT8 && !scales) return 1;
     for (int64_t b = 0; b < batch; b++)
         for (int64_t n = 0; n < row_count(counts, b, num_pages); n++)
             if (page_table[b * num_pages + n] < 0 || page_table[b * num_pages + n] >= pages_total) return 2;
     const float log2e = 1.4426950408889634f, ln2 = 0.6931471805599453f;
+    const int mean_fmt = fmt >= FMT_INT8 ? FMT_INT8 : fmt; /* the int4 record keeps an int8 mean */
     float row[MAX_DIM > MAX_PAGE ? MAX_DIM : MAX_PAGE];
     float projected[MAX_GROUP * MAX_RANK]; /* [G, r]: the group's queries in the page's basis, log2 units */
+    float offset[MAX_GROUP];               /* [G]: mu . q_g, log2 units */
     float logits[MAX_GROUP * MAX_PAGE];    /* [G, P] */
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t h = 0; h < kv_heads; h++) {
@@ -111,34 +132,32 @@ static inline __attribute__((always_inline)) int oval_scores(
             int64_t scored = row_count(counts, b, num_pages);
             for (int64_t n = scored; n < num_pages; n++) out[(b * kv_heads + h) * num_pages + n] = UNSCORED;
             for (int64_t n = 0; n < scored; n++) {
-                int64_t page = page_table[b * num_pages + n];
-                int64_t u = (h * pages_total + page) * rank * dim, c = (h * pages_total + page) * rank * page_size;
+                int64_t record = h * pages_total + page_table[b * num_pages + n];
+                int64_t u = record * rank * dim, c = record * rank * page_size;
+                const float *sc = fmt >= FMT_INT8 ? scales + record * (1 + 2 * rank) : NULL;
+                float unit = scale * log2e;
+                for (int64_t d = 0; d < dim; d++) row[d] = load_record(mean, record * dim + d, mean_fmt);
+                for (int64_t g = 0; g < group; g++)
+                    offset[g] = unit * (sc ? sc[0] : 1.0f) * dot(qh + g * dim, row, dim);
                 for (int64_t i = 0; i < rank; i++) {
-                    for (int64_t d = 0; d < dim; d++) row[d] = load(basis, u + i * dim + d, is_bf16);
+                    for (int64_t d = 0; d < dim; d++) row[d] = load_record(basis, u + i * dim + d, fmt);
+                    float folded = sc ? unit * sc[1 + i] * sc[1 + rank + i] : unit;
                     for (int64_t g = 0; g < group; g++)
-                        projected[g * rank + i] = scale * log2e * dot(qh + g * dim, row, dim);
+                        projected[g * rank + i] = folded * dot(qh + g * dim, row, dim);
                 }
                 float peak = -3.0e38f;
-                for (int64_t i = 0; i < rank; i++) { /* logits [G, P] = projected [G, r] x C^T [r, P] */
-                    for (int64_t p = 0; p < page_size; p++) row[p] = load(coords, c + i * page_size + p, is_bf16);
+                for (int64_t i = 0; i < rank; i++) { /* logits [G, P] = offset [G] + projected [G, r] x R^T [r, P] */
+                    for (int64_t p = 0; p < page_size; p++) row[p] = load_record(coords, c + i * page_size + p, fmt);
                     for (int64_t g = 0; g < group; g++) {
                         float z = projected[g * rank + i], *lg = logits + g * page_size;
                         if (i == 0) {
-                            for (int64_t p = 0; p < page_size; p++) lg[p] = z * row[p];
-                        } else if (i < rank - 1) {
+                            for (int64_t p = 0; p < page_size; p++) lg[p] = offset[g] + z * row[p];
+                        } else {
                             for (int64_t p = 0; p < page_size; p++) lg[p] += z * row[p];
-                        } else { /* the last term also finds the page's largest logit (no separate pass) */
-                            float m = peak;
-                            for (int64_t p = 0; p < page_size; p++) {
-                                lg[p] += z * row[p];
-                                m = lg[p] > m ? lg[p] : m;
-                            }
-                            peak = m;
                         }
                     }
                 }
-                if (rank == 1)
-                    for (int64_t j = 0; j < group * page_size; j++) peak = logits[j] > peak ? logits[j] : peak;
+                for (int64_t j = 0; j < group * page_size; j++) peak = logits[j] > peak ? logits[j] : peak;
                 float total = 0.0f;
                 for (int64_t j = 0; j < group * page_size; j++) total += exp2_nonpositive(logits[j] - peak);
                 out[(b * kv_heads + h) * num_pages + n] = (log2f(total) + peak) * ln2;
@@ -227,22 +246,25 @@ static inline __attribute__((always_inline)) int attend_slots(
  * and page sizes get their own instantiation: with constant trip counts the compiler unrolls the short inner loops
  * and drops their remainders (measured: scoring at D = 64, P = 32 takes 85 instead of 108 us per layer at 8k). */
 #define SCORE_ARGS                                                                                            \
-    const float *q, const void *basis, const void *coords, const int64_t *page_table, const int64_t *counts,  \
-        int64_t batch, int64_t kv_heads, int64_t group, int64_t dim, int64_t rank, int64_t page_size,          \
-        int64_t num_pages, int64_t pages_total, float scale, float *out
-#define SCORE_WITH(DIM, PAGE, BF16)                                                                           \
-    oval_scores(q, basis, coords, page_table, counts, batch, kv_heads, group, DIM, rank, PAGE, num_pages,      \
-                pages_total, scale, out, BF16)
-#define SCORE_DISPATCH(BF16)                                                                                  \
-    if (dim == 64 && page_size == 16) return SCORE_WITH(64, 16, BF16);                                        \
-    if (dim == 64 && page_size == 32) return SCORE_WITH(64, 32, BF16);                                        \
-    if (dim == 64 && page_size == 64) return SCORE_WITH(64, 64, BF16);                                        \
-    if (dim == 128 && page_size == 16) return SCORE_WITH(128, 16, BF16);                                      \
-    if (dim == 128 && page_size == 32) return SCORE_WITH(128, 32, BF16);                                      \
-    if (dim == 128 && page_size == 64) return SCORE_WITH(128, 64, BF16);                                      \
-    return SCORE_WITH(dim, page_size, BF16);
-int oval_scores_f32(SCORE_ARGS) { SCORE_DISPATCH(0) }
-int oval_scores_bf16(SCORE_ARGS) { SCORE_DISPATCH(1) }
+    const float *q, const void *mean, const void *basis, const void *coords, const float *scales,            \
+        const int64_t *page_table, const int64_t *counts, int64_t batch, int64_t kv_heads, int64_t group,     \
+        int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages, int64_t pages_total, float scale,    \
+        float *out
+#define SCORE_WITH(DIM, PAGE, FMT)                                                                            \
+    oval_scores(q, mean, basis, coords, scales, page_table, counts, batch, kv_heads, group, DIM, rank, PAGE,  \
+                num_pages, pages_total, scale, out, FMT)
+#define SCORE_DISPATCH(FMT)                                                                                   \
+    if (dim == 64 && page_size == 16) return SCORE_WITH(64, 16, FMT);                                         \
+    if (dim == 64 && page_size == 32) return SCORE_WITH(64, 32, FMT);                                         \
+    if (dim == 64 && page_size == 64) return SCORE_WITH(64, 64, FMT);                                         \
+    if (dim == 128 && page_size == 16) return SCORE_WITH(128, 16, FMT);                                       \
+    if (dim == 128 && page_size == 32) return SCORE_WITH(128, 32, FMT);                                       \
+    if (dim == 128 && page_size == 64) return SCORE_WITH(128, 64, FMT);                                       \
+    return SCORE_WITH(dim, page_size, FMT);
+int oval_scores_f32(SCORE_ARGS) { SCORE_DISPATCH(FMT_F32) }
+int oval_scores_bf16(SCORE_ARGS) { SCORE_DISPATCH(FMT_BF16) }
+int oval_scores_int8(SCORE_ARGS) { SCORE_DISPATCH(FMT_INT8) }
+int oval_scores_int4(SCORE_ARGS) { SCORE_DISPATCH(FMT_INT4) }
 
 #define ATTEND_ARGS                                                                                           \
     const float *q, const void *k_rows, const void *v_rows, int64_t rows_total, const int64_t *flat,          \

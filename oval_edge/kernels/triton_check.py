@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from oval_edge.kv.page_record import LayerRecords, decode, encode, gather
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +23,12 @@ CHECKED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # pool dtypes t
 UNSCORED_BELOW = -1e38  # a page past a row's count scores -3e38
 
 
-def oval_reference(q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, table: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """logsumexp over the page's tokens p and the group's heads g of scale * sum_r (q_g . U^T_r) C^T_rp.
-    q [B, Hkv, G, D]; basis [Hkv, pages, r, D]; coords [Hkv, pages, r, P]; table [B, Np] -> [B, Hkv, Np]."""
-    u, c = basis[:, table].movedim(0, 1).float(), coords[:, table].movedim(0, 1).float()  # [B, Hkv, Np, r, *]
-    logits = torch.einsum("bhgd,bhnrd,bhnrp->bhngp", q.float(), u, c) * scale
+def oval_reference(q: torch.Tensor, records: LayerRecords, table: torch.Tensor, scale: float) -> torch.Tensor:
+    """logsumexp over the page's tokens p and the group's heads g of scale * (q_g . mu + sum_r (q_g . B^T_r) R^T_rp).
+    q [B, Hkv, G, D]; records of one layer (page_record.py, any format); table [B, Np] -> [B, Hkv, Np]."""
+    mean, basis, coords = decode(*gather(records, table))  # [B, Hkv, Np, (r,) *] fp32
+    logits = torch.einsum("bhgd,bhnrd,bhnrp->bhngp", q.float(), basis, coords) * scale
+    logits = logits + torch.einsum("bhgd,bhnd->bhng", q.float(), mean)[..., None] * scale
     return logits.flatten(3).logsumexp(-1)
 
 
@@ -71,12 +72,15 @@ def self_check(kernels, device: torch.device) -> str | None:
     for dtype in CHECKED_DTYPES:
         if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             continue
-        basis, coords = rand(hkv, pages, rank, dim, dtype=dtype), rand(hkv, pages, rank, page, dtype=dtype)
-        want = oval_reference(q, basis, coords, table, 0.125)
-        got = kernels.oval_scores(q, basis, coords, table, 0.125, counts)
-        if got is None or not _close(got[1], want[1]) or not _close(got[0, :, :2], want[0, :, :2]) \
-                or not bool((got[0, :, 2] < UNSCORED_BELOW).all()):
-            return f"oval_scores {dtype}"
+        for fmt in ("float", "int8", "int4") if dtype == torch.float32 else ("float",):
+            stored = encode(rand(hkv, pages, dim), rand(hkv, pages, rank, dim), rand(hkv, pages, rank, page), fmt,
+                            dtype)
+            records = LayerRecords(stored["mean"], stored["basis"], stored["coords"], stored.get("scales"))
+            want = oval_reference(q, records, table, 0.125)
+            got = kernels.oval_scores(q, records, table, 0.125, counts)
+            if got is None or not _close(got[1], want[1]) or not _close(got[0, :, :2], want[0, :, :2]) \
+                    or not bool((got[0, :, 2] < UNSCORED_BELOW).all()):
+                return f"oval_scores {fmt} {dtype}"
         kmin, kmax = rand(pages, hkv, dim, dtype=dtype), rand(pages, hkv, dim, dtype=dtype)
         got = kernels.quest_scores(q, kmin, kmax, table, 0.125)
         if got is None or not _close(got, quest_reference(q, kmin, kmax, table, 0.125)):

@@ -30,16 +30,28 @@ _UNSCORED = tl.constexpr(UNSCORED)  # the kernels' copy: Triton reads only const
 
 
 @triton.jit
-def _oval_kernel(q_ptr, basis_ptr, coords_ptr, table_ptr, counts_ptr, out_ptr,
+def _record_values(ptr, offsets, mask, FMT: tl.constexpr):
+    """Record elements at logical `offsets` as fp32 levels: FMT 0 float (any float dtype), 1 int8, 2 int4 (two a
+    byte, the even element in the low nibble, stored as q + 8)."""
+    if FMT == 2:
+        byte = tl.load(ptr + offsets // 2, mask=mask, other=136).to(tl.int32)  # 136 = two zeros (8 | 8 << 4)
+        return (tl.where(offsets % 2 == 1, byte >> 4, byte & 15) - 8).to(tl.float32)
+    return tl.load(ptr + offsets, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def _oval_kernel(q_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, table_ptr, counts_ptr, out_ptr,
                  kv_heads, group, dim, rank, num_pages, pages_total, scale_log2,
-                 HAS_COUNTS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 HAS_COUNTS: tl.constexpr, FMT: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program: row b, KV head h (axis 0 = b * Hkv + h), BLOCK_N listed pages (axis 1).
 
-    q [B, Hkv, G, D]; basis U^T [Hkv, pages_total, r, D]; coords C^T [Hkv, pages_total, r, P];
+    q [B, Hkv, G, D]; one layer's records (page_record.py): mean [Hkv, pages_total, D], basis B^T [Hkv,
+    pages_total, r, D], coords R^T [Hkv, pages_total, r, P], scales [Hkv, pages_total, 1 + 2r] (FMT > 0);
     table [B, Np] int64; counts [B] int64 (HAS_COUNTS); out [B, Hkv, Np] fp32.
-    logits[n, g, p] = sum_i (scale * log2e * q_g . U^T[n, i]) * C^T[n, i, p], accumulated over the rank i
-    (r is small: 1..16), so the tiles stay [BLOCK_N, G, D] and [BLOCK_N, G, P] whatever r is.
+    logits[n, g, p] = mu[n] . q_g + sum_i (q_g . B^T[n, i]) * R^T[n, i, p] in log2 units, accumulated over the rank
+    i (r is small: 1..16), so the tiles stay [BLOCK_N, G, D] and [BLOCK_N, G, P] whatever r is. Quantized records
+    fold each row's scales into the projections.
     """
     bh = tl.program_id(0)
     b = bh // kv_heads
@@ -56,14 +68,23 @@ def _oval_kernel(q_ptr, basis_ptr, coords_ptr, table_ptr, counts_ptr, out_ptr,
         listed = listed & (n < tl.load(counts_ptr + b))
     page = tl.load(table_ptr + b.to(tl.int64) * num_pages + n, mask=listed, other=0)  # [N] int64
     inside = listed & (page >= 0) & (page < pages_total)
-    record = (h * pages_total + page).to(tl.int64) * rank  # [N]: row of (h, page, 0) in the [Hkv*pages*r, *] views
-    logits = tl.full([BLOCK_N, BLOCK_G, PAGE], 0.0, dtype=tl.float32)
+    entry = (h * pages_total + page).to(tl.int64)  # [N]: (h, page) in the [Hkv * pages, ...] views
+    record = entry * rank  # [N]: row of (h, page, 0) in the [Hkv*pages*r, *] views
+    mean = _record_values(mean_ptr, entry[:, None] * dim + d[None, :], inside[:, None] & d_ok[None, :],
+                          1 if FMT > 0 else 0)  # [N, D]; the int4 record keeps an int8 mean
+    offset = tl.reduce(mean[:, None, :] * q[None, :, :], 2, SUM)  # [N, G]: mu . q_g
+    if FMT > 0:
+        offset = offset * tl.load(scales_ptr + entry * (1 + 2 * rank), mask=inside, other=0.0)[:, None]
+    logits = tl.full([BLOCK_N, BLOCK_G, PAGE], 0.0, dtype=tl.float32) + offset[:, :, None]
     for i in range(rank):
-        u = tl.load(basis_ptr + (record + i)[:, None] * dim + d[None, :], mask=inside[:, None] & d_ok[None, :],
-                    other=0.0).to(tl.float32)  # [N, D]
+        u = _record_values(basis_ptr, (record + i)[:, None] * dim + d[None, :], inside[:, None] & d_ok[None, :],
+                           FMT)  # [N, D]
         proj = tl.reduce(u[:, None, :] * q[None, :, :], 2, SUM)  # [N, G]: the group's queries on basis vector i
-        c = tl.load(coords_ptr + (record + i)[:, None] * PAGE + p[None, :], mask=inside[:, None],
-                    other=0.0).to(tl.float32)  # [N, P]
+        if FMT > 0:
+            folded = tl.load(scales_ptr + entry * (1 + 2 * rank) + 1 + i, mask=inside, other=0.0) * tl.load(
+                scales_ptr + entry * (1 + 2 * rank) + 1 + rank + i, mask=inside, other=0.0)
+            proj = proj * folded[:, None]
+        c = _record_values(coords_ptr, (record + i)[:, None] * PAGE + p[None, :], inside[:, None], FMT)  # [N, P]
         logits += proj[:, :, None] * c[:, None, :]
     logits = tl.where(g_ok[None, :, None], logits, float("-inf"))  # padded query heads take no mass
     peak = tl.reduce(tl.reduce(logits, 2, MAX), 1, MAX)  # [N]
@@ -128,24 +149,30 @@ def _table_arg(page_table: torch.Tensor) -> torch.Tensor:
     return page_table.to(torch.int64).contiguous()
 
 
-def oval_scores(q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, page_table: torch.Tensor, scale: float,
+FORMAT_CODES = {torch.int8: 1, torch.uint8: 2}  # the basis dtype -> the kernel's FMT (any float dtype: 0)
+
+
+def oval_scores(q: torch.Tensor, records, page_table: torch.Tensor, scale: float,
                 counts: torch.Tensor | None = None) -> torch.Tensor:
     """scoring.oval_scores over the pages page_table [B, Np] lists, reading one layer's records in place.
 
-    q [B, Hkv, G, D]; basis U^T [Hkv, pages, r, D]; coords C^T [Hkv, pages, r, P] (contiguous, any float dtype)
+    q [B, Hkv, G, D]; records: page_record.LayerRecords of one layer (contiguous; any record format)
     -> [B, Hkv, Np] fp32. counts [B] int64: pages at or past counts[b] are not read and score UNSCORED.
     """
+    mean, basis, coords, scales = records
+    fmt = FORMAT_CODES.get(basis.dtype, 0)
     b, hkv, group, dim = q.shape
-    _, pages_total, rank, page = coords.shape
+    pages_total, rank = basis.shape[1], basis.shape[2]
+    page = coords.shape[-1] * (2 if fmt == 2 else 1)
     table = _table_arg(page_table)
     num_pages = table.shape[1]
     out = torch.empty((b, hkv, num_pages), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(dim)
     block_n = _pages_per_program(group, max(block_d, page), num_pages)
     grid = (b * hkv, triton.cdiv(num_pages, block_n))
-    _oval_kernel[grid](q.contiguous(), basis, coords, table, _counts_arg(counts, table), out,
-                       hkv, group, dim, rank, num_pages, pages_total, float(scale) * LOG2_E,
-                       HAS_COUNTS=counts is not None, PAGE=page, BLOCK_N=block_n,
+    _oval_kernel[grid](q.contiguous(), mean, basis, coords, scales if scales is not None else mean, table,
+                       _counts_arg(counts, table), out, hkv, group, dim, rank, num_pages, pages_total,
+                       float(scale) * LOG2_E, HAS_COUNTS=counts is not None, FMT=fmt, PAGE=page, BLOCK_N=block_n,
                        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d)
     return out
 

@@ -3,7 +3,7 @@
 Tensors (per model):
     K, V     [layers, pages, kv_heads, page_size, head_dim]
     quest    kmin, kmax [layers, pages, kv_heads, head_dim]
-    oval     U^T [layers, pages, kv_heads, r, head_dim], C [layers, pages, kv_heads, page_size, r]
+    oval     mean, basis, coords (+ scales) [paged layers, kv_heads, pages, ...]: page_record.py
 
 A logical page holds the same `page_size` token positions in every layer. Sequences own page tables
 (logical page -> physical page). Verbs follow nano-vllm's block manager / vLLM's block pool: few of them, and
@@ -21,8 +21,9 @@ from oval_edge.geometry import KVGeometry, PoolSizing, seal_chunk_pages
 from .invariants import check_pool_invariants
 from .prefix_cache import PrefixLedger, page_hashes
 from .ring import SlidingRings
+from .page_record import allocate_records
 from .step_index import StepIndex, build_step_index
-from .summaries import seal_pages
+from .summaries import seal_pages, stack_output_metric
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,7 +34,7 @@ class PagePool:
         geometry: KVGeometry,
         num_pages: int,
         device: str | torch.device = "cpu",
-        eta: float = 0.5,
+        eta: float = 0.0,
         sizing: PoolSizing | None = None,
         prefix_salt: bytes | None = None,
         ring_sequences: int | None = None,
@@ -64,14 +65,9 @@ class PagePool:
         if "quest" in g.summary_kinds:
             self.summaries["kmin"] = torch.zeros(shape[:3] + (g.head_dim,), dtype=dtype, device=self.device)
             self.summaries["kmax"] = torch.zeros(shape[:3] + (g.head_dim,), dtype=dtype, device=self.device)
-        if "oval" in g.summary_kinds:
-            # Head-major [layers, kv_heads, pages, ...] and rank first: U^T [r, D] and C^T [r, P] per head and page.
-            # Scoring gathers a sequence's pages per KV head as contiguous blocks (one index_select), multiplies the
-            # query with all [r, D] blocks in one matmul and combines the r coordinate rows with page_size-long
-            # inner loops (scoring.oval_scores): no transpose at decode time.
-            head_major = (g.paged_layers, g.kv_heads, num_pages)
-            self.summaries["basis"] = torch.zeros(head_major + (g.rank, g.head_dim), dtype=dtype, device=self.device)
-            self.summaries["coords"] = torch.zeros(head_major + (g.rank, g.page_size), dtype=dtype, device=self.device)
+        if "oval" in g.summary_kinds:  # head-major records, rank first (page_record.py)
+            self.summaries.update(allocate_records(g, num_pages, dtype, self.device))
+        self.output_metric: torch.Tensor | None = None  # G^{1/2} [paged layers, Hkv, D, D] for eta > 0
         # Free list as a stack: recently freed pages are reused first (warm in cache).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._tables: dict[Hashable, list[int]] = {}
@@ -283,12 +279,13 @@ class PagePool:
             self._tail[seq_id], self._parent[seq_id] = (tail, parent) if parent is not None else (None, None)
 
     def seal(self, pages: Sequence[int], eta: float | None = None, kinds: Sequence[str] | None = None) -> None:
-        """Build the summaries of full physical pages, for every layer and KV head at once (summaries.seal_pages).
-
-        eta: the oval basis's output-aware mix for these pages (default: the pool's); kinds: which of the pool's
-        summaries to build (default: all of them). `oval-edge eval` seals each row's pages with its own.
-        """
+        """Build the summaries of full physical pages, every layer and KV head at once (summaries.seal_pages). eta:
+        the oval record's output-aware mix (default: the pool's); kinds: which summaries (default: all)."""
         seal_pages(self, pages, self.eta if eta is None else float(eta), kinds)
+
+    def set_output_metric(self, per_layer: Sequence[torch.Tensor]) -> None:
+        """G^{1/2} [Hkv, D, D] of each paged layer (summaries.output_metric_sqrt), which records with eta > 0 need."""
+        self.output_metric = stack_output_metric(per_layer, self.geometry, self.device)
 
     def storage_pointers(self) -> tuple[int, ...]:
         """Data pointers of every pool tensor: equal across calls proves nothing was reallocated."""

@@ -7,53 +7,93 @@ from __future__ import annotations
 
 import torch
 
+from . import page_record
+
 
 def quest_summary(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel key min and max of each page: keys [N, P, D] -> (kmin [N, D], kmax [N, D])."""
     return keys.amin(dim=1), keys.amax(dim=1)
 
 
-def oval_summary(keys: torch.Tensor, values: torch.Tensor, rank: int, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output-aware local basis of each page.
+def oval_summary(keys: torch.Tensor, values: torch.Tensor, rank: int, eta: float,
+                 metric_sqrt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output-aware local record of each page, as the OVAL authors build it (DESIGN §4.3).
 
-    keys, values [N, P, D] (post-RoPE keys). Returns U [N, D, r] (top-r eigenvectors of the mixed second-moment
-    matrix M) and C = K U [N, P, r], so that K q ~= C (U^T q) for queries q: scoring reads P*r + D*r numbers
-    per page instead of P*D.
+    keys, values [N, P, D] (post-RoPE keys). Returns (mu [N, D], B^T [N, r, D], R^T [N, r, P]) fp32 with
+    r = min(rank, P - 1): the page's key mean, the top-r eigenvectors of M and the centred keys' coordinates
+    R = X B, so that q . k_t ~= mu . q + R_t . (B^T q) for every token t of the page.
 
-    A = K^T K / tr(K^T K) is where the keys spread; B = K^T diag(w) K / tr(.) weights each token by
-    w_j = ||v_j - mean(v)||^2, how far its value would move the attention output. M = (1-eta) A + eta B.
-    Both are K^T diag(d) K, so M = X^T X with X = diag(sqrt(d)) K [P, D], d_j = (1-eta)/tr(A) + eta w_j/tr(B).
-    When P < D the eigenproblem is solved on the P x P Gram X X^T (same nonzero spectrum; ~3x cheaper at
-    P=32, D=64, which matters because a page seal stalls a decode step).
+    X = K - mu are the centred keys, Y = V - mean(V) the centred values.
+      eta = 0: M = X^T X (key PCA, the spectral record). Solved on the P x P Gram X X^T when P < D (same nonzero
+               spectrum, ~3x cheaper at P=32, D=64, which matters because a page seal stalls a decode step).
+      eta > 0: M = (1-eta) X^T X / tr(X^T X) + eta X^T Z Z^T X / tr(X^T Z Z^T X), Z = Y G^{1/2}: the keys'
+               spread weighted by how far the values would move the output through the output projection
+               (G = sum over the group's query heads of W_O,g^T W_O,g); metric_sqrt [N, D, D] is G^{1/2}.
+               Solved on the D x D matrix (A = (1-eta) I / tr + eta Z Z^T / tr is a P x P weighting of the tokens).
+    Centring costs a degree of freedom: rank(X) <= P - 1, so a P-th direction would be noise (hence the cap).
     """
     k = keys.float()
-    norms = k.pow(2).sum(dim=-1)  # [N, P]: ||k_j||^2, so tr(K^T diag(x) K) = sum_j x_j ||k_j||^2
-    d = 1.0 / _trace(norms)
-    if eta > 0:
-        v = values.float()
-        w = (v - v.mean(dim=1, keepdim=True)).pow(2).sum(dim=-1)  # [N, P]
-        d = (1.0 - eta) * d + eta * w / _trace(w * norms)
-    else:
-        d = d.expand_as(norms)
-    x = k * d.sqrt()[..., None]  # [N, P, D]
     page_size, dim = k.shape[1], k.shape[2]
-    if rank <= page_size < dim:
+    r = min(rank, page_size - 1, dim)
+    mean = k.mean(dim=1)  # [N, D]
+    x = k - mean[:, None]  # [N, P, D]
+    if eta > 0:
+        if metric_sqrt is None:
+            raise ValueError("eta > 0 needs the output projection's metric (PagePool.set_output_metric); "
+                             "use eta=0 for the key-only record")
+        y = values.float()
+        z = (y - y.mean(dim=1, keepdim=True)) @ metric_sqrt.float()  # [N, P, D]
+        # Per-page rescaling keeps Z Z^T in range on long repetitive text; it cancels in the trace normalisation.
+        z = z / z.abs().amax(dim=(1, 2), keepdim=True).clamp_min(1e-20)
+        out = z @ z.transpose(1, 2)  # [N, P, P]
+        gram = x @ x.transpose(1, 2)
+        tr_key = _trace(x.pow(2).sum(-1))  # [N, 1]
+        tr_out = (out * gram).sum(dim=(1, 2)).clamp_min(1e-30)[:, None]
+        weight = eta / tr_out[..., None] * out
+        weight.diagonal(dim1=1, dim2=2).add_((1.0 - eta) / tr_key)
+        metric = x.transpose(1, 2) @ weight @ x  # [N, D, D]
+        _, vectors = torch.linalg.eigh(metric)
+        basis = vectors[..., -r:].flip(-1)  # [N, D, r]
+    elif r <= page_size < dim:
         # eigh returns ascending eigenvalues; the last r columns span the dominant directions.
         _, left = torch.linalg.eigh(x @ x.transpose(1, 2))  # [N, P, P]
-        top = left[..., -rank:].flip(-1)  # [N, P, r]
+        top = left[..., -r:].flip(-1)  # [N, P, r]
         # X^T u_i = sqrt(lambda_i) v_i: QR rescales to unit columns and stays orthonormal even where lambda_i ~ 0
-        # (such a direction holds no key energy, so its coordinates K v are ~0 whatever v is).
+        # (such a direction holds no key energy, so its coordinates X v are ~0 whatever v is).
         basis = torch.linalg.qr(x.transpose(1, 2) @ top).Q  # [N, D, r]
     else:
         _, vectors = torch.linalg.eigh(x.transpose(1, 2) @ x)  # [N, D, D]
-        basis = vectors[..., -rank:].flip(-1).contiguous()  # [N, D, r]
-    coords = k @ basis  # [N, P, r]
-    return basis.to(keys.dtype), coords.to(keys.dtype)
+        basis = vectors[..., -r:].flip(-1)
+    coords = x @ basis  # [N, P, r]
+    return mean, basis.transpose(1, 2).contiguous(), coords.transpose(1, 2).contiguous()
+
+
+def output_metric_sqrt(o_proj, q_heads: int, kv_heads: int, head_dim: int, device) -> torch.Tensor:
+    """G^{1/2} [Hkv, D, D] of one layer: G_h = sum over KV head h's query heads g of W_O,g^T W_O,g.
+
+    o_proj: the layer's output projection as a callable x [n, Hq * D] -> [n, hidden] (any weight format: it is
+    applied to the identity, so W_O^T comes out whatever the projection stores). G^{1/2} by eigh (G is PSD).
+    """
+    eye = torch.eye(q_heads * head_dim, device=device)
+    w_t = (o_proj(eye) - o_proj(torch.zeros_like(eye[:1]))).float()  # [Hq*D, hidden] = W_O^T (bias removed)
+    per_head = w_t.view(q_heads, head_dim, -1)  # [Hq, D, hidden]
+    g = (per_head @ per_head.transpose(1, 2)).view(kv_heads, q_heads // kv_heads, head_dim, head_dim).sum(1)
+    values, vectors = torch.linalg.eigh(g.double())
+    return ((vectors * values.clamp_min(0).sqrt()[:, None, :]) @ vectors.transpose(1, 2)).float()
 
 
 def _trace(x: torch.Tensor) -> torch.Tensor:
     # A page of identical keys (or constant values) has trace 0; clamp so it yields a zero matrix, not NaN.
     return x.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def stack_output_metric(per_layer, geometry, device) -> torch.Tensor:
+    """[paged layers, Hkv, D, D] fp32 from one output_metric_sqrt per paged layer; ValueError on other shapes."""
+    metric, g = torch.stack([m.float() for m in per_layer]).to(device), geometry
+    if metric.shape != (g.paged_layers, g.kv_heads, g.head_dim, g.head_dim):
+        raise ValueError(f"output metric of shape {tuple(metric.shape)}; expected [kv_heads, head_dim, head_dim] = "
+                         f"[{g.kv_heads}, {g.head_dim}, {g.head_dim}] for each of {g.paged_layers} paged layers")
+    return metric
 
 
 @torch.no_grad()
@@ -75,8 +115,17 @@ def seal_pages(pool, pages, eta: float, kinds=None) -> None:
             pool.summaries["kmax"].index_copy_(1, idx, kmax.view(*lead, g.head_dim))
         if oval:
             values = pool.v.index_select(1, idx).reshape(-1, g.page_size, g.head_dim)
-            basis, coords = oval_summary(flat, values, g.rank, eta)
-            basis_t = basis.transpose(1, 2).reshape(*lead, g.rank, g.head_dim).transpose(1, 2)  # [L, Hkv, n, r, D]
-            coords_t = coords.transpose(1, 2).reshape(*lead, g.rank, g.page_size).transpose(1, 2)  # [L, Hkv, n, r, P]
-            pool.summaries["basis"].index_copy_(2, idx, basis_t)
-            pool.summaries["coords"].index_copy_(2, idx, coords_t)
+            metric = None
+            if eta > 0:
+                if pool.output_metric is None:
+                    raise ValueError("eta > 0 needs the output projection's metric: call "
+                                     "PagePool.set_output_metric first, or use eta=0 (the key-only record)")
+                metric = pool.output_metric[:, None].expand(*lead, g.head_dim, g.head_dim).reshape(
+                    -1, g.head_dim, g.head_dim)  # [L*n*Hkv, D, D]
+            mean, basis_t, coords_t = oval_summary(flat, values, g.rank, eta, metric)
+            head_major = (lead[0], lead[1], lead[2])  # [L, n, Hkv] -> stored [L, Hkv, n, ...]
+            stored = page_record.encode(mean.view(*head_major, g.head_dim).transpose(1, 2),
+                                        basis_t.view(*head_major, g.rank, g.head_dim).transpose(1, 2),
+                                        coords_t.view(*head_major, g.rank, g.page_size).transpose(1, 2),
+                                        g.record, pool.k.dtype)
+            page_record.store(pool.summaries, idx, stored)

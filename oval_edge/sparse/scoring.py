@@ -12,6 +12,8 @@ import math
 import torch
 
 from oval_edge.kernels.cpu import decode_kernels
+from oval_edge.kv import page_record
+from oval_edge.kv.page_record import LayerRecords
 
 LOG2_E = 1.0 / math.log(2.0)
 LN_2 = math.log(2.0)
@@ -34,31 +36,38 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale:
     return torch.logsumexp(scale * bound.float(), dim=-1).transpose(1, 2)
 
 
-def oval_scores(q: torch.Tensor, basis_t: torch.Tensor, coords_t: torch.Tensor, scale: float,
+def oval_scores(q: torch.Tensor, mean: torch.Tensor, basis_t: torch.Tensor, coords_t: torch.Tensor, scale: float,
                 sets: int | None = None) -> torch.Tensor:
-    """logsumexp over a page's tokens and the group's heads of scale * C (U^T q): the page's estimated log-mass.
+    """logsumexp over a page's tokens and the group's heads of scale * (mu . q + R_t . (B^T q)): the page's
+    estimated log-mass under its record (page_record.py).
 
-    q [B, Hkv, G, D]; basis_t U^T [B, Hkv, Np, r, D]; coords_t C^T [B, Hkv, Np, r, P] -> [B, Hkv, Np].
+    q [B, Hkv, G, D]; mean mu [B, Hkv, Np, D]; basis_t B^T [B, Hkv, Np, r, D]; coords_t R^T [B, Hkv, Np, r, P]
+    (float records, gathered and decoded) -> [B, Hkv, Np].
     sets=S: the G axis holds S groups of G/S query heads one after another (S decode steps over the same pages,
     as calibrate scores them), each scored on its own -> [B, Hkv, Np, S].
-    One matmul projects the group's queries onto every page's basis at once ([G, D] x [D, Np*r] per KV head).
-    The second product is r broadcast multiply-adds with page_size-long inner loops: as a batched matmul it would
-    be Np*Hkv tiny [G, r] x [r, P] products, which cost ~4x more on a CPU (measured at Np=256, r=4).
+    One matmul projects the group's queries onto every page's basis and mean at once ([G, D] x [D, Np*(r+1)] per KV
+    head). The second product is r broadcast multiply-adds with page_size-long inner loops: as a batched matmul it
+    would be Np*Hkv tiny [G, r] x [r, P] products, which cost ~4x more on a CPU (measured at Np=256, r=4).
     """
     b, h, n, r, d = basis_t.shape
-    rows = basis_t.reshape(b, h, n * r, d).float()  # [B, Hkv, Np*r, D]
+    rows = torch.cat((basis_t.float(), mean.float()[..., None, :]), dim=-2).reshape(b, h, n * (r + 1), d)
     # Logits in base-2 units (scale * log2 e): torch's exp2 runs ~3x faster than exp on CPUs (measured 23 vs 63 us
     # for one layer's 73k logits at 8k context), and the log-sum-exp is most of this function's time.
-    proj = torch.matmul(q.float() * (scale * LOG2_E), rows.transpose(-1, -2))  # [B, Hkv, G, Np*r]
-    proj = proj.view(b, h, -1, n, r).permute(0, 1, 3, 2, 4).contiguous()  # [B, Hkv, Np, G, r]
+    proj = torch.matmul(q.float() * (scale * LOG2_E), rows.transpose(-1, -2))  # [B, Hkv, G, Np*(r+1)]
+    proj = proj.view(b, h, -1, n, r + 1).permute(0, 1, 3, 2, 4).contiguous()  # [B, Hkv, Np, G, r+1]
     coord_rows = coords_t.float().unsqueeze(3).unbind(-2)  # r x [B, Hkv, Np, 1, P]
-    proj_cols = proj.unsqueeze(-1).unbind(-2)  # r x [B, Hkv, Np, G, 1]
-    logits = proj_cols[0] * coord_rows[0]  # [B, Hkv, Np, G, P]
-    for i in range(1, r):
+    proj_cols = proj.unsqueeze(-1).unbind(-2)  # (r+1) x [B, Hkv, Np, G, 1]; the last: mu . q
+    logits = proj_cols[r].expand(*proj_cols[r].shape[:-1], coords_t.shape[-1]).clone()  # [B, Hkv, Np, G, P]
+    for i in range(r):
         logits.addcmul_(proj_cols[i], coord_rows[i])
     flat = logits.view(b, h, n, -1) if sets is None else logits.view(b, h, n, sets, -1)  # [B, Hkv, Np, (S,) G*P] log2
     peak = flat.amax(dim=-1, keepdim=True)
     return (torch.exp2(flat.sub_(peak)).sum(dim=-1).log2_() + peak.squeeze(-1)) * LN_2  # natural-log units
+
+
+def record_scores(q: torch.Tensor, records: LayerRecords, page_table: torch.Tensor, scale: float) -> torch.Tensor:
+    """oval_scores of the pages page_table [B, Np] lists from one layer's stored records (gathered, decoded)."""
+    return oval_scores(q, *page_record.decode(*page_record.gather(records, page_table)), scale)
 
 
 def score_pages(
@@ -82,21 +91,16 @@ def score_pages(
         table = summaries[name][layer]
         return table.index_select(0, page_table.reshape(-1)).view(*page_table.shape, *table.shape[1:])
 
-    def gather_head_major(name: str) -> torch.Tensor:  # stored [Hkv, pages, ...] per layer -> [B, Hkv, Np, ...]
-        table = summaries[name][layer]
-        picked = table.index_select(1, page_table.reshape(-1))  # [Hkv, B*Np, ...]: contiguous block copies
-        return picked.view(table.shape[0], *page_table.shape, *table.shape[2:]).movedim(0, 1)
-
     if scorer not in ("oval", "quest"):
         raise ValueError(f"scorer={scorer!r} is unknown; allowed: oval, quest")
     kernels = decode_kernels(q.device)
     if scorer == "oval":
-        if kernels is not None:  # one pass over the listed pages' summaries, read in place
-            scores = kernels.oval_scores(q, summaries["basis"][layer], summaries["coords"][layer], page_table, scale,
-                                         counts)
+        records = page_record.layer_records(summaries, layer)
+        if kernels is not None:  # one pass over the listed pages' records, read in place
+            scores = kernels.oval_scores(q, records, page_table, scale, counts)
             if scores is not None:
                 return scores
-        return oval_scores(q, gather_head_major("basis"), gather_head_major("coords"), scale)
+        return record_scores(q, records, page_table, scale)
     if kernels is not None:  # Triton only (the C kernels have none for quest)
         scores = kernels.quest_scores(q, summaries["kmin"][layer], summaries["kmax"][layer], page_table, scale,
                                       counts)

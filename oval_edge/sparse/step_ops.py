@@ -5,13 +5,13 @@ own tracing of `index_copy_` on a view of the pool. Registered as operators with
 implementation, each is one node of the traced graph, with the CPU or Triton kernel, or the torch reference, inside:
 
     oval_edge::write_kv(k(a!), v(b!), layer, slots, k_new, v_new)       store one step's keys/values in the pool
-    oval_edge::page_scores(q, basis, coords, layer, table, counts, scale)  oval page scores from the records
+    oval_edge::page_scores(q, mean, basis, coords, scales?, layer, table, counts, scale)  oval page scores (records)
     oval_edge::attend_slots(q, k, v, layer, flat, valid, limits, scale, softcap)  exact attention over the selected rows
 
 `select_slots` (the page selection) needs no operator: under tracing it is torch code the compiler fuses; eager, on a
 CPU, one native kernel call.
 
-The pool tensors go in whole (k, v [layers, pages, Hkv, P, D]; basis/coords head-major per layer) with the layer
+The pool tensors go in whole (k, v [layers, pages, Hkv, P, D]; the oval records head-major per layer) with the layer
 as an integer, so a compiled step has one graph input per pool tensor rather than one aliasing view per layer.
 
 The wrappers `write_kv`, `page_scores`, `attend_slots` (below) take the pool and go through the operators only
@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from oval_edge.kernels.cpu import cpu_kernels
+from oval_edge.kv.page_record import RECORD_NAMES
 
 from .attention import as_dtype, attend_rows
 from .scoring import score_pages
@@ -33,8 +34,8 @@ from .selection import DecodePlan, window_slots
 # The operator registry handle: it must live as long as the process, so it is module-level (never mutated after).
 _LIBRARY = torch.library.Library("oval_edge", "FRAGMENT")
 _LIBRARY.define("write_kv(Tensor(a!) k, Tensor(b!) v, int layer, Tensor slots, Tensor k_new, Tensor v_new) -> ()")
-_LIBRARY.define("page_scores(Tensor q, Tensor basis, Tensor coords, int layer, Tensor page_table, Tensor counts, "
-                "float scale, float softcap=0.0) -> Tensor")
+_LIBRARY.define("page_scores(Tensor q, Tensor mean, Tensor basis, Tensor coords, Tensor? scales, int layer, "
+                "Tensor page_table, Tensor counts, float scale) -> Tensor")
 _LIBRARY.define("attend_slots(Tensor q, Tensor k, Tensor v, int layer, Tensor flat, Tensor valid, Tensor? limits, "
                 "float scale, float softcap=0.0) -> Tensor")
 
@@ -47,11 +48,15 @@ def _write_kv(k: torch.Tensor, v: torch.Tensor, layer: int, slots: torch.Tensor,
     v[layer].view(-1, d).index_copy_(0, slots, as_dtype(v_new.reshape(-1, d), v.dtype))
 
 
-def _page_scores(q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, layer: int, page_table: torch.Tensor,
-                 counts: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Hkv, G, D] -> [B, Hkv, Np] fp32 over the pages of page_table [B, Np]; pages past counts[b] are not
-    candidates of row b (the native kernel does not read them)."""
-    return score_pages("oval", q, {"basis": basis, "coords": coords}, layer, page_table, scale, counts)
+def _page_scores(q: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor,
+                 scales: torch.Tensor | None, layer: int, page_table: torch.Tensor, counts: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """q [B, Hkv, G, D] -> [B, Hkv, Np] fp32 over the pages of page_table [B, Np] from the pool's oval records
+    (page_record.py); pages past counts[b] are not candidates of row b (the native kernel does not read them)."""
+    records = {"mean": mean, "basis": basis, "coords": coords}
+    if scales is not None:
+        records["scales"] = scales
+    return score_pages("oval", q, records, layer, page_table, scale, counts)
 
 
 def _attend_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, flat: torch.Tensor,
@@ -72,7 +77,7 @@ def _write_kv_fake(k, v, layer, slots, k_new, v_new) -> None:
 
 
 @torch.library.register_fake("oval_edge::page_scores")
-def _page_scores_fake(q, basis, coords, layer, page_table, counts, scale):
+def _page_scores_fake(q, mean, basis, coords, scales, layer, page_table, counts, scale):
     return q.new_empty((q.shape[0], q.shape[1], page_table.shape[1]), dtype=torch.float32)
 
 
@@ -98,11 +103,11 @@ def write_kv(pool, layer: int, slots: torch.Tensor, k_new: torch.Tensor, v_new: 
 def page_scores(pool, layer: int, q: torch.Tensor, page_table: torch.Tensor, counts: torch.Tensor,
                 scale: float) -> torch.Tensor:
     """oval page scores [B, Hkv, Np] of q [B, Hkv, G, D] from the pool's records of one layer."""
-    basis, coords = pool.summaries["basis"], pool.summaries["coords"]
+    records = [pool.summaries.get(name) for name in RECORD_NAMES]  # mean, basis, coords, scales (None: float)
     layer = pool.paged_index[layer]
     if torch.compiler.is_compiling():
-        return torch.ops.oval_edge.page_scores(q, basis, coords, layer, page_table, counts, scale)
-    return _page_scores(q, basis, coords, layer, page_table, counts, scale)
+        return torch.ops.oval_edge.page_scores(q, *records, layer, page_table, counts, scale)
+    return _page_scores(q, *records, layer, page_table, counts, scale)
 
 
 def attend_slots(pool, layer: int, q: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor,

@@ -37,6 +37,7 @@ class EngineStats:
         self._recent.append((rows, seconds))
         # kv_tokens_read counts gathered slots x KV heads; each slot moves K and V of head_dim values.
         self.kv_bytes_last_step = step.kv_tokens_read * geometry.head_dim * 2 * geometry.dtype_bytes
+        self.summary_bytes_last_step = step.summary_bytes
         per = max(1, rows * geometry.layers * geometry.kv_heads)
         self.attended_per_row_layer = step.attended_tokens / per
         self.sparse_layer_steps += step.sparse_layers

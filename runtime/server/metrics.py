@@ -74,6 +74,8 @@ class _EngineCollector:
         yield _gauge("window_tokens_mean", "mean local window length in sparse layers (last step)", stats.window_mean)
         yield _gauge("kv_bytes_read_last_step", "bytes of K and V gathered by the last decode step, all layers",
                      stats.kv_bytes_last_step)
+        yield _gauge("summary_bytes_read_last_step", "bytes of page records (summaries) the last decode step's "
+                     "scoring read, all layers", stats.summary_bytes_last_step)
         yield _counter("sparse_layer_steps", "layer-steps decoded with OVAL page selection", stats.sparse_layer_steps)
         yield from _reuse_metrics(getattr(getattr(engine, "runner", None), "reuse", None))
         yield from _prefix_metrics(pool)

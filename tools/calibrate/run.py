@@ -63,10 +63,13 @@ def calibrate(loaded, ids: list[int], s: CalibrationSettings, show_progress: boo
     tally = ScorerTally(list(s.etas), list(s.ranks), config, cap.keys.shape[-1])
     targets = []
     ms = s.scorer_stride  # the scorer fit attends densely again: a subsample is enough
+    # eta > 0 records weigh the values by the output projection's metric (DESIGN §4.3): one per paged layer.
+    metrics = cap.runner.output_metrics() if any(eta > 0 for eta in s.etas) else None
     for layer, queries, layer_targets in collect(cap, positions, config, s.share, hi, show_progress):
         targets.append(layer_targets)
+        metric = metrics[cap.runner.pool.paged_index[layer]].cpu() if metrics is not None else None
         tally.add(queries[::ms], cap.keys[layer], cap.values[layer], positions[::ms], heldout[::ms],
-                  cap.runner.scale)
+                  cap.runner.scale, metric=metric)
     timings["statistics"] = time.perf_counter() - tic
     scorer = tally.result(s.rank_tolerance)
     hidden = cap.hidden[config.dense_layers :, positions].transpose(0, 1).contiguous()  # [S, Ls, H]

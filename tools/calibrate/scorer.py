@@ -36,26 +36,28 @@ class ScorerFit:
     table: list[dict]  # one row per (eta, rank) and one for the oracle: error and recall on both splits
 
 
-def page_scores(q: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor, scale: float) -> torch.Tensor:
+def page_scores(q: torch.Tensor, mean: torch.Tensor, basis_t: torch.Tensor, coords_t: torch.Tensor,
+                scale: float) -> torch.Tensor:
     """The runtime's oval score (scoring.oval_scores) for pages shared by every query, without gathering them
-    per row: q [S, Hkv, G, D]; basis U [Np, Hkv, D, r]; coords C [Np, Hkv, P, r] -> [S, Hkv, Np].
+    per row: q [S, Hkv, G, D]; mean [Np, Hkv, D]; basis_t B^T [Np, Hkv, r, D]; coords_t R^T [Np, Hkv, r, P]
+    -> [S, Hkv, Np].
 
-    The S queries are scored as S sets of one batch row, so the pages' summaries are laid out once.
+    The S queries are scored as S sets of one batch row, so the pages' records are laid out once.
     """
     s, kv_heads, group, d = q.shape
     grouped = q.transpose(0, 1).reshape(1, kv_heads, s * group, d)  # [1, Hkv, S*G, D], query set s first
-    basis_t = basis.permute(1, 0, 3, 2)[None]  # U^T [1, Hkv, Np, r, D]
-    coords_t = coords.permute(1, 0, 3, 2)[None]  # C^T [1, Hkv, Np, r, P]
-    return oval_scores(grouped, basis_t, coords_t, scale, sets=s)[0].permute(2, 0, 1)  # [S, Hkv, Np]
+    records = (mean.transpose(0, 1)[None], basis_t.transpose(0, 1)[None], coords_t.transpose(0, 1)[None])
+    return oval_scores(grouped, *records, scale, sets=s)[0].permute(2, 0, 1)  # [S, Hkv, Np]
 
 
 class ScorerTally:
     """Accumulates, per (eta, rank) and for the oracle, output error and captured page mass over sparse layers."""
 
     def __init__(self, etas: list[float], ranks: list[int], config: OvalConfig, head_dim: int) -> None:
-        bad = [r for r in ranks if not 1 <= r <= head_dim]
+        top = min(head_dim, config.page_size - 1)  # a page's centred keys span at most page_size - 1 directions
+        bad = [r for r in ranks if not 1 <= r <= top]
         if bad:
-            raise ValueError(f"--ranks {bad} out of range: allowed [1, head_dim={head_dim}]")
+            raise ValueError(f"--ranks {bad} out of range: allowed [1, min(head_dim, page_size - 1) = {top}]")
         self.etas, self.ranks, self.config = list(etas), sorted(ranks), config
         shape = (len(self.etas) + 1, len(self.ranks), 2)  # last eta row: the oracle (same for every rank)
         self.error = torch.zeros(shape, dtype=torch.float64)
@@ -65,8 +67,9 @@ class ScorerTally:
 
     @torch.no_grad()
     def add(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-            heldout: torch.Tensor, scale: float, chunk: int = 64) -> None:
-        """One layer. queries [S, Hq, D] at positions [S]; keys, values [N, Hkv, D]; heldout [S] bool."""
+            heldout: torch.Tensor, scale: float, chunk: int = 64, metric: torch.Tensor | None = None) -> None:
+        """One layer. queries [S, Hq, D] at positions [S]; keys, values [N, Hkv, D]; heldout [S] bool;
+        metric [Hkv, D, D]: the layer's output-projection metric G^{1/2} (needed for eta > 0)."""
         c = self.config
         P, k, sink = c.page_size, c.top_k, c.sink_pages
         n, kv_heads, d = keys.shape
@@ -75,7 +78,9 @@ class ScorerTally:
             return
         kp = keys[: full * P].view(full, P, kv_heads, d).transpose(1, 2).reshape(-1, P, d)  # pages as sealed
         vp = values[: full * P].view(full, P, kv_heads, d).transpose(1, 2).reshape(-1, P, d)
-        summaries = [oval_summary(kp, vp, self.ranks[-1], eta) for eta in self.etas]  # top-r: slice the columns
+        per_page = metric[None].expand(full, -1, -1, -1).reshape(-1, d, d) if metric is not None else None
+        summaries = [oval_summary(kp, vp, self.ranks[-1], eta, per_page if eta > 0 else None)
+                     for eta in self.etas]  # top-r: slice the rows
         v_pages = values[: full * P].view(full, P, kv_heads, d)
         at_window_min = c.replace(window_max=c.window_min, window_module=None)
         for first in range(0, queries.shape[0], chunk):
@@ -101,11 +106,13 @@ class ScorerTally:
             take = min(k, full)
             self._tally(len(self.etas), None, mass.topk(take, -1).indices, mass, m_fixed, u_fixed, m_page, u_page,
                         dense, split)
-            for i, (basis, coords) in enumerate(summaries):
-                basis = basis.view(full, kv_heads, d, -1)
-                coords = coords.view(full, kv_heads, P, -1)
+            for i, (mean, basis_t, coords_t) in enumerate(summaries):
+                mean = mean.view(full, kv_heads, d)
+                basis_t = basis_t.view(full, kv_heads, -1, d)
+                coords_t = coords_t.view(full, kv_heads, -1, P)
                 for j, r in enumerate(self.ranks):
-                    score = page_scores(q.view(q.shape[0], kv_heads, -1, d), basis[..., :r], coords[..., :r], scale)
+                    score = page_scores(q.view(q.shape[0], kv_heads, -1, d), mean, basis_t[:, :, :r],
+                                        coords_t[:, :, :r], scale)
                     score = score.masked_fill(~candidate[:, None, :], float("-inf"))
                     self._tally(i, j, score.topk(take, -1).indices, mass, m_fixed, u_fixed, m_page, u_page, dense,
                                 split)

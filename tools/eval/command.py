@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     oval = parser.add_argument_group("budget (every policy reads the same tokens per step)")
     oval.add_argument("--page-size", default="32", help="comma-separated page sizes (one pass each)")
     oval.add_argument("--top-k", default="4", help="comma-separated pages selected per KV head")
-    oval.add_argument("--eta", default="0.5", help="comma-separated oval eta values (0 = key-only basis)")
+    oval.add_argument("--eta", default="0", help="comma-separated oval eta values (0 = key-only basis)")
     oval.add_argument("--window", type=int, default=64, help="local window in tokens")
     oval.add_argument("--entropy-window", default="16,128",
                       help="LO,HI: window range of the entropy policy (pick it so that its mean window is --window)")
@@ -58,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "recent page selection when the query moved less (selection reuse, DESIGN §4.7)")
     oval.add_argument("--sink-pages", type=int, default=1, help="leading pages always attended")
     oval.add_argument("--dense-layers", type=int, default=2, help="first layers decoded densely")
-    oval.add_argument("--rank", type=int, default=4, help="oval basis rank r")
+    oval.add_argument("--rank", type=int, default=4, help="oval basis rank r (at most page_size - 1)")
+    oval.add_argument("--record", default="float", choices=("float", "int8", "int4"),
+                      help="how oval page records are stored: fp32, or quantized as the pool can keep them")
     fid = parser.add_argument_group("fidelity (teacher-forced)")
     fid.add_argument("--text", default=None,
                      help="a UTF-8 text file (default: the model writes its own text from --seed); "
@@ -112,7 +114,7 @@ def _settings(args: argparse.Namespace) -> dict:
     depths = parse_float_list(args.depths, "--depths", 0.0, 1.0)
     bases = [OvalConfig(page_size=p, top_k=max(top_ks), sink_pages=args.sink_pages, window_min=args.window,
                         window_max=args.window, dense_layers=args.dense_layers, rank=args.rank, eta=etas[0],
-                        kv_dtype="float32") for p in page_sizes]  # validates window, sink, rank, ...
+                        record=args.record, kv_dtype="float32") for p in page_sizes]  # validates window, sink, rank, ...
     if args.text is not None and not os.path.isfile(args.text):
         raise ValueError(f"--text {args.text} is not a file")
     return dict(tasks=tasks, policies=build_policies(names, top_ks, etas, windows, reuse_taus), page_sizes=page_sizes,
@@ -217,7 +219,7 @@ def _passkey(args, s, loaded, base: OvalConfig) -> list[dict]:
           f"as decode steps, greedy answer")
     for page_size in s["page_sizes"]:
         config = base.replace(page_size=page_size)
-        geometry = geometry_for(loaded.config, page_size, config.rank)
+        geometry = geometry_for(loaded.config, page_size, config.rank, record=config.record)
         for context in s["contexts"]:
             cases = build_cases(loaded.tokenizer, context, s["depths"], args.keys, args.seed)
             row_bytes = -(-(context + 8) // page_size) * geometry.bytes_per_page

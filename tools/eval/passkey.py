@@ -22,7 +22,8 @@ from oval_edge.config import OvalConfig
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 
 from .policies import Policy
-from .runtime import EvalPool, EvalRunner, capture_kv, dense_prefix, geometry_for, load_kv, prefill
+from .runtime import (EvalPool, EvalRunner, capture_kv, dense_prefix, ensure_output_metric, geometry_for, load_kv,
+                      prefill)
 
 INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
                "I will quiz you about the important information there.\n")
@@ -129,9 +130,10 @@ def run_passkey(loaded, cases: list[PasskeyCase], base: OvalConfig, policies: li
     per_batch = max(1, max_rows // count)
     capacity = context + ANSWER_TOKENS
     pages_per_row = -(-capacity // base.page_size)
-    pool = EvalPool(geometry_for(loaded.config, base.page_size, base.rank), min(per_batch, len(cases)) * count
-                    * pages_per_row, loaded.device, eta=base.eta)
+    pool = EvalPool(geometry_for(loaded.config, base.page_size, base.rank, record=base.record),
+                    min(per_batch, len(cases)) * count * pages_per_row, loaded.device, eta=base.eta)
     prefiller = PagedLlama(model, pool, base, attention="dense")  # chunked prefill is dense in any mode
+    ensure_output_metric(pool, prefiller, policies)
     results = [PasskeyResult(p, base.page_size, p.tokens_per_step(base), context) for p in policies]
     bar = tqdm(total=len(cases), desc=f"passkey {context} tokens", unit="case", disable=not show_progress,
                leave=False)

@@ -27,16 +27,24 @@ from .policies import Policy
 from .reuse import EvalReuse
 
 
-def geometry_for(model_config, page_size: int, rank: int, kinds=("oval", "quest")) -> KVGeometry:
-    """An fp32 pool geometry for the eval's pools (both summaries by default: rows of either scorer share it)."""
-    return KVGeometry.for_oval(*kv_dims(model_config), OvalConfig(page_size=page_size, rank=rank), "float32", kinds)
+def geometry_for(model_config, page_size: int, rank: int, kinds=("oval", "quest"), record: str = "float") -> KVGeometry:
+    """An fp32 pool geometry for the eval's pools (both summaries by default: rows of either scorer share it); record:
+    how the oval records are stored (page_record.py)."""
+    config = OvalConfig(page_size=page_size, rank=rank, record=record)
+    return KVGeometry.for_oval(*kv_dims(model_config), config, "float32", kinds)
+
+
+def ensure_output_metric(pool: PagePool, runner, policies) -> None:
+    """Rows sealed with eta > 0 weigh values by the output projection's metric: give the pool the model's."""
+    if pool.output_metric is None and any((p.summary_eta() or 0.0) > 0 for p in policies):
+        pool.set_output_metric(runner.output_metrics())
 
 
 class EvalPool(PagePool):
     """A PagePool whose pages are sealed with the eta of the row that owns them (oval rows with several etas share
     one pool); pages of rows that never read an oval summary get only the cheap quest summary."""
 
-    def __init__(self, geometry: KVGeometry, num_pages: int, device="cpu", eta: float = 0.5):
+    def __init__(self, geometry: KVGeometry, num_pages: int, device="cpu", eta: float = 0.0):
         super().__init__(geometry, num_pages, device, eta=eta)
         self.page_eta: dict[int, float | None] = {}
 

@@ -72,7 +72,7 @@ def decode_reads(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, cont
     # Scoring reads the summary of every sealed page in each sparse layer once the row exceeds the budget.
     sparse_layers = sum(1 for layer, (t, kind) in enumerate(zip(per_layer, shape.kinds))
                         if layer >= oval.dense_layers and t < context and kind == "full")
-    summary_page = shape.kv_heads * geometry.summary_elements_per_head() * geometry.dtype_bytes
+    summary_page = shape.kv_heads * geometry.summary_bytes_per_head()
     summaries = batch * sparse_layers * (context // oval.page_size) * summary_page
     return {"tokens_per_layer_dense": per_layer[0] if per_layer else 0, "tokens_per_layer_sparse": min(context, oval.token_budget),
             "tokens_per_layer_sliding": min(context, shape.sliding_window) if shape.sliding_layers else 0,

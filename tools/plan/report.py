@@ -72,12 +72,13 @@ def format_device_plan(plan: DevicePlan) -> str:
         lines.insert(-1, f"warning  : context {r.context} exceeds the model's trained context {s.max_context}")
     paths = [p["path"] for p in plan.rows[0].step_cost["paths"]]
     header = ["page", "pages", "pool", "tokens", "max ctx/seq", f"fits {r.context}x{r.batch}", "read tok/step",
-              "KV read/step", "bytes/step", "roofline tok/s"] + [f"{name} tok/s" + ("*" if served else "")
+              "K/V read/step", "summaries read/step", "bytes/step", "roofline tok/s"] + [f"{name} tok/s" + ("*" if served else "")
                                                                    for name, served in zip(paths, _served(plan))] \
         + ["workspace", "transient", "peak"]
     rows = [[str(p.page_size), str(p.pages), format_bytes(p.pool_bytes), str(p.tokens_in_pool),
              str(p.max_context_per_sequence), "yes" if p.fits else "no", str(p.tokens_read_per_step),
-             format_bytes(p.kv_bytes_read_per_step + p.summary_bytes_read_per_step), format_bytes(p.bytes_per_step),
+             format_bytes(p.kv_bytes_read_per_step), format_bytes(p.summary_bytes_read_per_step),
+             format_bytes(p.bytes_per_step),
              _tok_s(p.roofline_tok_s)] + [_tok_s(path["tok_s"]) for path in p.step_cost["paths"]]
             + [format_bytes(p.workspace_bytes), format_bytes(p.transient_bytes), format_bytes(p.predicted_peak_bytes)]
             for p in plan.rows]

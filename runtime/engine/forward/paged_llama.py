@@ -18,6 +18,7 @@ from oval_edge.config import OvalConfig
 from oval_edge.geometry import head_dim_of
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
+from oval_edge.kv.summaries import output_metric_sqrt
 from oval_edge.runtime.model.projections import bind_norm
 from oval_edge.sparse.attention import cap_logits, decode_attention
 from oval_edge.sparse.reuse import SelectionReuse
@@ -101,6 +102,16 @@ class PagedLlama:
             raise ValueError("this model has sliding-window layers but the pool keeps no ring for them; build the "
                              "pool's geometry with KVGeometry.for_oval(..., ring=ring_layout(config))")
         self.final_norm = bind_norm(self.decoder.norm)
+        if config.eta > 0 and "basis" in pool.summaries and pool.output_metric is None:
+            pool.set_output_metric(self.output_metrics())  # records with eta > 0 weigh values by W_O (DESIGN §4.3)
+
+    @torch.no_grad()
+    def output_metrics(self) -> list[torch.Tensor]:
+        """G^{1/2} [Hkv, D, D] of each paged layer's output projection (summaries.output_metric_sqrt)."""
+        dtype = self.decoder.norm.weight.dtype  # the activations' dtype (4-bit weights store uint8)
+        project = [lambda x, ops=ops: ops.o_proj(x.to(dtype)).float() for ops in self.ops]
+        return [output_metric_sqrt(project[i], self.num_heads, self.kv_heads, self.head_dim, self.pool.device)
+                for i, row in enumerate(self.pool.paged_index) if row >= 0]
 
     @torch.inference_mode()
     def forward(self, step: StepIndex, input_ids: torch.Tensor, decode: bool, collect: bool = False):

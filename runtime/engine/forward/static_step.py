@@ -238,6 +238,9 @@ class StaticDecoder:
         g = self.runner.pool.geometry
         gathered = rows * self.runner.kv_heads * (step.dense_layers * self.width * g.page_size + sparse_layers
                                                   * step.slots + step.sliding_layers * g.ring_pages * g.page_size)
+        # Scoring reads the records of each row's sealed pages (the kernels stop at sealed[b]), in every sparse layer.
+        sealed = sum((length - 1) // g.page_size for length in step.lengths_list)
         return StepStats(kv_tokens_read=attended if step.reads_valid_only else gathered, attended_tokens=attended,
                          sparse_layers=0 if shorts else sparse_layers,
+                         summary_bytes=sealed * sparse_layers * self.runner.kv_heads * g.summary_bytes_per_head(),
                          window_mean=window_sum / window_count if window_count else float(self.runner.config.window_min))

@@ -33,6 +33,7 @@ class StepStats:
     kv_tokens_read: int = 0  # gathered K/V slots x KV heads, all layers, all rows
     attended_tokens: int = 0  # valid slots among them
     sparse_layers: int = 0
+    summary_bytes: int = 0  # page records (summaries) scoring read, all layers, all rows
     windows: list[torch.Tensor] = field(default_factory=list)  # adaptive window lengths of sparse rows
     window_mean: float = 0.0
 
@@ -94,7 +95,11 @@ class DecodeRows:
         self.attended.append(selection.valid)
         if selection.window is not None and self.plan.config.window_min != self.plan.config.window_max:
             read.windows.append(selection.window[selection.sparse_rows])
-        read.sparse_layers += selection.window is not None and not self.plan.all_dense
+        scored = selection.window is not None and not self.plan.all_dense
+        read.sparse_layers += scored
+        if scored:  # the scorers read every listed page's record of every KV head (scoring.score_pages)
+            read.summary_bytes += self.step.page_table.numel() * runner.pool.geometry.summary_bytes_per_head() \
+                * runner.pool.geometry.kv_heads
         if self.collect:
             self.selections.append(selection)
         return out

@@ -1,0 +1,131 @@
+"""The oval page record in the pool: how it is laid out, quantized when a page seals, and read back (DESIGN §4.3).
+
+A record of one (layer, KV head, page) is the page's key mean mu [D], its basis B^T [r, D] (r orthonormal rows)
+and the centred keys' coordinates R^T [r, P], so that a key k_t ~= mu + B R_t and q . k_t ~= mu . q + R_t . (B^T q).
+
+Layout, head-major per layer (a sequence's pages of one KV head are contiguous blocks; see pool.py):
+    mean    [L, Hkv, pages, D]
+    basis   [L, Hkv, pages, r, D]      (int4: [.., r, D / 2])
+    coords  [L, Hkv, pages, r, P]      (int4: [.., r, P / 2])
+    scales  [L, Hkv, pages, 1 + 2r]    fp32, quantized formats only: the mean's, then each basis row's, then each
+                                       coordinate row's
+Formats (geometry.RECORD_FORMATS):
+    float  in the pool's dtype; no scales.
+    int8   symmetric int8, x ~= s * q with s = max|x| / 127 per row (the mean, each basis row, each coordinate row).
+    int4   basis and coordinates as symmetric int4 (s = max|x| / 7, q in [-7, 7]) stored as q + 8 in a nibble, two a
+           byte, the even element in the low nibble; the mean stays int8 (its error moves every token's logit).
+The format is read off the basis dtype (record_format), so kernels and scorers need no extra argument.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+RECORD_NAMES = ("mean", "basis", "coords", "scales")
+INT8_LEVELS, INT4_LEVELS = 127, 7
+
+
+class LayerRecords(NamedTuple):
+    """One layer's records (views, no copy): mean [Hkv, pages, D], basis, coords, scales (None for 'float')."""
+
+    mean: torch.Tensor
+    basis: torch.Tensor
+    coords: torch.Tensor
+    scales: torch.Tensor | None
+
+
+def allocate_records(geometry, num_pages: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """The pool's oval record tensors for `num_pages` pages (allocated once, written in place at seal time)."""
+    g = geometry
+    lead = (g.paged_layers, g.kv_heads, num_pages)
+    if g.record == "float":
+        return {"mean": torch.zeros(lead + (g.head_dim,), dtype=dtype, device=device),
+                "basis": torch.zeros(lead + (g.rank, g.head_dim), dtype=dtype, device=device),
+                "coords": torch.zeros(lead + (g.rank, g.page_size), dtype=dtype, device=device)}
+    packed = torch.int8 if g.record == "int8" else torch.uint8
+    width = 1 if g.record == "int8" else 2
+    return {"mean": torch.zeros(lead + (g.head_dim,), dtype=torch.int8, device=device),
+            "basis": torch.zeros(lead + (g.rank, g.head_dim // width), dtype=packed, device=device),
+            "coords": torch.zeros(lead + (g.rank, g.page_size // width), dtype=packed, device=device),
+            "scales": torch.zeros(lead + (1 + 2 * g.rank,), dtype=torch.float32, device=device)}
+
+
+def record_format(basis: torch.Tensor) -> str:
+    if basis.dtype == torch.int8:
+        return "int8"
+    return "int4" if basis.dtype == torch.uint8 else "float"
+
+
+def layer_records(summaries: dict[str, torch.Tensor], layer: int) -> LayerRecords:
+    scales = summaries.get("scales")
+    return LayerRecords(summaries["mean"][layer], summaries["basis"][layer], summaries["coords"][layer],
+                        scales[layer] if scales is not None else None)
+
+
+def _quantize(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantization of the last axis: x [..., n] -> (q [..., n] int8 in [-levels, levels], s [...])."""
+    scale = x.abs().amax(dim=-1).clamp_min(1e-30) / levels
+    return torch.round(x / scale[..., None]).clamp_(-levels, levels).to(torch.int8), scale
+
+
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [..., n] int8 in [-7, 7], n even -> [..., n / 2] uint8: (q[2j] + 8) | (q[2j+1] + 8) << 4."""
+    biased = (q.to(torch.int16) + 8).view(*q.shape[:-1], -1, 2)
+    return (biased[..., 0] | (biased[..., 1] << 4)).to(torch.uint8)
+
+
+def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n / 2] uint8 -> [..., n] float32 in [-7, 7] (the inverse of _pack_int4)."""
+    wide = packed.to(torch.int16)
+    pairs = torch.stack((wide & 15, wide >> 4), dim=-1) - 8
+    return pairs.reshape(*packed.shape[:-1], -1).float()
+
+
+def encode(mean: torch.Tensor, basis_t: torch.Tensor, coords_t: torch.Tensor, fmt: str, dtype: torch.dtype) -> dict:
+    """Float records -> stored tensors. mean [..., D], basis_t [..., r, D], coords_t [..., r, P] fp32."""
+    if fmt == "float":
+        return {"mean": mean.to(dtype), "basis": basis_t.to(dtype), "coords": coords_t.to(dtype)}
+    levels = INT8_LEVELS if fmt == "int8" else INT4_LEVELS
+    q_mean, s_mean = _quantize(mean, INT8_LEVELS)
+    q_basis, s_basis = _quantize(basis_t, levels)
+    q_coords, s_coords = _quantize(coords_t, levels)
+    if fmt == "int4":
+        q_basis, q_coords = _pack_int4(q_basis), _pack_int4(q_coords)
+    scales = torch.cat((s_mean[..., None], s_basis, s_coords), dim=-1).float()
+    return {"mean": q_mean, "basis": q_basis, "coords": q_coords, "scales": scales}
+
+
+def decode(mean: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor,
+           scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stored records (any leading shape) -> fp32 (mean [..., D], basis_t [..., r, D], coords_t [..., r, P])."""
+    fmt = record_format(basis)
+    if fmt == "float":
+        return mean.float(), basis.float(), coords.float()
+    rank = basis.shape[-2]
+    if fmt == "int4":
+        basis_q, coords_q = _unpack_int4(basis), _unpack_int4(coords)
+    else:
+        basis_q, coords_q = basis.float(), coords.float()
+    return (mean.float() * scales[..., :1], basis_q * scales[..., 1:1 + rank, None],
+            coords_q * scales[..., 1 + rank:, None])
+
+
+def store(summaries: dict[str, torch.Tensor], pages: torch.Tensor, stored: dict[str, torch.Tensor]) -> None:
+    """Write encoded records of `pages` [n] (the third axis of every record tensor) in place."""
+    for name, value in stored.items():
+        summaries[name].index_copy_(2, pages, value)
+
+
+def gather(records: LayerRecords, page_table: torch.Tensor) -> LayerRecords:
+    """One layer's records of the pages page_table [B, Np] lists -> [B, Hkv, Np, ...] each (contiguous copies)."""
+    flat = page_table.reshape(-1)
+
+    def pick(table: torch.Tensor | None) -> torch.Tensor | None:
+        if table is None:
+            return None
+        picked = table.index_select(1, flat)  # [Hkv, B*Np, ...]: contiguous block copies
+        return picked.view(table.shape[0], *page_table.shape, *table.shape[2:]).movedim(0, 1)
+
+    return LayerRecords(*(pick(t) for t in records))

@@ -1,0 +1,108 @@
+"""The stored oval record (oval_edge/kv/page_record.py): formats, their bytes, and what quantization costs the scores.
+
+The kernels read every format in place (tests/test_native_kernels.py, tests/test_triton_kernels.py check them against
+the torch scorer over decoded records); here the pool's own sealed records, quantized, are checked against the float
+record they came from, and the byte counts against the tensors the pool really allocates.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oval_reference import make_pool, prefill, structured_kv
+
+from oval_edge.config import OvalConfig
+from oval_edge.geometry import KVGeometry
+from oval_edge.kv import page_record
+from oval_edge.sparse.scoring import group_queries, score_pages
+
+LAYERS, KV_HEADS, Q_HEADS, DIM, RANK, PAGE = 2, 3, 9, 64, 4, 32
+LENGTHS = (200, 130)
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """The same keys and values sealed into one pool per record format."""
+    gen = torch.Generator().manual_seed(21)
+    data = [structured_kv(gen, LAYERS, KV_HEADS, n, DIM) for n in LENGTHS]
+    out = {}
+    for fmt in ("float", "int8", "int4"):
+        pool = make_pool(LAYERS, KV_HEADS, DIM, PAGE, num_pages=16, rank=RANK, eta=0.0, record=fmt)
+        prefill(pool, ["a", "b"], [k for k, _ in data], [v for _, v in data], LENGTHS, chunk=64)
+        out[fmt] = pool
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["float", "int8", "int4"])
+def test_record_bytes_are_what_the_pool_allocates(pools, fmt):
+    pool = pools[fmt]
+    g = pool.geometry
+    allocated = sum(pool.summaries[name].numel() * pool.summaries[name].element_size()
+                    for name in page_record.RECORD_NAMES if name in pool.summaries)
+    assert allocated == g.paged_layers * g.kv_heads * pool.num_pages * g.oval_record_bytes()
+
+
+def test_quantized_records_are_3x_smaller_than_bf16_ones():
+    """D = 64, P = 32, r = 4 (SmolLM2): bf16 record 896 bytes per page and head; int8 484; int4 292 (3.07x)."""
+    sizes = {fmt: KVGeometry.for_oval(30, 3, 64, OvalConfig(record=fmt), "bfloat16").oval_record_bytes()
+             for fmt in ("float", "int8", "int4")}
+    assert sizes == {"float": 896, "int8": 484, "int4": 292}
+    assert sizes["float"] / sizes["int4"] >= 3.0
+
+
+@pytest.mark.parametrize("fmt,tolerance", [("int8", 0.02), ("int4", 0.2)])
+def test_quantized_records_decode_close_to_the_float_record(pools, fmt, tolerance):
+    exact, packed = pools["float"].summaries, pools[fmt].summaries
+    mean, basis, coords = page_record.decode(packed["mean"], packed["basis"], packed["coords"], packed["scales"])
+    for got, want in ((mean, exact["mean"]), (basis, exact["basis"]), (coords, exact["coords"])):
+        # per row, the error is at most half a quantization step of that row's largest magnitude
+        levels = page_record.INT8_LEVELS if (fmt == "int8" or got is mean) else page_record.INT4_LEVELS
+        bound = want.abs().amax(dim=-1, keepdim=True) / levels / 2 + 1e-6
+        assert bool(((got - want).abs() <= bound).all())
+        rel = float((got - want).norm() / want.norm().clamp_min(1e-12))
+        assert rel < tolerance
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_records_rank_pages_as_the_float_record(pools, fmt, decode_kernels):
+    """Scores from the quantized records stay close to the float record's, and the pages they rank first are (by the
+    float record) as good as its own first choices, within that error."""
+    gen = torch.Generator().manual_seed(4)
+    q = group_queries(torch.randn(2, Q_HEADS, DIM, generator=gen) * 2, KV_HEADS)
+    step = pools["float"].prepare(["a", "b"], [0, 0])
+    want = score_pages("oval", q, pools["float"].summaries, 1, step.page_table, DIM**-0.5)
+    got = score_pages("oval", q, pools[fmt].summaries, 1, pools[fmt].prepare(["a", "b"], [0, 0]).page_table,
+                      DIM**-0.5)
+    sealed = [n // PAGE for n in LENGTHS]
+    for row, pages in enumerate(sealed):
+        w, g = want[row, :, :pages], got[row, :, :pages]
+        tolerance = 0.05 if fmt == "int8" else 0.5
+        assert float((w - g).abs().max()) < tolerance
+        regret = w.topk(2, -1).values - w.gather(-1, g.topk(2, -1).indices)  # [Hkv, 2]: float score given up
+        assert float(regret.max()) <= 2 * tolerance
+
+
+def test_unknown_record_format_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"record='int2' is unknown; allowed: float, int8, int4"):
+        OvalConfig(record="int2")
+    with pytest.raises(ValueError, match=r"needs an even head_dim"):
+        KVGeometry(1, 1, 63, 16, "float32", ("oval",), 4, "int4")
+
+
+@pytest.mark.parametrize("decode_step", ["static", "eager"])
+def test_a_decode_step_counts_the_record_bytes_it_read(decode_step):
+    """Honest bytes: the engine's summary_bytes_last_step is what scoring read, pages x KV heads x sparse layers x
+    record bytes (the static step's kernels stop at each row's sealed pages; eager scoring lists the page table)."""
+    from oval_edge.runtime import Engine, EngineConfig, SamplingParams
+
+    oval = OvalConfig(page_size=16, top_k=1, window_min=16, window_max=16, record="int8", kv_dtype="float32")
+    engine = Engine.load("default", quant="nf4", device="cpu", oval=oval,
+                         config=EngineConfig(max_batch=1, num_pages=32, decode_step=decode_step))
+    prompt = list(range(100, 300))  # 200 tokens: past the 64-token budget, so the sparse layers score pages
+    out = engine.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    g = engine.pool.geometry
+    length = len(prompt) + len(out.output_ids) - 1  # the last step decoded the token before the final one
+    pages = (length - 1) // 16 if decode_step == "static" else -(-length // 16)
+    sparse_layers = g.layers - oval.dense_layers
+    assert engine.stats.summary_bytes_last_step == pages * sparse_layers * g.kv_heads * g.oval_record_bytes()
+    assert engine.stats.kv_bytes_last_step > 0
