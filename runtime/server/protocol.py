@@ -236,6 +236,10 @@ def request_models(max_tokens_limit: int) -> tuple[type[BaseModel], type[BaseMod
                 return "tool_choice", "tool_choice 'required' needs at least one entry in tools"
             if self.tools and self.response_format is not None and self.response_format.type != "text":
                 return "response_format", "response_format and tools cannot be combined; send one of them"
+            if self.tools and self.tool_choice != "none":
+                # The fields parse (so a bad tool message is a 400 naming it), but calling is not built yet: say so
+                # rather than answer as if the tools were never sent.
+                return "tools", "tool calling is not supported by this server yet; omit tools or send tool_choice 'none'"
             return None
 
         @property
