@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -58,6 +59,8 @@ class Engine:
         scored_above = None if self.config.attention == "dense" else self.oval.token_budget
         self.scheduler = Scheduler(self.pool, self.config.max_batch, self.config.max_queue, scored_above)
         self._lock = threading.RLock()
+        self._grammars = None  # grammar.GrammarCompiler, built on the first constrained request
+        self._grammar_worker: ThreadPoolExecutor | None = None  # fills token masks while a step's forward runs
 
     @classmethod
     def load(cls, model: str | None = "default", quant: str = "nf4", device: str | None = "auto",
@@ -82,11 +85,12 @@ class Engine:
         return min(self.pool.capacity_tokens, self.max_model_len)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
-               on_token=None, on_finish=None) -> Request:
-        """Queue a request. Raises RequestRejected if it can never fit, QueueFull if the queue is at its bound."""
+               on_token=None, on_finish=None, follows: Request | None = None) -> Request:
+        """Queue a request. Raises RequestRejected if it can never fit, QueueFull if the queue is at its bound.
+        follows: another choice of the same prompt (n > 1), whose prefill this one waits for to share its pages."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty; send at least one token of text")
-        request = Request(list(prompt_ids), params, self.tokenizer, request_id, on_token, on_finish)
+        request = Request(list(prompt_ids), params, self.tokenizer, request_id, on_token, on_finish, follows=follows)
         limit = self.token_limit()
         if request.reserved_tokens > limit:
             self.stats.refused += 1
@@ -115,6 +119,28 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def grammars(self):
+        """The JSON-schema compiler for this model's tokenizer (runtime/engine/grammar.py), made on first use;
+        the server calls it on its tokenize worker, never on the engine thread."""
+        with self._lock:
+            if self._grammars is None:
+                from .grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size, self.eos_ids)
+            return self._grammars
+
+    def _start_masks(self, plan: StepPlan) -> None:
+        """Constrained rows that sample this step: fill their token masks on the grammar worker during the forward."""
+        rows = [r for r in plan.decode if r.grammar is not None]
+        rows += [r for r, n in plan.prefill if r.grammar is not None and not r.resumes
+                 and r.prefilled + n >= len(r.prefill_ids)]
+        if not rows:
+            return
+        if self._grammar_worker is None:
+            self._grammar_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oval-edge-grammar")
+        for request in rows:
+            request.grammar.start_mask(self._grammar_worker)
 
     # ---- one engine step -----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -156,6 +182,7 @@ class Engine:
         groups, seq_ids, lengths = [], [], []
         decode_logits = read = None
         trace, self.next_decode_trace = (self.next_decode_trace, None) if plan.decode else (None, None)
+        self._start_masks(plan)
         if plan.decode:
             group = self._decode_rows(plan.decode, mixed=bool(plan.prefill))
             if group is None:  # the static step alone: replayed from its graph, compiled, or run eager
@@ -251,7 +278,7 @@ class Engine:
         for row, request in enumerate(requests):
             if request.finished:  # cancelled from a callback during this step
                 continue
-            token = request.sampler.sample(logits[row])
+            token = request.choose(logits[row])
             self.stats.generated_tokens += 1
             if request.emit(token, self.eos_ids):
                 self._end(request, request.finish_reason)

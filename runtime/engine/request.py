@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .detokenize import TextStream
-from .sampling import RowSampler, SamplingParams
+from .sampling import RowSampler, Sample, SamplingParams
 
 WAITING, PREFILL, RUNNING, FINISHED = "waiting", "prefill", "running", "finished"
 _ids = itertools.count()
@@ -49,11 +49,20 @@ class Request:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     preemptions: int = 0  # times the scheduler freed its pages to make room (it recomputed them)
+    # n > 1: the choice whose prompt prefill this one waits for, so its full pages are mapped from the prefix cache
+    # instead of prefilled again (scheduler.admit).
+    follows: "Request | None" = None
+    samples: list[Sample] = field(default_factory=list)  # one per output token when params.logprobs is set
 
     def __post_init__(self) -> None:
         if not self.request_id:
             self.request_id = f"req-{next(_ids)}"
         self.sampler = RowSampler(self.params)
+        self.grammar = None
+        if self.params.grammar is not None:
+            from .grammar import GrammarState
+
+            self.grammar = GrammarState(self.params.grammar)
         self.stream = TextStream(self.tokenizer, self.params.stop)
         # What must be in the pool before the next decode step: the prompt, and after a preemption also every
         # generated token but the last (the next decode step feeds that one).
@@ -79,6 +88,17 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == FINISHED
+
+    def choose(self, logits) -> int:
+        """Sample the next token from this request's row of logits [vocab]: its penalties see the prompt and output
+        so far, its grammar (if any) masks the row and then accepts the token."""
+        allowed = self.grammar.allowed() if self.grammar is not None else None
+        sample = self.sampler.choose(logits, self.prompt_ids, self.output_ids, allowed)
+        if self.grammar is not None:
+            self.grammar.accept(sample.token)
+        if self.params.logprobs is not None:
+            self.samples.append(sample)
+        return sample.token
 
     def emit(self, token_id: int, eos_ids: set[int]) -> bool:
         """Record a sampled token; return True when the request is done."""

@@ -61,6 +61,8 @@ class Scheduler:
         """Move waiting requests into the active set while a batch slot is free and their prompt pages fit."""
         while self.waiting and len(self.active) < self.max_batch:
             request = self.waiting[0]
+            if request.follows is not None and request.follows.status in (WAITING, PREFILL):
+                return  # n > 1: wait until the first choice has sealed (and named) the prompt's full pages
             context = request.prefill_ids
             if not self._room_for(context):
                 return  # head of line waits for pages (FIFO keeps long prompts from starving)

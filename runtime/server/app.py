@@ -25,9 +25,11 @@ from fastapi.responses import JSONResponse, Response
 
 from .engine_loop import EngineLoop
 from .errors import ApiError, ApiKeyGuard, BodyGuard, error_body, install_error_handlers
-from .generate import Job, chat_prompt_ids, completion_prompt_ids, respond, sampling_params, stream, submit
+from .body_params import response_grammar, sampling_params
+from .generate import Job, chat_prompt_ids, completion_prompt_ids, respond, stream, submit
 from .metrics import ServerMetrics
 from .protocol import request_models
+from .tokenize_routes import install_token_routes
 
 log = logging.getLogger("oval_edge.server")
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
@@ -139,6 +141,16 @@ def _load(state: ServerState, load_engine: Callable, on_ready: Callable | None, 
         on_ready(engine)
 
 
+def _model_extras(engine) -> dict:
+    """/v1/models' extra fields: the context a request may use and the OVAL settings that shape its decode."""
+    oval = engine.oval
+    return {"max_model_len": engine.token_limit(), "attention": engine.config.attention,
+            "oval": {"scorer": oval.scorer, "top_k": oval.top_k, "page_size": oval.page_size,
+                     "sink_pages": oval.sink_pages, "window_min": oval.window_min, "window_max": oval.window_max,
+                     "dense_layers": oval.dense_layers, "token_budget": oval.token_budget},
+            "kv_pages": engine.pool.num_pages}
+
+
 def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_ready: Callable | None = None,
                on_load_error: Callable[[str], None] | None = None) -> FastAPI:
     """load_engine() -> Engine runs in a background thread at startup; on_ready(engine) / on_load_error(message)
@@ -182,7 +194,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
     async def models() -> dict:
         entry = {"id": settings.model_name, "object": "model", "created": state.created, "owned_by": "oval-edge"}
         if state.engine is not None:
-            entry["max_model_len"] = state.engine.token_limit()
+            entry.update(_model_extras(state.engine))
         return {"object": "list", "data": [entry]}
 
     @app.post("/v1/chat/completions", summary="chat completion (stream: true for SSE)", responses=ERROR_RESPONSES)
@@ -212,11 +224,14 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
     async def _generate(job: Job, prompt_ids: list[int], body, http: Request, default_max_tokens: int | None = None):
         job.prompt_tokens = len(prompt_ids)
         default = min(default_max_tokens or settings.default_max_tokens, settings.max_tokens_limit)
-        params = sampling_params(body, len(prompt_ids), state.engine.token_limit(), default)
-        ticket = await submit(state, job, prompt_ids, params)
+        engine = state.engine
+        grammar = await response_grammar(state, engine, body)
+        params = sampling_params(body, len(prompt_ids), engine.token_limit(), default,
+                                 engine.loaded.config.vocab_size, grammar)
+        tickets = await submit(state, job, prompt_ids, params, body.n or 1)
         if body.stream:
-            return stream(state, job, ticket)
-        return await respond(state, job, ticket, http)
+            return stream(state, job, tickets)
+        return await respond(state, job, tickets, http)
 
     def _log_refusal(job: Job, exc: ApiError) -> None:
         if exc.code in ("queue_full",):
@@ -229,6 +244,8 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
             state.metrics.observe(job.endpoint, outcome)
         log.info("%s %s prompt=%d completion=0 ttft=- total=%.3fs outcome=%s(%d): %s", job.id, job.endpoint,
                  job.prompt_tokens, time.perf_counter() - job.arrival, outcome, exc.status, exc.message)
+
+    install_token_routes(app, state, ERROR_RESPONSES)
 
     @app.get("/metrics", summary="Prometheus metrics", responses={401: ERROR_RESPONSES[401]})
     async def metrics() -> Response:

@@ -24,7 +24,8 @@ from oval_edge.runtime.engine.sampling import SamplingParams
 
 log = logging.getLogger("oval_edge.server")
 
-# What a ticket's queue carries: ("delta", text) for new text, then exactly one ("finish", Request).
+# What a ticket's queue carries: ("delta", (text, samples)) for new text, then exactly one ("finish", Request);
+# `samples` is how many entries request.samples had then (its logprobs up to this text; the list only grows).
 DELTA, FINISH = "delta", "finish"
 
 
@@ -127,7 +128,8 @@ class EngineLoop:
         return self._thread.is_alive()
 
     # ---- called from the event loop ---------------------------------------------------------------------------
-    async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> Ticket:
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                     follows: Request | None = None) -> Ticket:
         """Queue a request in the engine; raises RequestRejected (400) or QueueFull (503) as the engine decides."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -136,7 +138,7 @@ class EngineLoop:
 
         def on_token(request: Request, token_id: int, delta: str) -> None:
             if delta:
-                self._outbox.send(loop, events.put_nowait, (DELTA, delta))
+                self._outbox.send(loop, events.put_nowait, (DELTA, (delta, len(request.samples))))
 
         def on_finish(request: Request) -> None:
             self._live.pop(request.request_id, None)
@@ -145,7 +147,7 @@ class EngineLoop:
 
         def do_submit() -> None:
             try:
-                request = self.engine.submit(prompt_ids, params, request_id, on_token, on_finish)
+                request = self.engine.submit(prompt_ids, params, request_id, on_token, on_finish, follows)
             except (RequestRejected, QueueFull) as exc:
                 self._outbox.send(loop, _resolve, accepted, exc)
                 return

@@ -12,6 +12,7 @@ Every request ends in one log line: id, prompt/completion tokens, time to first 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from oval_edge.runtime.engine.request import QueueFull, Request, RequestRejected
 from oval_edge.runtime.engine.sampling import SamplingParams
 
+from .choices import choice, end_ids, logprobs_of
 from .engine_loop import FINISH, Ticket
 from .errors import ApiError, error_response
 
@@ -49,31 +51,6 @@ class Job:
     @property
     def endpoint(self) -> str:
         return "chat.completions" if self.kind == "chat" else "completions"
-
-
-def sampling_params(body, prompt_tokens: int, token_limit: int, default_max_tokens: int) -> SamplingParams:
-    """SamplingParams from a validated body; without max_tokens, the default (at most the server's max_tokens
-    cap) shrinks to what the token limit leaves after the prompt."""
-    max_tokens = body.limit_tokens
-    if max_tokens is None:
-        room = token_limit - prompt_tokens
-        if room < 1:
-            raise ApiError(400, f"the prompt has {prompt_tokens} tokens, and this server's limit is {token_limit} "
-                           "tokens for prompt + completion; shorten the prompt",
-                           "messages" if body_is_chat(body) else "prompt", "context_length_exceeded")
-        max_tokens = min(default_max_tokens, room)
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else float(body.temperature),
-            top_p=1.0 if body.top_p is None else float(body.top_p), top_k=body.top_k or 0, seed=body.seed,
-            stop=body.stop_strings, ignore_eos=body.ignore_eos,
-        )
-    except ValueError as exc:  # the schema already bounds these; this names the field if the two ever disagree
-        raise ApiError(400, str(exc), code="invalid_value") from exc
-
-
-def body_is_chat(body) -> bool:
-    return hasattr(body, "messages")
 
 
 # ---- prompt ids: the tokenizer and chat template run on the app's tokenize worker, never on the event loop (a
@@ -110,19 +87,41 @@ async def completion_prompt_ids(state, engine, body) -> list[int]:
     return prompt_ids
 
 
-async def submit(state, job: Job, prompt_ids: list[int], params: SamplingParams) -> Ticket:
-    """Hand the request to the engine thread; engine refusals become 400 / 503 with Retry-After."""
+async def submit(state, job: Job, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> list[Ticket]:
+    """Hand the request's n choices to the engine thread; engine refusals become 400 / 503 with Retry-After.
+    Choices after the first wait for its prefill and map its full prompt pages (the prefix cache), so the prompt is
+    prefilled once; each has its own generator (seed + index when a seed is given)."""
+    tickets: list[Ticket] = []
     try:
-        return await state.loop.submit(prompt_ids, params, job.id)
+        for index in range(n):
+            choice_params = params
+            if index and params.seed is not None:
+                choice_params = dataclasses.replace(params, seed=params.seed + index)
+            choice_id = job.id if index == 0 else f"{job.id}-{index}"
+            follows = tickets[0].request if tickets else None
+            tickets.append(await state.loop.submit(prompt_ids, choice_params, choice_id, follows))
     except RequestRejected as exc:
+        _cancel(state, tickets)
         prompt_param = "messages" if job.kind == "chat" else "prompt"
         param = prompt_param if job.prompt_tokens >= state.engine.token_limit() else "max_tokens"
         raise ApiError(400, str(exc), param, "context_length_exceeded") from exc
     except QueueFull as exc:
+        _cancel(state, tickets)
         raise ApiError(503, f"the server is busy: {exc}", code="queue_full",
                        headers={"Retry-After": str(state.settings.retry_after_s)}) from exc
     except RuntimeError as exc:
+        _cancel(state, tickets)
         raise ApiError(500, f"the engine could not take the request ({exc})") from exc
+    except BaseException:
+        _cancel(state, tickets)
+        raise
+    return tickets
+
+
+def _cancel(state, tickets: list[Ticket]) -> None:
+    for ticket in tickets:
+        state.loop.cancel(ticket.request_id)
+        state.loop.forget(ticket.request_id)
 
 
 def _ttft(job: Job, request: Request) -> float | None:
@@ -138,8 +137,8 @@ def finish_log(state, job: Job, request: Request | None, outcome: str) -> None:
     state.metrics.observe(job.endpoint, outcome, ttft, total if request is not None else None)
 
 
-def _usage(job: Job, request: Request) -> dict:
-    completion = request.completion_tokens
+def _usage(job: Job, requests: list[Request]) -> dict:
+    completion = sum(r.completion_tokens for r in requests)  # the prompt counts once: the choices share it
     return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
             "total_tokens": job.prompt_tokens + completion}
 
@@ -153,82 +152,128 @@ def _server_ended(request: Request, ticket: Ticket) -> str | None:
     return f"generation was cancelled: {ticket.server_note or 'cancelled by the server'}"
 
 
-async def respond(state, job: Job, ticket: Ticket, http: HttpRequest) -> Response:
-    """Wait for the whole completion (cancelling it if the client leaves) and answer with one JSON object."""
-    while not ticket.done.done():
-        await asyncio.wait({ticket.done}, timeout=DISCONNECT_POLL_S)
-        if not ticket.done.done() and await http.is_disconnected():
-            state.loop.cancel(job.id)
-            finish_log(state, job, ticket.request, "disconnected")
+async def respond(state, job: Job, tickets: list[Ticket], http: HttpRequest, message=None) -> Response:
+    """Wait for every choice (cancelling them if the client leaves) and answer with one JSON object.
+    message(request) -> the chat message dict of a choice (tool calls), None for plain content."""
+    pending = {t.done for t in tickets}
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_S)
+        if pending and await http.is_disconnected():
+            _cancel(state, tickets)
+            finish_log(state, job, tickets[0].request, "disconnected")
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
-    request: Request = ticket.done.result()
-    state.loop.forget(job.id)
-    problem = _server_ended(request, ticket)
-    if problem is not None:
-        finish_log(state, job, request, request.finish_reason or "error")
-        status = 503 if request.finish_reason == "cancelled" else 500  # logged above: return, do not raise
-        return error_response(status, problem, code=request.finish_reason)
-    finish_log(state, job, request, request.finish_reason)
-    if job.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": request.text},
-                  "logprobs": None, "finish_reason": request.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": request.text, "logprobs": None, "finish_reason": request.finish_reason}
-        obj = "text_completion"
+    requests: list[Request] = [t.done.result() for t in tickets]
+    for ticket in tickets:
+        state.loop.forget(ticket.request_id)
+    for request, ticket in zip(requests, tickets):
+        problem = _server_ended(request, ticket)
+        if problem is not None:
+            finish_log(state, job, request, request.finish_reason or "error")
+            status = 503 if request.finish_reason == "cancelled" else 500  # logged above: return, do not raise
+            return error_response(status, problem, code=request.finish_reason)
+    finish_log(state, job, requests[0], requests[0].finish_reason)
+    tokenizer = state.engine.tokenizer
+    out = []
+    for index, request in enumerate(requests):
+        logprobs = logprobs_of(job.kind, tokenizer, request, end_ids(state.engine, request))
+        out.append(choice(job.kind, index, request, logprobs, message(request) if message else None))
+    obj = "chat.completion" if job.kind == "chat" else "text_completion"
     return JSONResponse({"id": job.id, "object": obj, "created": job.created, "model": job.model,
-                         "choices": [choice], "usage": _usage(job, request), "system_fingerprint": None})
+                         "choices": out, "usage": _usage(job, requests), "system_fingerprint": None})
 
 
 def _sse(payload) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _chunk(job: Job, delta: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+def _chunk(job: Job, delta: str | None, finish_reason: str | None = None, first: bool = False, index: int = 0,
+           logprobs: dict | None = None, delta_fields: dict | None = None) -> dict:
     if job.kind == "chat":
         content = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
-        choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+        content.update(delta_fields or {})
+        choice_ = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+        choice_ = {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
-    out = {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": [choice]}
+    out = {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": [choice_]}
     if job.include_usage:
         out["usage"] = None  # as OpenAI does: null on every chunk but the last
     return out
 
 
-async def _events(state, job: Job, ticket: Ticket):
-    """The SSE body. Cancelled (client gone) at any await: the finally cancels the engine request."""
-    request: Request | None = None
+async def _merged(tickets: list[Ticket]):
+    """(index, kind, payload) from every choice's queue as they come; ends after each choice's FINISH."""
+    gets = {asyncio.ensure_future(t.events.get()): i for i, t in enumerate(tickets)}
+    try:
+        while gets:
+            done, _ = await asyncio.wait(gets, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                index = gets.pop(future)
+                kind, payload = future.result()
+                yield index, kind, payload
+                if kind != FINISH:
+                    gets[asyncio.ensure_future(tickets[index].events.get())] = index
+    finally:
+        for future in gets:
+            future.cancel()
+
+
+async def _events(state, job: Job, tickets: list[Ticket], stream_text=None):
+    """The SSE body. Cancelled (client gone) at any await: the finally cancels the engine requests.
+    stream_text(index) -> a per-choice filter of text deltas into chunk dicts (tool calls), None for content."""
+    finished: list[Request | None] = [None] * len(tickets)
+    listed = [0] * len(tickets)  # samples already sent with logprobs, per choice
+    tokenizer = state.engine.tokenizer
+    filters = [stream_text(i) if stream_text else None for i in range(len(tickets))]
+    problem = None
     try:
         if job.kind == "chat":
-            yield _sse(_chunk(job, None, first=True))
-        while True:
-            kind, payload = await ticket.events.get()
+            for index in range(len(tickets)):
+                yield _sse(_chunk(job, None, first=True, index=index))
+        async for index, kind, payload in _merged(tickets):
+            request = tickets[index].request
             if kind == FINISH:
-                request = payload
-                break
-            yield _sse(_chunk(job, payload))
-        state.loop.forget(job.id)
-        problem = _server_ended(request, ticket)
+                finished[index] = payload
+                problem = problem or _server_ended(payload, tickets[index])
+                if problem is None:
+                    samples = [s for s in payload.samples[listed[index]:]
+                               if s.token not in end_ids(state.engine, payload)]
+                    logprobs = logprobs_of(job.kind, tokenizer, payload, set(), samples) if samples else None
+                    fields = filters[index].finish() if filters[index] else None
+                    yield _sse(_chunk(job, None, payload.finish_reason, index=index, logprobs=logprobs,
+                                      delta_fields=fields))
+                continue
+            text, count = payload
+            logprobs = None
+            if request.params.logprobs is not None:
+                logprobs = logprobs_of(job.kind, tokenizer, request, set(), request.samples[listed[index]:count])
+                listed[index] = count
+            if filters[index] is not None:
+                fields = filters[index].push(text)
+                if fields is None:
+                    continue
+                yield _sse(_chunk(job, None, index=index, logprobs=logprobs, delta_fields=fields))
+            else:
+                yield _sse(_chunk(job, text, index=index, logprobs=logprobs))
+        for ticket in tickets:
+            state.loop.forget(ticket.request_id)
         if problem is None:
-            yield _sse(_chunk(job, None, request.finish_reason))
             if job.include_usage:
                 yield _sse({"id": job.id, "object": _chunk(job, None)["object"], "created": job.created,
-                            "model": job.model, "choices": [], "usage": _usage(job, request)})
+                            "model": job.model, "choices": [], "usage": _usage(job, finished)})
         else:  # as vLLM does: an error object in the stream, then the end marker
-            code = request.finish_reason
+            code = next(r.finish_reason for r in finished if r.finish_reason not in ("stop", "length"))
             yield _sse({"error": {"message": problem, "type": "server_error", "param": None, "code": code}})
         yield "data: [DONE]\n\n"
     finally:
-        if request is None:  # the client left (or the server stopped) before the end: free the pages now
-            state.loop.cancel(job.id)
-            state.loop.forget(job.id)
-            finish_log(state, job, ticket.request, "disconnected")
+        if any(r is None for r in finished):  # the client left (or the server stopped) before the end
+            _cancel(state, tickets)
+            finish_log(state, job, tickets[0].request, "disconnected")
         else:  # ended in the engine (even if the client left while the last chunks were sent)
-            finish_log(state, job, request, request.finish_reason)
+            finish_log(state, job, finished[0], finished[0].finish_reason)
 
 
-def stream(state, job: Job, ticket: Ticket) -> StreamingResponse:
-    return StreamingResponse(_events(state, job, ticket), media_type="text/event-stream", headers=SSE_HEADERS)
+def stream(state, job: Job, tickets: list[Ticket], stream_text=None) -> StreamingResponse:
+    return StreamingResponse(_events(state, job, tickets, stream_text), media_type="text/event-stream",
+                             headers=SSE_HEADERS)

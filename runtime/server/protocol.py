@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from oval_edge.runtime.engine.sampling import MAX_STOP_STRINGS
+from oval_edge.runtime.engine.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 MAX_TOP_K = 1_000_000  # larger than any vocabulary; 0 = off
 
@@ -41,8 +41,11 @@ Int = Annotated[int, BeforeValidator(_integral)]
 TokenId = Annotated[Int, Field(ge=0, le=2**31 - 1)]
 Probability = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
-# Penalties are not implemented: the schema publishes 0 as the only value, the validator explains why.
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False, json_schema_extra={"minimum": 0, "maximum": 0})]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+MAX_CHOICES = 8  # n: each choice is a row of the batch; more would crowd out other clients
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
+JsonSchema = Union[dict, bool]
 
 
 class _Strict(BaseModel):
@@ -54,18 +57,99 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionCall(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: Text = Field(..., description="the arguments as a JSON text (an object)")
+
+
+class ToolCall(_Strict):
+    id: Annotated[str, Field(min_length=1, max_length=128)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[TextPart], None] = None
     name: Annotated[str, Field(max_length=64)] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant messages only: the calls it made")
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
+        None, description="tool messages only (required there): the id of the call this message answers")
+
+    @model_validator(mode="after")
+    def _roles_and_tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls is only allowed on assistant messages, not on role '{self.role}'")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id: the id of the assistant's tool call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id is only allowed on tool messages, not on role '{self.role}'")
+        return self
 
     def for_template(self) -> dict:
-        """The dict the model's chat template takes (developer is OpenAI's new name for system)."""
+        """The dict the model's chat template takes (developer is OpenAI's new name for system); tool calls carry
+        their arguments parsed, as transformers' chat templates expect."""
         if isinstance(self.content, list):
             text = "\n".join(part.text for part in self.content)
         else:
             text = self.content or ""
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(text: str):
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: Text | None = None
+    schema_: JsonSchema = Field(default_factory=dict, alias="schema", description="a JSON Schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object: {\"name\": ..., \"schema\": {...}}")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema is only allowed with type 'json_schema', not '{self.type}'")
+        return self
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Text | None = None
+    parameters: JsonSchema = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Strict):
@@ -73,28 +157,36 @@ class StreamOptions(_Strict):
 
 
 class _Generation(_Strict):
-    """Fields both routes share. Extensions beyond OpenAI (as vLLM names them): top_k, ignore_eos."""
+    """Fields both routes share. Extensions beyond OpenAI (as vLLM names them): top_k, min_p, repetition_penalty,
+    stop_token_ids, ignore_eos."""
 
     model: Annotated[str, Field(max_length=256)] | None = Field(None, description="the served model id (or omit)")
     temperature: Temperature | None = Field(None, description="0 = greedy; default 1.0 as in the OpenAI API")
     top_p: Probability | None = None
     top_k: Annotated[Int, Field(ge=0, le=MAX_TOP_K)] | None = Field(None, description="extension; 0 = off")
-    n: Literal[1] | None = Field(None, description="only one choice per request is supported")
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = Field(
+        None, description="extension: drop tokens below min_p x the top token's probability")
+    n: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] | None = Field(None, description="choices; they share the prompt")
     stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)], None] = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description="extension: token ids that end the completion")
     seed: Annotated[Int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = Field(None, description="[-2, 2], over the generated tokens")
+    frequency_penalty: Penalty | None = Field(None, description="[-2, 2], per occurrence in the generated tokens")
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0, allow_inf_nan=False)] | None = Field(
+        None, description="extension (vLLM's): over prompt + output; 1 = off, above 1 discourages repeats")
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                               Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit")
+    response_format: ResponseFormat | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-sequence token")
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value):
-        if value not in (None, 0, 0.0):
-            raise ValueError("penalties are not supported by this server; omit it or send 0")
-        return value
+    def field_problems(self) -> tuple[str, str] | None:
+        return None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -123,8 +215,32 @@ def request_models(max_tokens_limit: int) -> tuple[type[BaseModel], type[BaseMod
         )
         max_tokens: MaxTokens | None = None
         max_completion_tokens: MaxTokens | None = Field(None, description="newer OpenAI name of max_tokens")
-        logprobs: Literal[False] | None = Field(None, description="log probabilities are not supported")
-        top_logprobs: Literal[0] | None = None
+        logprobs: bool | None = Field(None, description="return each output token's log probability")
+        top_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
+            None, description="with logprobs: the most likely alternatives per token")
+        tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+        tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice, None] = None
+        parallel_tool_calls: bool | None = None
+
+        def field_problems(self) -> tuple[str, str] | None:
+            """(param, message) for a combination of fields that cannot be served, else None (the route answers it
+            with a 400 naming the param; a pydantic model validator could not name one)."""
+            if self.top_logprobs is not None and not self.logprobs:
+                return "top_logprobs", "top_logprobs needs logprobs: true"
+            if isinstance(self.tool_choice, NamedToolChoice):
+                names = [t.function.name for t in self.tools or ()]
+                if self.tool_choice.function.name not in names:
+                    return "tool_choice", (f"tool_choice names the function '{self.tool_choice.function.name}', "
+                                           f"which is not among tools ({', '.join(names) or 'none given'})")
+            elif self.tool_choice == "required" and not self.tools:
+                return "tool_choice", "tool_choice 'required' needs at least one entry in tools"
+            if self.tools and self.response_format is not None and self.response_format.type != "text":
+                return "response_format", "response_format and tools cannot be combined; send one of them"
+            if self.tools and self.tool_choice != "none":
+                # The fields parse (so a bad tool message is a 400 naming it), but calling is not built yet: say so
+                # rather than answer as if the tools were never sent.
+                return "tools", "tool calling is not supported by this server yet; omit tools or send tool_choice 'none'"
+            return None
 
         @property
         def limit_tokens(self) -> int | None:
@@ -139,8 +255,18 @@ def request_models(max_tokens_limit: int) -> tuple[type[BaseModel], type[BaseMod
         max_tokens: MaxTokens | None = Field(None, description="default 16, as in the OpenAI API")
         echo: Literal[False] | None = Field(None, description="echo is not supported")
         suffix: None = Field(None, description="suffix is not supported")
-        best_of: Literal[1] | None = None
-        logprobs: Literal[0] | None = Field(None, description="log probabilities are not supported")
+        best_of: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] | None = Field(
+            None, description="only 1: ranking candidates server-side is not supported (use n and pick)")
+        logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
+            None, description="return each token's log probability and this many top alternatives")
+
+        @field_validator("best_of")
+        @classmethod
+        def _best_of_one(cls, value):
+            if value not in (None, 1):
+                raise ValueError("best_of > 1 is not supported by this server (it does not rank candidates); send n "
+                                 "with logprobs and pick on the client")
+            return value
 
         @property
         def limit_tokens(self) -> int | None:
