@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -18,9 +17,11 @@ from oval_edge.config import OvalConfig
 from oval_edge.kv.pool import PagePool
 from oval_edge.runtime.model.heap import release_heap
 from oval_edge.runtime.model.loader import LoadedModel, load_model
+from oval_edge.runtime.model.tokenizer import eos_token_ids
 
 from .forward.paged_llama import PagedLlama
 from .forward.step_rows import DecodeRows, PrefillRows, StaticDecodeRows, StepStats
+from .grammar import GrammarService
 from .request import FINISHED, RUNNING, WAITING, QueueFull, Request, RequestRejected
 from .sampling import SamplingParams
 from .scheduler import Scheduler, StepPlan
@@ -53,14 +54,15 @@ class Engine:
 
             self.static.capture(CudaGraphs(loaded.device))  # now, while every page is free (cuda_graph.py)
         self.next_decode_trace = None  # a dispatch mode to run the next decode step under (bench's op count)
-        self.eos_ids = _eos_ids(loaded)
+        self.eos_ids = eos_token_ids(loaded.tokenizer, loaded.model)
         self.stats = EngineStats(pages_total=self.pool.num_pages)
         # Requests that fit the token budget are attended densely at every step: their pages need no summaries.
         scored_above = None if self.config.attention == "dense" else self.oval.token_budget
         self.scheduler = Scheduler(self.pool, self.config.max_batch, self.config.max_queue, scored_above)
         self._lock = threading.RLock()
-        self._grammars = None  # grammar.GrammarCompiler, built on the first constrained request
-        self._grammar_worker: ThreadPoolExecutor | None = None  # fills token masks while a step's forward runs
+        # JSON-schema grammars (grammar.py): the compiler is built on the first constrained request; a worker thread
+        # fills the token masks while a step's forward runs.
+        self.grammar = GrammarService(self.tokenizer, loaded.config.vocab_size, self.eos_ids)
 
     @classmethod
     def load(cls, model: str | None = "default", quant: str = "nf4", device: str | None = "auto",
@@ -123,24 +125,7 @@ class Engine:
     def grammars(self):
         """The JSON-schema compiler for this model's tokenizer (runtime/engine/grammar.py), made on first use;
         the server calls it on its tokenize worker, never on the engine thread."""
-        with self._lock:
-            if self._grammars is None:
-                from .grammar import GrammarCompiler
-
-                self._grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size, self.eos_ids)
-            return self._grammars
-
-    def _start_masks(self, plan: StepPlan) -> None:
-        """Constrained rows that sample this step: fill their token masks on the grammar worker during the forward."""
-        rows = [r for r in plan.decode if r.grammar is not None]
-        rows += [r for r, n in plan.prefill if r.grammar is not None and not r.resumes
-                 and r.prefilled + n >= len(r.prefill_ids)]
-        if not rows:
-            return
-        if self._grammar_worker is None:
-            self._grammar_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oval-edge-grammar")
-        for request in rows:
-            request.grammar.start_mask(self._grammar_worker)
+        return self.grammar.compiler()
 
     # ---- one engine step -----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -182,7 +167,7 @@ class Engine:
         groups, seq_ids, lengths = [], [], []
         decode_logits = read = None
         trace, self.next_decode_trace = (self.next_decode_trace, None) if plan.decode else (None, None)
-        self._start_masks(plan)
+        self.grammar.start_masks(plan)
         if plan.decode:
             group = self._decode_rows(plan.decode, mixed=bool(plan.prefill))
             if group is None:  # the static step alone: replayed from its graph, compiled, or run eager
@@ -309,16 +294,6 @@ class Engine:
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
-
-
-def _eos_ids(loaded: LoadedModel) -> set[int]:
-    ids = set()
-    for source in (loaded.tokenizer.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(i) for i in source)
-    return ids
 
 
 __all__ = ["Engine", "EngineConfig", "Request", "RequestRejected", "QueueFull", "SamplingParams", "FINISHED",

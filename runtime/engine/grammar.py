@@ -15,7 +15,8 @@ refused with a 400 naming the keyword and where it is, rather than producing out
 from __future__ import annotations
 
 import json
-from concurrent.futures import Executor, Future
+import threading
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
 
@@ -126,3 +127,33 @@ class GrammarState:
     @property
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+
+class GrammarService:
+    """An engine's grammar side: the compiler for its tokenizer (made on first use, under a lock: the server's
+    tokenize worker calls it) and the one worker thread that fills constrained rows' token masks during a forward."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids) -> None:
+        self._args = (tokenizer, vocab_size, eos_ids)
+        self._compiler: GrammarCompiler | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def compiler(self) -> "GrammarCompiler":
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(*self._args)
+            return self._compiler
+
+    def start_masks(self, plan) -> None:
+        """Constrained rows that sample this step (a scheduler.StepPlan's decode rows, and prompt chunks that end
+        their prompt): fill their token masks on the worker while the forward runs."""
+        rows = [r for r in plan.decode if r.grammar is not None]
+        rows += [r for r, n in plan.prefill if r.grammar is not None and not r.resumes
+                 and r.prefilled + n >= len(r.prefill_ids)]
+        if not rows:
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oval-edge-grammar")
+        for request in rows:
+            request.grammar.start_mask(self._worker)

@@ -36,3 +36,14 @@ def load_tokenizer(source: ModelSource, metadata: str | None = None):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def eos_token_ids(tokenizer, model) -> set[int]:
+    """Every id that ends generation: the tokenizer's EOS and the model's generation_config eos_token_id(s)."""
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return ids
