@@ -19,7 +19,9 @@ import platform
 
 from oval_edge.runtime.model.source import quant_choices
 
-from .report import aggregate, format_table, report_json, write_json_report
+from oval_edge.tools.gguf_write.synthetic import DEFAULT_POSITIONS, SYNTHETIC_MODEL
+
+from .report import aggregate, format_table, label_rows, report_json, write_json_report
 from .settings import (COUNTED_STEPS, HF_DTYPES, BenchSettings, default_threads, parse_engines, parse_int_list,
                        prompt_length, with_reuse)
 
@@ -34,7 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", action="store_true",
                         help="also run Hugging Face generate() (dense) and llama.cpp (llama-cpp-python) on the same GGUF")
     parser.add_argument("--model", default="default",
-                        help="a .gguf file, a Hugging Face folder, or 'default' (bundled SmolLM2-135M-Instruct)")
+                        help="a .gguf file, a Hugging Face folder, 'default' (bundled SmolLM2-135M-Instruct), or "
+                             f"'{SYNTHETIC_MODEL}': the bundled model's shape with random weights and "
+                             f"{DEFAULT_POSITIONS} positions, written as GGUF once (speed only: its outputs mean nothing)")
+    parser.add_argument("--synthetic-positions", type=int, default=None,
+                        help=f"positions of --model {SYNTHETIC_MODEL} (default {DEFAULT_POSITIONS})")
+    parser.add_argument("--synthetic-seed", type=int, default=None,
+                        help=f"seed of --model {SYNTHETIC_MODEL}'s random weights (default 0)")
     parser.add_argument("--quant", default="nf4", choices=quant_choices("nf4"), help="this runtime's weights")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where every engine runs")
     parser.add_argument("--threads", type=int, default=None,
@@ -85,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     shape = read_model_shape(settings.model)
     kv_elements = 2 * shape.layers * shape.kv_heads * shape.head_dim
-    notes = [f"model: {shape.describe()}"]
+    notes = [f"model: {settings.model_name}: {shape.describe()}"]
     for context in settings.contexts:
         length = prompt_length(context, settings.gen, shape.max_context)
         if length != context:
@@ -104,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     prompts = build_prompts(load_tokenizer(settings.model), settings.contexts, settings.gen, shape.max_context)
     runs = run_all(settings, prompts, kv_elements, progress=not args.no_progress)
-    rows = aggregate(runs, bandwidth)
+    rows = label_rows(aggregate(runs, bandwidth), settings.model_name, settings.synthetic)
     report = report_json(_meta(settings, bandwidth, bandwidth_note, notes), rows, runs)
     print()
     print(format_table(rows, report["ratios"], report["meta"]))
@@ -120,22 +128,41 @@ def build_settings(args: argparse.Namespace) -> BenchSettings:
     engines = parse_engines(args.engines, args.peers)
     engines = with_reuse(engines, getattr(args, "reuse_tau", None))
     device = _resolve_device(args.device)
+    model, model_name = _model(args)
     skipped = {}
     if "llama.cpp" in engines:
-        why = _llamacpp_unavailable(args.model)
+        why = _llamacpp_unavailable(model)
         if why:
             print(f"oval-edge bench: skipping llama.cpp: {why}")
             skipped["llama.cpp"] = why
     engines = tuple(e for e in engines if e not in skipped)
     from oval_edge.runtime.model.source import resolve_model
 
-    source = resolve_model(args.model)  # a missing or wrong model fails here, naming its path
+    source = resolve_model(model)  # a missing or wrong model fails here, naming its path
     return BenchSettings(
         contexts=parse_int_list(args.contexts, "--contexts"), engines=engines, gen=args.gen, runs=args.runs,
-        model=args.model, model_dir=source.directory, gguf_file=source.gguf_file, quant=args.quant, device=device,
+        model=model, model_name=model_name or source.name, synthetic=model_name is not None,
+        model_dir=source.directory, gguf_file=source.gguf_file, quant=args.quant, device=device,
         threads=args.threads if args.threads is not None else default_threads(), page_size=args.page_size,
-        top_k=args.top_k, decode_step=args.decode_step, cuda_graphs=args.cuda_graphs, hf_dtype=args.hf_dtype, timeout_s=args.timeout, skipped=skipped,
+        top_k=args.top_k, decode_step=args.decode_step, cuda_graphs=args.cuda_graphs, hf_dtype=args.hf_dtype,
+        timeout_s=args.timeout, skipped=skipped,
     )
+
+
+def _model(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(what the engines load, the synthetic model's name or None): --model synthetic-long becomes the path of its
+    cached GGUF (written now if missing, before any worker starts)."""
+    given = {flag: value for flag, value in (("--synthetic-positions", getattr(args, "synthetic_positions", None)),
+                                              ("--synthetic-seed", getattr(args, "synthetic_seed", None)))
+             if value is not None}
+    if args.model != SYNTHETIC_MODEL:
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --model {SYNTHETIC_MODEL} only (the model is {args.model})")
+        return args.model, None
+    from oval_edge.tools.gguf_write.synthetic import bundled_shape, synthetic_gguf
+
+    shape = bundled_shape(given.get("--synthetic-positions", DEFAULT_POSITIONS), given.get("--synthetic-seed", 0))
+    return synthetic_gguf(shape, announce=lambda text: print(f"oval-edge bench: {text}")), shape.describe()
 
 
 def _resolve_device(device: str) -> str:
@@ -190,7 +217,8 @@ def _meta(settings: BenchSettings, bandwidth: float | None, bandwidth_note: str,
         "tool": "oval-edge bench", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count(),
         "contexts": list(settings.contexts), "engines": list(settings.engines), "skipped": settings.skipped,
-        "gen": settings.gen, "runs": settings.runs, "model": settings.model, "quant": settings.quant,
+        "gen": settings.gen, "runs": settings.runs, "model": settings.model, "model_name": settings.model_name,
+        "synthetic": settings.synthetic, "quant": settings.quant,
         "device": settings.device, "threads": settings.threads, "page_size": settings.page_size,
         "top_k": settings.top_k, "decode_step": settings.decode_step, "cuda_graphs": settings.cuda_graphs, "hf_dtype": settings.hf_dtype, "bandwidth_gb_s": bandwidth,
         "bandwidth_note": bandwidth_note, "versions": versions, "notes": notes,

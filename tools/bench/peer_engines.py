@@ -11,7 +11,8 @@ without create_completion's detokenizing and stop-string scanning, which would a
 engines do not do in this bench. The cache is reset before the timed run so no warm-up K/V is reused.
 
 Neither peer reports what it reads per step; their KV bytes per step are computed: tokens in the cache at the
-last decode step (prompt + generated - 1) x K and V bytes per token of their cache dtype, all layers.
+last decode step (prompt + generated - 1) x K and V bytes per token of their cache dtype, all layers. Both attend
+densely, so they read no page summaries (summary bytes 0).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def run_hf(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
     return {
         "label": f"hf generate ({dtype} weights, dense, {model.config._attn_implementation})",
         "kv_bytes_per_step": computed_kv_bytes(job, dtype),
+        "summary_bytes_per_step": 0,  # dense: every cached K/V is read, no page is scored
         "kv_bytes_source": _kv_source(dtype),
         "kv_dtype": dtype,
         "weight_bytes": weights,
@@ -129,6 +131,7 @@ def run_llamacpp(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
     return {
         "label": f"llama.cpp ({job['gguf_file']}, f16 KV{', GPU offload' if offload else ''})",
         "kv_bytes_per_step": computed_kv_bytes(job, LLAMA_CPP_KV_DTYPE),
+        "summary_bytes_per_step": 0,  # dense: every cached K/V is read, no page is scored
         "kv_bytes_source": _kv_source(LLAMA_CPP_KV_DTYPE),
         "kv_dtype": LLAMA_CPP_KV_DTYPE,
         "weight_bytes": weights,

@@ -8,7 +8,7 @@ import statistics
 REFERENCE = "oval"
 # Per-run numbers whose median becomes the row's figure.
 MEDIAN_FIELDS = ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_mb", "run_peak_rss_mb", "rss_after_load_mb",
-                 "peak_device_mb", "run_peak_device_mb", "kv_bytes_per_step", "weight_bytes", "prefill_s", "decode_s",
+                 "peak_device_mb", "run_peak_device_mb", "kv_bytes_per_step", "summary_bytes_per_step", "weight_bytes", "prefill_s", "decode_s",
                  "reuse_hit_rate", "ops_per_decode_step", "gpu_kernels_per_decode_step")
 # Per-run facts that do not vary between runs: taken from the first successful run.
 FIRST_FIELDS = ("label", "prompt_tokens", "gen_tokens", "decode_steps", "kv_bytes_source", "kv_dtype", "device",
@@ -27,11 +27,13 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
-def effective_gb_s(weight_bytes: float | None, kv_bytes: float | None, decode_tok_s: float | None) -> float | None:
-    """Bytes a decode step must stream (all weights once + the K/V it reads) x steps per second, in GB/s (1e9)."""
+def effective_gb_s(weight_bytes: float | None, kv_bytes: float | None, summary_bytes: float | None,
+                   decode_tok_s: float | None) -> float | None:
+    """Bytes a decode step must stream (all weights once + the K/V it reads + the page summaries it scores) x steps
+    per second, in GB/s (1e9)."""
     if weight_bytes is None or decode_tok_s is None:
         return None
-    return (weight_bytes + (kv_bytes or 0)) * decode_tok_s / 1e9
+    return (weight_bytes + (kv_bytes or 0) + (summary_bytes or 0)) * decode_tok_s / 1e9
 
 
 def aggregate(runs: list[dict], bandwidth_gb_s: float | None = None) -> list[dict]:
@@ -49,13 +51,27 @@ def aggregate(runs: list[dict], bandwidth_gb_s: float | None = None) -> list[dic
         for name in MEDIAN_FIELDS:
             row[name] = median(r.get(name) for r in ok)
         row["decode_tok_s_runs"] = [r.get("decode_tok_s") for r in ok]
-        row["effective_gb_s"] = effective_gb_s(row["weight_bytes"], row["kv_bytes_per_step"], row["decode_tok_s"])
+        row["effective_gb_s"] = effective_gb_s(row["weight_bytes"], row["kv_bytes_per_step"],
+                                               row["summary_bytes_per_step"], row["decode_tok_s"])
         row["bandwidth_fraction"] = ratio(row["effective_gb_s"], bandwidth_gb_s)
         errors = [r["error"] for r in group if "error" in r]
         if errors:
             row["errors"] = errors
         rows.append(row)
     return rows
+
+
+def label_rows(rows: list[dict], model_name: str, synthetic: bool) -> list[dict]:
+    """Every row names its model, and says when that model is synthetic (random weights: speed only)."""
+    for row in rows:
+        row["model"], row["synthetic"] = model_name, synthetic
+    return rows
+
+
+def read_bytes(row: dict) -> float | None:
+    """K/V + summary bytes one decode step reads (None when the K/V figure is missing)."""
+    kv = row.get("kv_bytes_per_step")
+    return None if kv is None else kv + (row.get("summary_bytes_per_step") or 0)
 
 
 def ratios(rows: list[dict], reference: str = REFERENCE) -> list[dict]:
@@ -75,6 +91,7 @@ def ratios(rows: list[dict], reference: str = REFERENCE) -> list[dict]:
             "run_peak_rss_ratio": ratio(ref["run_peak_rss_mb"], row["run_peak_rss_mb"]),
             "peak_device_ratio": ratio(ref["peak_device_mb"], row["peak_device_mb"]),
             "kv_bytes_ratio": ratio(ref["kv_bytes_per_step"], row["kv_bytes_per_step"]),
+            "read_bytes_ratio": ratio(read_bytes(ref), read_bytes(row)),  # K/V + summaries
         })
     return out
 
@@ -97,8 +114,10 @@ def _num(value, fmt: str = "{:.1f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def _kv(row: dict) -> str:
-    value = row.get("kv_bytes_per_step")
+def _mib(row: dict, name: str) -> str:
+    """A bytes-per-step figure in MiB; * when it is computed for a dense cache rather than measured (a dense peer
+    reads every cached K/V and scores no summaries, so its summary bytes are 0, computed too)."""
+    value = row.get(name)
     if value is None:
         return "-"
     mark = "*" if str(row.get("kv_bytes_source", "")).startswith("computed") else ""
@@ -109,8 +128,8 @@ def format_table(rows: list[dict], ratio_rows: list[dict], meta: dict) -> str:
     on_gpu = meta.get("device") == "cuda"
     show_bw = on_gpu or meta.get("bandwidth_gb_s") is not None
     by_vs = {(r["vs"], r["context"]): r for r in ratio_rows}
-    head = ["context", "engine", "prompt", "prefill tok/s", "decode tok/s", "peak RSS MB", "run RSS MB", "KV MiB/step",
-            "ops/step"]
+    head = ["context", "engine", "prompt", "prefill tok/s", "decode tok/s", "peak RSS MB", "run RSS MB",
+            "K/V MiB/step", "summary MiB/step", "ops/step"]
     if on_gpu:
         head.append("peak GPU MB")
     if show_bw:
@@ -119,9 +138,11 @@ def format_table(rows: list[dict], ratio_rows: list[dict], meta: dict) -> str:
     lines = []
     for row in rows:
         ratio_row = by_vs.get((row["engine"], row["context"]), {})
-        cells = [str(row["context"]), row["engine"], _num(row.get("prompt_tokens"), "{}"),
+        engine = f"{row['engine']} (synthetic)" if row.get("synthetic") else row["engine"]
+        cells = [str(row["context"]), engine, _num(row.get("prompt_tokens"), "{}"),
                  _num(row["prefill_tok_s"]), _num(row["decode_tok_s"], "{:.2f}"), _num(row["peak_rss_mb"], "{:.0f}"),
-                 _num(row["run_peak_rss_mb"], "{:.0f}"), _kv(row), _num(row.get("ops_per_decode_step"), "{:.0f}")]
+                 _num(row["run_peak_rss_mb"], "{:.0f}"), _mib(row, "kv_bytes_per_step"),
+                 _mib(row, "summary_bytes_per_step"), _num(row.get("ops_per_decode_step"), "{:.0f}")]
         if on_gpu:
             cells.append(_num(row["peak_device_mb"], "{:.0f}"))
         if show_bw:
@@ -132,7 +153,8 @@ def format_table(rows: list[dict], ratio_rows: list[dict], meta: dict) -> str:
             cells[3:] = ["FAILED"] + [""] * (len(cells) - 4)
         lines.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in lines)) if lines else len(h) for i, h in enumerate(head)]
-    text = ["  ".join(h.rjust(w) if i > 1 else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
+    text = [f"model: {meta['model_name']}"] if meta.get("model_name") else []
+    text += ["  ".join(h.rjust(w) if i > 1 else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
     text.append("  ".join("-" * w for w in widths))
     previous = None
     for row, cells in zip(rows, lines):
@@ -153,8 +175,9 @@ def _footnotes(rows: list[dict], meta: dict, show_bw: bool) -> str:
     notes.append("prefill = prompt in -> first token; decode = (N-1) tokens / time from first to last token")
     notes.append("peak RSS = the run's process over its whole life (load included); run RSS = peak during the timed "
                  "request alone")
-    notes.append("KV MiB/step: K/V bytes read at the last decode step, all layers; * = computed for a dense cache "
-                 "(tokens x bytes per token), not measured")
+    notes.append("K/V MiB/step: K/V bytes read at the last decode step, all layers; summary MiB/step: page summaries "
+                 "read to score the pages at that step (OVAL's index; 0 for dense attention, which scores nothing); "
+                 "* = computed for a dense cache (tokens x bytes per token; no summaries), not measured")
     notes.append("ops/step: torch ops one decode step dispatches (counted by a TorchDispatchMode around the step, this "
                  "runtime only); each costs launch overhead a CUDA graph removes. On CUDA: the step's launch calls "
                  "(torch.profiler: one per kernel eager, one per graph replay); JSON gpu_kernels_per_decode_step "
@@ -162,8 +185,11 @@ def _footnotes(rows: list[dict], meta: dict, show_bw: bool) -> str:
     notes.append("OVAL decode x = OVAL decode tok/s / this engine's; OVAL RSS x = OVAL peak RSS / this engine's")
     if show_bw:
         bw = meta.get("bandwidth_gb_s")
-        notes.append("GB/s = (weight bytes + KV bytes per step) x decode tok/s; "
+        notes.append("GB/s = (weight bytes + K/V bytes + summary bytes per step) x decode tok/s; "
                      + (f"% of {bw:.0f} GB/s ({meta.get('bandwidth_note')})" if bw else "device bandwidth unknown"))
+    if meta.get("synthetic"):
+        notes.append(f"every row runs {meta.get('model_name')}: random weights, so the tokens it generates mean "
+                     "nothing and quality is not measured on it (eval and calibrate use the real model)")
     for note in meta.get("notes", []):
         notes.append(note)
     return "\n".join("  " + n for n in notes)

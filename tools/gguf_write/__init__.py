@@ -1,0 +1,1 @@
+"""Writing GGUF files under llama.cpp's tensor names: real checkpoints (tests) and seeded random models (bench)."""
