@@ -48,6 +48,7 @@ class ServerSettings:
     default_max_tokens chat default when max_tokens is omitted (shrunk to fit the token limit);
                       completions default to 16 as in the OpenAI API
     retry_after_s     Retry-After on 503 answers
+    metrics_public    with an api_key, leave GET /metrics open too (routers and Prometheus scrape without credentials)
     """
 
     model_name: str
@@ -56,12 +57,15 @@ class ServerSettings:
     max_tokens_limit: int = 8192
     default_max_tokens: int = 512
     retry_after_s: int = 2
+    metrics_public: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"model_name={self.model_name!r} must be a non-empty string")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ValueError("api_key must be a non-empty string (or omitted for an open server)")
+        if not isinstance(self.metrics_public, bool):
+            raise ValueError(f"metrics_public={self.metrics_public!r} must be true or false")
         for name, low, high in (("max_body_bytes", 1024, 1 << 30), ("max_tokens_limit", 1, 1 << 24),
                                 ("default_max_tokens", 1, 1 << 24), ("retry_after_s", 1, 3600)):
             value = getattr(self, name)
@@ -179,7 +183,8 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
     # Outermost first: the key is checked before any byte of the body is read.
     app.add_middleware(BodyGuard, limit=settings.max_body_bytes)
     if settings.api_key:
-        app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
+        open_paths = ("/health", "/metrics") if settings.metrics_public else ("/health",)
+        app.add_middleware(ApiKeyGuard, api_key=settings.api_key, open_paths=open_paths)
 
     @app.get("/health", summary="200 when ready, 503 while loading or draining")
     async def health() -> Response:

@@ -3,6 +3,11 @@
 Engine figures (pages, queue, tokens, decode speed, what OVAL read) are read from the engine at scrape time by a
 custom collector, so /metrics is never stale and the engine keeps no second copy of them. Request timings that
 only the HTTP layer sees (time to first token, duration, outcome) are ordinary histograms and counters.
+
+LLM-aware routers (the llm-d / Gateway API Inference Extension endpoint picker, by default) read a few gauges under
+vLLM's names; `_router_metrics` publishes those from the same counters, so a pool of oval-edge servers is scored
+without any metric mapping. Their parser (Go expfmt) reads a gauge's value and `cache_config_info`'s labels as
+decimal integers; tests/test_router_metrics.py checks our output the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "oval_edge"
+ROUTER_PREFIX = "vllm"  # the names routers expect by default (vLLM's), not ours
 # Seconds; CPU decode of a small model and Orin decode of a 7B model both land inside this range.
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -79,6 +85,25 @@ class _EngineCollector:
         yield _counter("sparse_layer_steps", "layer-steps decoded with OVAL page selection", stats.sparse_layer_steps)
         yield from _reuse_metrics(getattr(getattr(engine, "runner", None), "reuse", None))
         yield from _prefix_metrics(pool)
+        yield from _router_metrics(stats, pool, total, free)
+
+
+def _router_metrics(stats, pool, total: int, free: int):
+    """vLLM-named gauges for routers, from the figures above (read once per scrape, so both names agree)."""
+    yield GaugeMetricFamily(f"{ROUTER_PREFIX}:num_requests_waiting", "requests queued (oval_edge_requests_waiting)",
+                            value=float(stats.waiting))
+    yield GaugeMetricFamily(f"{ROUTER_PREFIX}:num_requests_running", "requests in prefill or decode "
+                            "(oval_edge_requests_running)", value=float(stats.running))
+    # A fraction in 0..1, as vLLM's: pages held by requests over all pages; cached prefix pages count as free,
+    # because an allocation may reclaim them (the same figure as oval_edge_kv_usage_ratio).
+    yield GaugeMetricFamily(f"{ROUTER_PREFIX}:kv_cache_usage_perc", "KV pages held by requests / all KV pages (0..1)",
+                            value=(total - free) / total if total else 0.0)
+    # Info-style: value 1, the facts in labels. block_size is tokens per page, num_gpu_blocks the pool's page count
+    # (allocated once, so it never changes); the router's prefix model hashes prompts in blocks of this size.
+    info = GaugeMetricFamily(f"{ROUTER_PREFIX}:cache_config_info", "KV cache geometry: tokens per page, pages",
+                             labels=["block_size", "num_gpu_blocks"])
+    info.add_metric([str(pool.page_size), str(total)], 1.0)
+    yield info
 
 
 def _prefix_metrics(pool):

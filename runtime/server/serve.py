@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key", default=os.environ.get("OVAL_EDGE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on every route but /health "
                        "(default: $OVAL_EDGE_API_KEY, else open)")
+    group.add_argument("--metrics-public", action="store_true",
+                       help="with --api-key, leave GET /metrics open as well (routers and Prometheus scrape without "
+                       "credentials; the API routes still need the key)")
     group.add_argument("--max-tokens-limit", type=int, default=8192,
                        help="largest max_tokens a request may ask for (default: 8192)")
     group.add_argument("--max-body", type=int, default=1 << 20, metavar="BYTES",
@@ -121,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     if args.shutdown_grace < 0:
         raise ValueError(f"--shutdown-grace {args.shutdown_grace} must be >= 0 seconds")
     settings = ServerSettings(model_name=source.name, api_key=args.api_key or None,
-                              max_body_bytes=args.max_body, max_tokens_limit=args.max_tokens_limit)
+                              max_body_bytes=args.max_body, max_tokens_limit=args.max_tokens_limit,
+                              metrics_public=args.metrics_public)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
