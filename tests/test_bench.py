@@ -16,7 +16,7 @@ import pytest
 
 from oval_edge.tools.bench import command as bench_command
 from oval_edge.tools.bench.meters import MemoryMeter, TokenClock
-from oval_edge.tools.bench.report import aggregate, effective_gb_s, median, ratios, scaling
+from oval_edge.tools.bench.report import aggregate, effective_gb_s, format_table, label_rows, median, ratios, scaling
 from oval_edge.tools.bench.runner import run_worker
 from oval_edge.tools.bench.settings import BenchSettings, parse_engines, parse_int_list, prompt_length, schedule
 
@@ -94,22 +94,50 @@ def test_median_ignores_missing_values():
     assert median([None]) is None and median([]) is None
 
 
-def _run(engine, context, run, decode, prefill=100.0, rss=500.0, kv=1000, weights=10_000):
+def _run(engine, context, run, decode, prefill=100.0, rss=500.0, kv=1000, weights=10_000, summary=0):
     return {"engine": engine, "context": context, "run": run, "decode_tok_s": decode, "prefill_tok_s": prefill,
-            "peak_rss_mb": rss, "run_peak_rss_mb": rss, "kv_bytes_per_step": kv, "weight_bytes": weights,
-            "prompt_tokens": context, "label": engine}
+            "peak_rss_mb": rss, "run_peak_rss_mb": rss, "kv_bytes_per_step": kv, "summary_bytes_per_step": summary,
+            "weight_bytes": weights, "prompt_tokens": context, "label": engine}
 
 
 def test_aggregate_takes_medians_and_skips_failed_runs():
-    runs = [_run("oval", 512, 0, 30.0), _run("oval", 512, 1, 10.0), _run("oval", 512, 2, 20.0, rss=700.0),
-            {"engine": "oval", "context": 512, "run": 3, "error": "boom"}]
+    runs = [_run("oval", 512, 0, 30.0, summary=300), _run("oval", 512, 1, 10.0, summary=500),
+            _run("oval", 512, 2, 20.0, rss=700.0, summary=400), {"engine": "oval", "context": 512, "run": 3, "error": "boom"}]
     (row,) = aggregate(runs, bandwidth_gb_s=1.0)
-    assert row["decode_tok_s"] == 20.0 and row["peak_rss_mb"] == 500.0
+    assert row["decode_tok_s"] == 20.0 and row["peak_rss_mb"] == 500.0 and row["summary_bytes_per_step"] == 400
     assert row["runs_ok"] == 3 and row["runs_failed"] == 1 and row["errors"] == ["boom"]
     assert row["decode_tok_s_runs"] == [30.0, 10.0, 20.0]
-    assert row["effective_gb_s"] == pytest.approx((10_000 + 1000) * 20.0 / 1e9)
+    # GB/s streams the weights once plus everything the step reads: K/V and the page summaries it scores
+    assert row["effective_gb_s"] == pytest.approx((10_000 + 1000 + 400) * 20.0 / 1e9)
     assert row["bandwidth_fraction"] == pytest.approx(row["effective_gb_s"] / 1.0)
-    assert effective_gb_s(None, 5, 1.0) is None
+    assert effective_gb_s(None, 5, 0, 1.0) is None
+    assert effective_gb_s(100, 5, None, 2.0) == pytest.approx(105 * 2.0 / 1e9)  # a row from before summaries
+
+
+def test_table_has_kv_and_summary_columns_and_labels_a_synthetic_model():
+    name = "SmolLM2-135M shape, random weights (seed 0), 32k positions (synthetic: speed only)"
+    rows = label_rows(aggregate([_run("oval", 32768, 0, 30.0, kv=3 * 2**20, summary=2**20),
+                                 {**_run("llama.cpp", 32768, 0, 10.0, kv=720 * 2**20),
+                                  "kv_bytes_source": "computed: dense"}]), name, synthetic=True)
+    assert all(r["model"] == name and r["synthetic"] for r in rows)
+    got = {(r["vs"], r["context"]): r for r in ratios(rows)}
+    assert got[("llama.cpp", 32768)]["read_bytes_ratio"] == pytest.approx(4 / 720)
+    meta = {"model_name": name, "synthetic": True, "runs": 1, "gen": 64, "device": "cpu", "threads": 2,
+            "bandwidth_gb_s": 100.0, "bandwidth_note": "given"}
+    text = format_table(rows, ratios(rows), meta)
+    lines = text.splitlines()
+    assert lines[0] == f"model: {name}"
+    head = lines[1].split("  ")
+    assert "K/V MiB/step" in lines[1] and "summary MiB/step" in lines[1] and "GB/s" in head
+    table_rows = [line for line in lines[3:5]]
+    assert table_rows[0].startswith("32768") and "oval (synthetic)" in table_rows[0] and "3.00" in table_rows[0]
+    assert "1.00" in table_rows[0]  # summary MiB/step of OVAL
+    assert "llama.cpp (synthetic)" in table_rows[1] and "720.00*" in table_rows[1] and "0.00*" in table_rows[1]
+    assert "(weight bytes + K/V bytes + summary bytes per step) x decode tok/s" in text
+    assert "quality is not measured on it" in text
+    plain = format_table(label_rows(aggregate([_run("oval", 512, 0, 30.0)]), "SmolLM2", synthetic=False), [],
+                         {"model_name": "SmolLM2", "runs": 1})
+    assert "synthetic" not in plain and "oval (synthetic)" not in plain
 
 
 def test_ratios_are_oval_over_each_other_engine_at_the_same_context():
@@ -177,6 +205,8 @@ def test_parsing_and_validation():
         BenchSettings(contexts=(512,), engines=("oval",), gen=1)
     with pytest.raises(ValueError, match="--contexts"):
         BenchSettings(contexts=(0,), engines=("oval",))
+    with pytest.raises(ValueError, match="--synthetic-positions apply to --model synthetic-long only"):
+        bench_command.build_settings(_bench_args(synthetic_positions=4096, device="cpu"))
 
 
 def test_prompt_is_shortened_only_past_the_models_positions():

@@ -47,6 +47,8 @@ class SyntheticShape:
     rope_theta: float = 100000.0
     rms_eps: float = 1e-5
     base_name: str = ""  # what shape it copies ("SmolLM2-135M"); empty for a made-up shape
+    projection_type: str = FALLBACK_TYPE  # GGML type of the decoder's projections (the bundled file's: Q4_1)
+    embedding_type: str = FALLBACK_TYPE  # GGML type of the token embedding (the bundled file's: Q8_0)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "positions"):
@@ -62,6 +64,10 @@ class SyntheticShape:
                              "size (rotary pairs)")
         if self.heads % self.kv_heads:
             raise ValueError(f"synthetic model: {self.heads} heads must be a multiple of {self.kv_heads} KV heads")
+        for name in ("projection_type", "embedding_type"):
+            if not _can_quantize(getattr(self, name)):
+                raise ValueError(f"synthetic model {name}={getattr(self, name)!r}: the installed gguf package cannot "
+                                 f"write it; use e.g. {FALLBACK_TYPE}")
         if self.hidden % QUANT_BLOCK or self.intermediate % QUANT_BLOCK:
             raise ValueError(f"synthetic model: hidden {self.hidden} and intermediate {self.intermediate} must be "
                              f"multiples of {QUANT_BLOCK} (the quantizer's block)")
@@ -79,14 +85,19 @@ class SyntheticShape:
 
 
 def bundled_shape(positions: int = DEFAULT_POSITIONS, seed: int = 0) -> SyntheticShape:
-    """The bundled GGUF's sizes (read from its header, not assumed) with `positions` positions."""
+    """The bundled GGUF's sizes (read from its header, not assumed) with `positions` positions, and its tensor types
+    (the projections' and the token embedding's), each replaced by FALLBACK_TYPE where the installed gguf package
+    cannot quantize it (it quantizes Q4_0/Q4_1/Q5_x/Q8_0, not every K-quant)."""
     from gguf import GGUFReader
 
     from oval_edge.runtime.model.gguf_metadata import header_scalar
     from oval_edge.runtime.model.source import DEFAULT_NAME, bundled_gguf_path
 
     path = bundled_gguf_path()
-    fields = GGUFReader(path).fields
+    reader = GGUFReader(path)  # parsed once: reading the 49k-entry vocabulary is most of the cost
+    fields = reader.fields
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    projection, embedding = (types.get(name, FALLBACK_TYPE) for name in ("blk.0.attn_q.weight", "token_embd.weight"))
     arch = header_scalar(fields, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: the synthetic model copies a llama-architecture header, this one is {arch!r}")
@@ -106,20 +117,9 @@ def bundled_shape(positions: int = DEFAULT_POSITIONS, seed: int = 0) -> Syntheti
         kv_heads=int(need("attention.head_count_kv")), vocab=len(tokens.data), positions=positions, seed=seed,
         rope_theta=float(need("rope.freq_base")), rms_eps=float(need("attention.layer_norm_rms_epsilon")),
         base_name=DEFAULT_NAME.removesuffix("-Instruct"),
+        projection_type=projection if _can_quantize(projection) else FALLBACK_TYPE,
+        embedding_type=embedding if _can_quantize(embedding) else FALLBACK_TYPE,
     )
-
-
-def bundled_tensor_types() -> tuple[str, str]:
-    """(projections' type, token embedding's type) of the bundled file, each replaced by FALLBACK_TYPE where the
-    installed gguf package cannot quantize it (it quantizes Q4_0/Q4_1/Q5_x/Q8_0, not every K-quant)."""
-    from gguf import GGUFReader
-
-    from oval_edge.runtime.model.source import bundled_gguf_path
-
-    tensors = {t.name: t.tensor_type.name for t in GGUFReader(bundled_gguf_path()).tensors}
-    projection = tensors.get("blk.0.attn_q.weight", FALLBACK_TYPE)
-    embedding = tensors.get("token_embd.weight", FALLBACK_TYPE)
-    return tuple(kind if _can_quantize(kind) else FALLBACK_TYPE for kind in (projection, embedding))
 
 
 def _can_quantize(kind: str) -> bool:
@@ -172,25 +172,23 @@ def random_tensors(shape: SyntheticShape):
     yield "model.norm.weight", torch.ones(shape.hidden)
 
 
-def synthetic_gguf_path(shape: SyntheticShape, types: tuple[str, str] | None = None) -> str:
+def synthetic_gguf_path(shape: SyntheticShape) -> str:
     """Where the file for this shape, seed and tensor types lives (it may not exist yet)."""
     from oval_edge.cache_dir import cache_root
     from oval_edge.runtime.model.source import bundled_gguf_path
 
-    projection, embedding = types or bundled_tensor_types()
     bundled = os.stat(bundled_gguf_path())  # the tokenizer is copied from it: another bundled file, another key
-    key = f"{sorted(asdict(shape).items())}|{projection}|{embedding}|{bundled.st_size}|format {GENERATOR_FORMAT}"
+    key = f"{sorted(asdict(shape).items())}|{bundled.st_size}|format {GENERATOR_FORMAT}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     stem = (shape.base_name or f"{shape.layers}x{shape.hidden}") + f"-random-seed{shape.seed}-ctx{shape.positions}"
-    return os.path.join(cache_root(), "synthetic-models", f"{stem}-{projection}-{digest}.gguf")
+    return os.path.join(cache_root(), "synthetic-models", f"{stem}-{shape.projection_type}-{digest}.gguf")
 
 
 def synthetic_gguf(shape: SyntheticShape, announce=print) -> str:
     """The cached GGUF file of this synthetic model, written first if it is not there yet."""
     from .writer import write_gguf_tensors
 
-    types = bundled_tensor_types()
-    path = synthetic_gguf_path(shape, types)
+    path = synthetic_gguf_path(shape)
     if os.path.isfile(path):
         return path
     folder = os.path.dirname(path)
@@ -199,13 +197,14 @@ def synthetic_gguf(shape: SyntheticShape, announce=print) -> str:
     except OSError as exc:
         raise ValueError(f"cannot create the synthetic model's cache folder {folder}: {exc.strerror or exc}; "
                          "set OVAL_EDGE_CACHE to a writable folder") from exc
-    announce(f"writing the synthetic model {shape.describe()} to {path} (once; projections {types[0]}, "
-             f"embedding {types[1]})")
+    announce(f"writing the synthetic model {shape.describe()} to {path} (once; projections {shape.projection_type}, "
+             f"embedding {shape.embedding_type})")
     handle, staging = tempfile.mkstemp(prefix=".staging-", suffix=".gguf", dir=folder)
     os.close(handle)
     try:
         write_gguf_tensors(synthetic_config(shape), random_tensors(shape), staging, "llama",
-                           projection_type=types[0], embedding_type=types[1], model_name=shape.describe())
+                           projection_type=shape.projection_type, embedding_type=shape.embedding_type,
+                           model_name=shape.describe())
         os.replace(staging, path)
     finally:
         if os.path.exists(staging):
