@@ -38,6 +38,9 @@ class OvalConfig:
     scorer        'oval' (output-aware local basis, DESIGN §4.3) or 'quest' (per-channel key min/max).
     rank, eta     the oval basis rank r (at most page_size - 1) and the output-aware mix eta (0 = key-only
                   spectral basis; > 0 mixes in the output projection's metric, DESIGN §4.3).
+    group_pages,  two-level scoring (oval_edge/sparse/grouped.py): 0 = flat (every sealed page's record is scored
+    top_groups    each step); G > 0 = one coarse record per G pages scored first, then the fine records of the
+                  top_groups best groups' pages (and of the unfinished group) only.
     record        how oval page records are stored: 'float' (the pool's dtype), 'int8' or 'int4' (quantized with
                   per-page scales, read in place by the kernels; oval_edge/kv/page_record.py).
     kv_dtype      dtype of the page pool; 'auto' = float16 on CUDA, float32 on CPU.
@@ -60,6 +63,8 @@ class OvalConfig:
     rank: int = 4
     eta: float = 0.0
     record: str = "float"
+    group_pages: int = 0
+    top_groups: int = 8
     kv_dtype: str = "auto"
     memory_budget: int | str | None = None
     # Reuse of a recent selection when the query barely moved (DESIGN §4.7, oval_edge/sparse/reuse.py); None = off.
@@ -96,6 +101,12 @@ class OvalConfig:
         if self.record not in RECORD_FORMATS:
             raise ValueError(f"record={self.record!r} is unknown; allowed: {', '.join(RECORD_FORMATS)} (how oval page "
                              "records are stored)")
+        if self.group_pages != 0:
+            _check_int("group_pages", self.group_pages, 2, 256, " pages per coarse group (0 = flat scoring)")
+            if self.scorer != "oval":
+                raise ValueError(f"group_pages={self.group_pages} needs scorer='oval' (coarse records are oval "
+                                 f"records); set group_pages=0 for scorer={self.scorer!r}")
+        _check_int("top_groups", self.top_groups, 1, 4096, " coarse groups whose pages are scored finely")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} is unknown; allowed: {', '.join(KV_DTYPES)}")
         if self.memory_budget is not None:

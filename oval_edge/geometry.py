@@ -33,6 +33,9 @@ class KVGeometry:
     # ring_pages pages per sequence (no summaries, never scored) outside the paged layers' pool. () = none.
     ring_layers: tuple[int, ...] = ()
     window: int = 0
+    # Two-level scoring (oval_edge/sparse/grouped.py): each run of group_pages logical pages gets one coarse record
+    # when its last page seals, stored in that page's slot. 0 = flat scoring (every page's record read every step).
+    group_pages: int = 0
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim", "page_size"):
@@ -55,6 +58,9 @@ class KVGeometry:
         if self.record == "int4" and self.head_dim % 2:
             raise ValueError(f"record='int4' packs two values a byte and needs an even head_dim (got {self.head_dim});"
                              " use record='int8'")
+        if self.group_pages and not (2 <= self.group_pages <= 256 and "oval" in self.summary_kinds):
+            raise ValueError(f"group_pages={self.group_pages} needs the oval records and must be 0 (flat scoring) or "
+                             "in [2, 256] pages per coarse group")
         if self.ring_layers and (self.window < 1 or sorted(set(self.ring_layers)) != list(self.ring_layers)
                                  or not all(0 <= i < self.layers for i in self.ring_layers)):
             raise ValueError(f"ring_layers={self.ring_layers} must be distinct increasing layer indices below "
@@ -66,8 +72,9 @@ class KVGeometry:
                  ring: tuple[tuple[int, ...], int] = ((), 0)) -> "KVGeometry":
         """The geometry an OvalConfig asks for (its page size and rank; its scorer's summaries unless told).
         ring: (sliding-window layers, window), ring_layout() of the model config."""
-        return cls(layers, kv_heads, head_dim, oval.page_size, dtype, tuple(summary_kinds or (oval.scorer,)),
-                   oval.rank, oval.record, *ring)
+        kinds = tuple(summary_kinds or (oval.scorer,))
+        return cls(layers, kv_heads, head_dim, oval.page_size, dtype, kinds, oval.rank, oval.record, *ring,
+                   group_pages=oval.group_pages if "oval" in kinds else 0)
 
     @property
     def dtype_bytes(self) -> int:
@@ -109,8 +116,14 @@ class KVGeometry:
         packed = r * (d + p) if self.record == "int8" else -(-r * d // 2) + -(-r * p // 2)
         return d + packed + (1 + 2 * r) * RECORD_SCALE_BYTES
 
+    def group_record_bytes(self) -> int:
+        """Bytes of one coarse record (a group of group_pages pages, one KV head) in the pool's dtype: the group's
+        key mean [D], basis B^T [r, D] and the coordinates' min and max [2, r] (0 without groups)."""
+        d, r = self.head_dim, self.rank
+        return (d + r * d + 2 * r) * self.dtype_bytes if self.group_pages else 0
+
     def summary_bytes_per_head(self) -> int:
-        """Summary bytes stored per (layer, page, KV head) for the kinds kept; what scoring one page reads."""
+        """Summary bytes scoring reads for one (layer, page, KV head) with flat scoring, for the kinds kept."""
         n = 0
         if "quest" in self.summary_kinds:
             n += 2 * self.head_dim * self.dtype_bytes  # per-channel min and max of the keys
@@ -118,9 +131,20 @@ class KVGeometry:
             n += self.oval_record_bytes()
         return n
 
+    def scoring_bytes(self, pages: int, top_groups: int) -> int:
+        """Summary bytes one KV head's scoring reads over a table of `pages` pages (one row, one layer): every
+        page's record when flat; with groups (once there are more than top_groups of them, grouped.py) every
+        group's coarse record plus the fine records of the top groups' pages and of the unfinished group."""
+        groups = pages // self.group_pages if self.group_pages else 0
+        if groups <= top_groups:
+            return pages * self.summary_bytes_per_head()
+        fine = min(pages, (top_groups + 1) * self.group_pages)
+        return groups * self.group_record_bytes() + fine * self.summary_bytes_per_head()
+
     @property
     def summary_bytes_per_page(self) -> int:
-        return self.paged_layers * self.kv_heads * self.summary_bytes_per_head()
+        """Summaries stored per page: its records, and a coarse record slot when grouped (the group's last page's)."""
+        return self.paged_layers * self.kv_heads * (self.summary_bytes_per_head() + self.group_record_bytes())
 
     @property
     def bytes_per_page(self) -> int:

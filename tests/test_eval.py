@@ -23,7 +23,8 @@ from oval_edge.runtime.model.loader import LoadedModel
 from oval_edge.tools.eval.fidelity import run_fidelity
 from oval_edge.tools.eval.policies import POLICY_NAMES, Policy, build_policies
 from oval_edge.tools.eval.report import fidelity_records, passkey_records, passkey_table, write_json, write_plot
-from oval_edge.tools.eval.runtime import EvalPool, EvalRunner, geometry_for, load_kv, oracle_page_scores
+from oval_edge.tools.eval.runtime import (EvalPool, EvalRunner, ensure_output_metric, geometry_for, load_kv,
+                                         oracle_page_scores)
 
 TEXT = Path(__file__).resolve().parents[1] / "tools" / "data" / "botchan_ch1-2.txt"
 ALL = list(POLICY_NAMES[1:])
@@ -127,9 +128,10 @@ def test_policies_batched_as_rows_decode_exactly_as_each_policy_alone():
 
     def fresh_pool(rows):
         pool = EvalPool(geometry, len(rows) * 10)
+        runner = PagedLlama(loaded.model, pool, base, attention="dense")
+        ensure_output_metric(pool, runner, rows)  # eta = 0.5 rows weigh values by the output projection
         for row, policy in enumerate(rows):
             pool.allocate_row(row, 160, policy.summary_eta())
-            runner = PagedLlama(loaded.model, pool, base, attention="dense")
             step = pool.prepare([row], [prefix])
             runner.forward(step, ids[:prefix], decode=False)
             pool.commit(step)

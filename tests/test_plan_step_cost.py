@@ -35,9 +35,10 @@ def test_fixed_cost_brings_smollm2_on_orin_nano_below_the_bytes_only_roofline():
     assert graphed["fixed_ms"] == pytest.approx(sum(graphed["fixed_parts_ms"].values()), rel=1e-3)
     assert paths["eager"]["tok_s"] < graphed["tok_s"] < row.roofline_tok_s
     # Batch 1: bytes alone gave 519 tok/s with the 16-bit head (the figure), 640 with the int8 table CUDA
-    # holds now (the tied head reads 32 instead of 57 MB a step); llama.cpp measures ~165 on the faster Nano Super.
+    # holds now (the tied head reads 32 instead of 57 MB a step), 632 since the page records scoring reads count
+    # too; llama.cpp measures ~165 on the faster Nano Super.
     one = next(r for r in _smollm2_plan().rows if r.page_size == 32)
-    assert one.roofline_tok_s == pytest.approx(639.8, abs=0.5) and 100 < one.decode_tok_s < 200
+    assert one.roofline_tok_s == pytest.approx(631.6, abs=0.5) and 100 < one.decode_tok_s < 200
     assert 1333 == graphed["ops_per_step"]  # docs/static-step.md's count for SmolLM2 (30 layers, nf4)
 
 

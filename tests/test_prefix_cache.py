@@ -21,7 +21,7 @@ SALT = b"test-model|nf4"
 
 
 def small_pool(pages: int = 12, salt: bytes | None = SALT) -> PagePool:
-    return PagePool(KVGeometry(1, 1, 8, P, "float32"), pages, prefix_salt=salt)
+    return PagePool(KVGeometry(1, 1, 8, P, "float32", rank=P - 1), pages, prefix_salt=salt)
 
 
 def fill(pool: PagePool, seq, tokens: list[int]) -> None:

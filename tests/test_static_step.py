@@ -119,10 +119,15 @@ def test_static_step_equals_the_eager_forward(tiny_folder, scorer, oval, decode_
     for engine in (static, eager):
         for seq_id, length in zip(seq_ids, lengths):
             prefill(engine, seq_id, length, seed=length)
-    tokens = [3, 4, 5]
-    for _ in range(40):  # crosses page boundaries (new sealed pages, wider tables in the eager path)
+    static_equals_eager(static, eager, seq_ids, 40)  # crosses page boundaries (new sealed pages, wider tables)
+
+
+def static_equals_eager(static: Engine, eager: Engine, seq_ids: list, steps: int) -> None:
+    """Greedy-decode `steps` tokens of every sequence in both engines: equal logits and read statistics each step."""
+    tokens = [3 + i for i in range(len(seq_ids))]
+    for _ in range(steps):
         logits, stats = static_step(static, seq_ids, tokens)
-        step = eager.pool.prepare(seq_ids, [1, 1, 1])
+        step = eager.pool.prepare(seq_ids, [1] * len(seq_ids))
         want, want_stats = eager.runner.forward(step, torch.tensor(tokens), decode=True)
         eager.pool.commit(step)
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)

@@ -3,7 +3,7 @@
 Tensors (per model):
     K, V     [layers, pages, kv_heads, page_size, head_dim]
     quest    kmin, kmax [layers, pages, kv_heads, head_dim]
-    oval     mean, basis, coords (+ scales) [paged layers, kv_heads, pages, ...]: page_record.py
+    oval     mean, basis, coords (+ scales) [paged layers, kv_heads, pages, ...]: page_record.py; group_record.py
 
 A logical page holds the same `page_size` token positions in every layer. Sequences own page tables
 (logical page -> physical page). Verbs follow nano-vllm's block manager / vLLM's block pool: few of them, and
@@ -23,6 +23,7 @@ from .prefix_cache import PrefixLedger, page_hashes
 from .ring import SlidingRings
 from .page_record import allocate_records
 from .step_index import StepIndex, build_step_index
+from .group_record import allocate_group_records, completed_groups, seal_groups
 from .summaries import seal_pages, stack_output_metric
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,7 +67,8 @@ class PagePool:
             self.summaries["kmin"] = torch.zeros(shape[:3] + (g.head_dim,), dtype=dtype, device=self.device)
             self.summaries["kmax"] = torch.zeros(shape[:3] + (g.head_dim,), dtype=dtype, device=self.device)
         if "oval" in g.summary_kinds:  # head-major records, rank first (page_record.py)
-            self.summaries.update(allocate_records(g, num_pages, dtype, self.device))
+            self.summaries.update(**allocate_records(g, num_pages, dtype, self.device),
+                                  **allocate_group_records(g, num_pages, dtype, self.device))
         self.output_metric: torch.Tensor | None = None  # G^{1/2} [paged layers, Hkv, D, D] for eta > 0
         # Free list as a stack: recently freed pages are reused first (warm in cache).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
@@ -83,7 +85,6 @@ class PagePool:
         self._unscored: set[Hashable] = set()
         self.unsummarized: set[int] = set()
 
-    # ---- sizes -------------------------------------------------------------------------------------------
     @property
     def page_size(self) -> int:
         return self.geometry.page_size
@@ -117,7 +118,6 @@ class PagePool:
         rings = [self.rings.k, self.rings.v] if self.rings is not None else []
         return [self.k, self.v, *self.summaries.values(), *rings]
 
-    # ---- allocation --------------------------------------------------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether allocate(seq, num_tokens) would succeed now without a prefix hit (>= 1 page per sequence)."""
         rings_free = self.rings is None or self.rings.num_free > 0
@@ -150,6 +150,7 @@ class PagePool:
         if missing:  # deferred summaries (advance), needed now
             self.unsummarized.difference_update(missing)
             self.seal(missing)
+            seal_groups(self, completed_groups(hits, 0, len(hits), self.geometry.group_pages))
         if not scored:
             self._unscored.add(seq_id)
         pages = hits + [self._take() for _ in range(need)]
@@ -219,7 +220,6 @@ class PagePool:
     def sequences(self) -> list:
         return list(self._tables)
 
-    # ---- one forward step --------------------------------------------------------------------------------
     def prepare(self, seq_ids: Sequence[Hashable], new_tokens: Sequence[int]) -> StepIndex:
         """Index where `new_tokens[b]` tokens of each sequence go. Pages must already be reserved."""
         step = build_step_index(seq_ids, new_tokens, self._tables, self._lengths, self._sealed, self.page_size,
@@ -255,6 +255,7 @@ class PagePool:
         """Set each sequence's length after a step wrote its tokens, then seal the pages it filled, all in one batch
         (outside the step: sealing is eigh/QR work that syncs a GPU). Returns pages sealed."""
         to_seal: list[int] = []
+        groups: list[list[int]] = []  # groups whose last page sealed now (two-level scoring)
         for sid, length in zip(seq_ids, lengths):
             if sid not in self._tables:  # cancelled while the step ran
                 continue
@@ -265,10 +266,12 @@ class PagePool:
                 self.unsummarized.update(sealed_now)
             else:
                 to_seal.extend(sealed_now)
+                groups += completed_groups(self._tables[sid], self._sealed[sid], full, self.geometry.group_pages)
             self._sealed[sid] = full
             self._name_pages(sid, sealed_now)
         if to_seal and self.geometry.paged_layers:  # no paged layer (all sliding): nothing to summarise
             self.seal(to_seal)
+            seal_groups(self, groups)
         return len(to_seal)
 
     def _name_pages(self, seq_id: Hashable, pages: Sequence[int]) -> None:

@@ -81,7 +81,8 @@ def decode_attention(
     else:
         if scores is None:
             scores = score_pages(config.scorer, group_queries(q, g.kv_heads), pool.summaries, pool.paged_index[layer],
-                                 step.page_table, scale)
+                                 step.page_table, scale, sealed=step.sealed,
+                                 groups=(config.group_pages, config.top_groups))
         selection = plan.select(scores, window)
     return attend_selection(pool, layer, q, selection, scale, softcap), selection
 

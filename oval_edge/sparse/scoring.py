@@ -7,16 +7,13 @@ estimated distribution of attention mass over pages, which the adaptive window r
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from oval_edge.kernels.cpu import decode_kernels
 from oval_edge.kv import page_record
 from oval_edge.kv.page_record import LayerRecords
 
-LOG2_E = 1.0 / math.log(2.0)
-LN_2 = math.log(2.0)
+from .grouped import LN_2, LOG2_E, grouped_scores, uses_groups
 
 
 def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -78,6 +75,8 @@ def score_pages(
     page_table: torch.Tensor,
     scale: float,
     counts: torch.Tensor | None = None,
+    sealed: torch.Tensor | None = None,
+    groups: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
     """Score every page of every sequence's page table with the chosen scorer.
 
@@ -86,6 +85,8 @@ def score_pages(
     counts[b] are not candidates of row b (the static step's padded tables); the native and Triton kernels skip
     them, the torch ops score them anyway (same shapes, and the caller masks them). The kernels read the records in
     place: the C ones on a CPU (oval only), the Triton ones on CUDA (oval_edge/kernels/gpu.py).
+    groups (group_pages, top_groups) with sealed [B]: two-level oval scoring (grouped.py) once the table holds more
+    than top_groups groups; pages outside the groups it keeps score -inf.
     """
     def gather(name: str) -> torch.Tensor:  # index_select on a flat index: far cheaper than advanced indexing
         table = summaries[name][layer]
@@ -94,6 +95,9 @@ def score_pages(
     if scorer not in ("oval", "quest"):
         raise ValueError(f"scorer={scorer!r} is unknown; allowed: oval, quest")
     kernels = decode_kernels(q.device)
+    if scorer == "oval" and sealed is not None and uses_groups(page_table.shape[1], *groups):
+        return grouped_scores(q, summaries, layer, page_table, sealed, scale, *groups,
+                              lambda table, n: score_pages("oval", q, summaries, layer, table, scale, n))
     if scorer == "oval":
         records = page_record.layer_records(summaries, layer)
         if kernels is not None:  # one pass over the listed pages' records, read in place

@@ -23,7 +23,7 @@ from oval_edge.tools.gguf_write.synthetic import DEFAULT_POSITIONS, SYNTHETIC_MO
 
 from .report import aggregate, format_table, label_rows, report_json, write_json_report
 from .settings import (COUNTED_STEPS, HF_DTYPES, BenchSettings, default_threads, parse_engines, parse_int_list,
-                       prompt_length, with_reuse)
+                       prompt_length, with_groups, with_reuse)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on CUDA, replay the static step from CUDA graphs (default); --no-cuda-graphs: eager")
     parser.add_argument("--reuse-tau", default=None,
                         help="comma-separated cosines: also run oval with selection reuse at each (oval+reuse@TAU)")
+    parser.add_argument("--group-pages", default=None,
+                        help="comma-separated group sizes: also run oval scoring in two levels, coarse groups of that "
+                             "many pages first (oval+groups@G)")
     parser.add_argument("--hf-dtype", default="float32", choices=HF_DTYPES,
                         help="dtype of the Hugging Face peer's dequantized weights and cache (default float32)")
     parser.add_argument("--bandwidth", type=float, default=None,
@@ -126,7 +129,7 @@ def build_settings(args: argparse.Namespace) -> BenchSettings:
 
     OvalConfig(page_size=args.page_size, top_k=args.top_k)  # a bad value fails now, not in every worker
     engines = parse_engines(args.engines, args.peers)
-    engines = with_reuse(engines, getattr(args, "reuse_tau", None))
+    engines = with_groups(with_reuse(engines, getattr(args, "reuse_tau", None)), getattr(args, "group_pages", None))
     device = _resolve_device(args.device)
     model, model_name = _model(args)
     skipped = {}

@@ -28,7 +28,8 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
     prompt, gen = list(job["prompt_ids"]), int(job["gen"])
     tau = job.get("reuse_tau")  # oval+reuse@TAU engines: oval with selection reuse at that cosine
     oval = OvalConfig(page_size=int(job["page_size"]), top_k=int(job["top_k"]),
-                      reuse_tau=float(tau) if tau is not None else None)
+                      reuse_tau=float(tau) if tau is not None else None,
+                      group_pages=int(job.get("group_pages") or 0))  # oval+groups@G: two-level scoring
     pages = pool_pages(len(prompt), gen, oval.page_size)
     engine = Engine.load(
         model=job["model"], quant=job["quant"], device=job["device"], oval=oval,

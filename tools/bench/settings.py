@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 RUNTIME_ENGINES = ("oval", "dense")  # this project's runtime, OVAL and dense attention on the same page pool
 REUSE_PREFIX = "oval+reuse@"  # OVAL with selection reuse at a query cosine (--reuse-tau 0.95 -> oval+reuse@0.95)
+GROUPS_PREFIX = "oval+groups@"  # OVAL scoring in two levels, groups of G pages (--group-pages 16 -> oval+groups@16)
 PEER_ENGINES = ("hf", "llama.cpp")  # what a user would pick instead (Hugging Face generate(), llama-cpp-python)
 ENGINES = RUNTIME_ENGINES + PEER_ENGINES
 ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "huggingface": "hf", "transformers": "hf"}
@@ -76,7 +77,7 @@ class BenchSettings:
                 raise ValueError(f"--contexts value {c!r} is out of range: allowed integers in [1, 1048576]")
         if not self.engines:
             raise ValueError("no engine to run; give --engines oval,dense and/or --peers")
-        unknown = [e for e in self.engines if e not in ENGINES and not e.startswith(REUSE_PREFIX)]
+        unknown = [e for e in self.engines if e not in ENGINES and not e.startswith((REUSE_PREFIX, GROUPS_PREFIX))]
         if unknown:
             raise ValueError(f"--engines {unknown} unknown; allowed: {', '.join(ENGINES)}")
         for engine in self.engines:
@@ -121,18 +122,41 @@ def reuse_tau_of(engine: str) -> float | None:
 
 def with_reuse(engines: tuple[str, ...], text: str | None) -> tuple[str, ...]:
     """--reuse-tau 0.9,0.95: one oval+reuse@TAU engine per value, right after oval (so they alternate A B A B)."""
+    taus = variant_values(text, "--reuse-tau", float, lambda t: 0.0 < t <= 1.0, "(0, 1]", "cosines, e.g. 0.9,0.95")
+    return after_oval(engines, [f"{REUSE_PREFIX}{t:g}" for t in taus])
+
+
+def group_pages_of(engine: str) -> int:
+    """The group size of an oval+groups@G engine (0 for any other engine: flat scoring)."""
+    return int(engine[len(GROUPS_PREFIX):]) if engine.startswith(GROUPS_PREFIX) else 0
+
+
+def with_groups(engines: tuple[str, ...], text: str | None) -> tuple[str, ...]:
+    """--group-pages 8,16: one oval+groups@G engine per value, right after oval (two-level scoring beside flat)."""
+    sizes = variant_values(text, "--group-pages", int, lambda g: 2 <= g <= 256, "[2, 256]", "page counts, e.g. 8,16")
+    return after_oval(engines, [f"{GROUPS_PREFIX}{g}" for g in sizes])
+
+
+def variant_values(text: str | None, flag: str, kind, valid, allowed: str, example: str) -> list:
+    """The comma-separated values of a flag that adds oval variants ([] when not given); errors name the flag."""
     if text is None:
-        return engines
+        return []
     try:
-        taus = [float(part) for part in str(text).split(",") if part.strip()]
+        values = [kind(part) for part in str(text).split(",") if part.strip()]
     except ValueError as exc:
-        raise ValueError(f"--reuse-tau={text!r} must be comma-separated cosines, e.g. 0.9,0.95,0.99") from exc
-    bad = [t for t in taus if not 0.0 < t <= 1.0]
-    if bad or not taus:
-        raise ValueError(f"--reuse-tau={text!r}: {bad or 'no value'} out of range; allowed (0, 1]")
-    added = tuple(dict.fromkeys(f"{REUSE_PREFIX}{t:g}" for t in taus))
+        raise ValueError(f"{flag}={text!r} must be comma-separated {example}") from exc
+    bad = [v for v in values if not valid(v)]
+    if bad or not values:
+        raise ValueError(f"{flag}={text!r}: {bad or 'no value'} out of range; allowed {allowed}")
+    return values
+
+
+def after_oval(engines: tuple[str, ...], added: list[str]) -> tuple[str, ...]:
+    """Variants of oval go right after it, so that runs alternate oval, variant, ..., peer."""
+    if not added:
+        return engines
     at = engines.index("oval") + 1 if "oval" in engines else 0
-    return engines[:at] + added + engines[at:]
+    return engines[:at] + tuple(dict.fromkeys(added)) + engines[at:]
 
 
 def parse_engines(text: str, peers: bool) -> tuple[str, ...]:

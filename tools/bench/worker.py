@@ -28,7 +28,7 @@ def run_job(job: dict) -> dict:
     uses_torch_cuda = job["device"] == "cuda" and engine != "llama.cpp"
     meter = MemoryMeter(cuda=uses_torch_cuda)
     began = time.perf_counter()
-    if engine in ("oval", "dense") or job.get("reuse_tau") is not None:  # oval+reuse@TAU: oval with reuse
+    if runs_runtime(job):
         from .runtime_engine import run_runtime
 
         extra = run_runtime(job, meter, clock)
@@ -52,6 +52,11 @@ def run_job(job: dict) -> dict:
     return row
 
 
+def runs_runtime(job: dict) -> bool:
+    """The runtime's engines: oval, dense and oval's variants (oval+reuse@TAU, oval+groups@G)."""
+    return job.get("engine") in ("oval", "dense") or job.get("reuse_tau") is not None or bool(job.get("group_pages"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2:
@@ -61,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(job_path, encoding="utf-8") as handle:
         job = json.load(handle)
     # the runtime's engines (oval, dense, oval+reuse@TAU) run as `oval-edge serve` does (before bitsandbytes loads)
-    if job.get("engine") in ("oval", "dense") or job.get("reuse_tau") is not None:
+    if runs_runtime(job):
         from oval_edge.cli import prepare_runtime_process
 
         prepare_runtime_process()

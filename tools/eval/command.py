@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     oval.add_argument("--reuse-tau", default=None,
                       help="comma-separated cosines, e.g. 0.9,0.95,0.99: one more oval row per value that reuses a "
                            "recent page selection when the query moved less (selection reuse, DESIGN §4.7)")
+    oval.add_argument("--group-pages", default=None,
+                      help="comma-separated group sizes, e.g. 8,16: one more oval row per value that scores in two "
+                           "levels (coarse groups of that many pages, then the pages of the best --top-groups)")
+    oval.add_argument("--top-groups", type=int, default=8, help="groups whose pages two-level rows score finely")
     oval.add_argument("--sink-pages", type=int, default=1, help="leading pages always attended")
     oval.add_argument("--dense-layers", type=int, default=2, help="first layers decoded densely")
     oval.add_argument("--rank", type=int, default=4, help="oval basis rank r (at most page_size - 1)")
@@ -104,6 +108,9 @@ def _settings(args: argparse.Namespace) -> dict:
     top_ks = parse_int_list(args.top_k, "--top-k", 1, 4096)
     etas = parse_float_list(args.eta, "--eta", 0.0, 1.0)
     reuse_taus = _reuse_taus(args.reuse_tau, names)
+    group_pages = parse_int_list(args.group_pages, "--group-pages", 2, 256) if args.group_pages else []
+    if group_pages and "oval" not in names:
+        raise ValueError("--group-pages adds oval rows that score in two levels: keep oval in --policies")
     _check_int("--threads", args.threads, 1, 1024)
     _check_int("--length", args.length, 16, 1 << 20)
     start = args.start if args.start is not None else max(1, args.length - 192)
@@ -114,10 +121,10 @@ def _settings(args: argparse.Namespace) -> dict:
     depths = parse_float_list(args.depths, "--depths", 0.0, 1.0)
     bases = [OvalConfig(page_size=p, top_k=max(top_ks), sink_pages=args.sink_pages, window_min=args.window,
                         window_max=args.window, dense_layers=args.dense_layers, rank=args.rank, eta=etas[0],
-                        record=args.record, kv_dtype="float32") for p in page_sizes]  # validates window, sink, rank, ...
+                        record=args.record, kv_dtype="float32", top_groups=args.top_groups) for p in page_sizes]  # validates window, sink, rank, ...
     if args.text is not None and not os.path.isfile(args.text):
         raise ValueError(f"--text {args.text} is not a file")
-    return dict(tasks=tasks, policies=build_policies(names, top_ks, etas, windows, reuse_taus), page_sizes=page_sizes,
+    return dict(tasks=tasks, policies=build_policies(names, top_ks, etas, windows, reuse_taus, group_pages), page_sizes=page_sizes,
                 start=start, contexts=contexts, depths=depths, base=bases[0].replace(top_k=top_ks[0]),
                 pool_memory=parse_bytes(args.pool_memory, "--pool-memory"))
 
@@ -212,14 +219,15 @@ def _fidelity(args, s, loaded, base: OvalConfig) -> list[dict]:
 def _passkey(args, s, loaded, base: OvalConfig) -> list[dict]:
     from .passkey import build_cases, run_passkey
     from .report import passkey_records
-    from .runtime import geometry_for
+    from .runtime import geometry_for, groups_of
 
     results = []
     print(f"\npasskey: contexts {s['contexts']}, depths {s['depths']}, {args.keys} key(s) per depth, question fed "
           f"as decode steps, greedy answer")
     for page_size in s["page_sizes"]:
         config = base.replace(page_size=page_size)
-        geometry = geometry_for(loaded.config, page_size, config.rank, record=config.record)
+        geometry = geometry_for(loaded.config, page_size, config.rank, record=config.record,
+                                group_pages=groups_of(s["policies"]))
         for context in s["contexts"]:
             cases = build_cases(loaded.tokenizer, context, s["depths"], args.keys, args.seed)
             row_bytes = -(-(context + 8) // page_size) * geometry.bytes_per_page

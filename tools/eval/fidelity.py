@@ -18,7 +18,7 @@ from tqdm import tqdm
 from oval_edge.config import OvalConfig
 
 from .policies import Policy
-from .runtime import EvalPool, EvalRunner, dense_prefix, ensure_output_metric, geometry_for, load_kv
+from .runtime import EvalPool, EvalRunner, dense_prefix, ensure_output_metric, geometry_for, groups_of, load_kv
 
 
 @dataclass
@@ -60,7 +60,8 @@ def _one_pass(loaded, ids, start, config: OvalConfig, policies, keys, values, sh
               window_module=None) -> list[FidelityRow]:
     total, count, page_size = len(ids), len(policies), config.page_size
     pages_per_row = -(-total // page_size)
-    pool = EvalPool(geometry_for(loaded.config, page_size, config.rank, record=config.record), count * pages_per_row,
+    pool = EvalPool(geometry_for(loaded.config, page_size, config.rank, record=config.record,
+                                 group_pages=groups_of(policies)), count * pages_per_row,
                     loaded.device, eta=config.eta)
     runner = EvalRunner(loaded.model, pool, config, policies, window_module)
     ensure_output_metric(pool, runner, policies)

@@ -22,7 +22,7 @@ from oval_edge.config import OvalConfig
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 
 from .policies import Policy
-from .runtime import (EvalPool, EvalRunner, capture_kv, dense_prefix, ensure_output_metric, geometry_for, load_kv,
+from .runtime import (EvalPool, EvalRunner, capture_kv, dense_prefix, ensure_output_metric, geometry_for, groups_of, load_kv,
                       prefill)
 
 INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -130,7 +130,8 @@ def run_passkey(loaded, cases: list[PasskeyCase], base: OvalConfig, policies: li
     per_batch = max(1, max_rows // count)
     capacity = context + ANSWER_TOKENS
     pages_per_row = -(-capacity // base.page_size)
-    pool = EvalPool(geometry_for(loaded.config, base.page_size, base.rank, record=base.record),
+    pool = EvalPool(geometry_for(loaded.config, base.page_size, base.rank, record=base.record,
+                                 group_pages=groups_of(policies)),
                     min(per_batch, len(cases)) * count * pages_per_row, loaded.device, eta=base.eta)
     prefiller = PagedLlama(model, pool, base, attention="dense")  # chunked prefill is dense in any mode
     ensure_output_metric(pool, prefiller, policies)

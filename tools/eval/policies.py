@@ -39,6 +39,7 @@ class Policy:
     eta: float | None = None  # oval pages only: the output-aware mix its page summaries are built with
     window: tuple[int, int] | None = None  # window policies only: the (lo, hi) range of each head's window
     reuse_tau: float | None = None  # oval only: reuse a recent selection at query cosine >= tau (tools/eval/reuse)
+    group_pages: int = 0  # oval only: two-level scoring with coarse groups of this many pages (sparse/grouped.py)
 
     def __post_init__(self) -> None:
         if self.name not in ALL_POLICIES:
@@ -51,6 +52,9 @@ class Policy:
             raise ValueError(f"policy {self.name!r}: a window range is set for {', '.join(WINDOW_POLICIES)} rows only")
         if self.reuse_tau is not None and (self.name != "oval" or not 0.0 < self.reuse_tau <= 1.0):
             raise ValueError(f"policy {self.name!r}: reuse_tau={self.reuse_tau!r} needs an oval row and (0, 1]")
+        if self.group_pages and (self.name != "oval" or self.reuse_tau is not None or self.group_pages < 2):
+            raise ValueError(f"policy {self.name!r}: group_pages={self.group_pages} needs an oval row without reuse "
+                             "and at least 2 pages a group")
 
     @property
     def label(self) -> str:
@@ -58,7 +62,8 @@ class Policy:
             return "dense"
         if self.name == "oval":
             reuse = f" reuse τ={self.reuse_tau:g}" if self.reuse_tau is not None else ""
-            return f"oval eta={self.eta:g}{reuse} k={self.top_k}"
+            grouped = f" groups of {self.group_pages}" if self.group_pages else ""
+            return f"oval eta={self.eta:g}{reuse}{grouped} k={self.top_k}"
         if self.name in WINDOW_POLICIES:
             return f"{self.family} k={self.top_k}"
         return f"{self.name} k={self.top_k}"
@@ -70,11 +75,16 @@ class Policy:
             return f"{self.name} W{self.window[0]}-{self.window[1]}"
         if self.name == "oval" and self.reuse_tau is not None:
             return f"oval reuse τ={self.reuse_tau:g}"
+        if self.name == "oval" and self.group_pages:
+            return f"oval groups of {self.group_pages}"
         return f"oval eta={self.eta:g}" if self.name == "oval" else self.name
 
     @property
     def scorer(self) -> str:
-        """Which page scorer the row's scores come from (window policies select oval pages)."""
+        """Which page scorer the row's scores come from (window policies select oval pages; 'oval:G' for two-level
+        oval scoring with groups of G pages)."""
+        if self.group_pages:
+            return f"oval:{self.group_pages}"
         return "oval" if self.name in WINDOW_POLICIES else self.name
 
     def config(self, base: OvalConfig) -> OvalConfig:
@@ -108,10 +118,11 @@ class Policy:
 
 def build_policies(names: list[str], top_ks: list[int], etas: list[float],
                    windows: dict[str, tuple[int, int]] | None = None,
-                   reuse_taus: Sequence[float] = ()) -> list[Policy]:
+                   reuse_taus: Sequence[float] = (), group_pages: Sequence[int] = ()) -> list[Policy]:
     """Rows of one pass: dense first (the reference), then every other policy at every budget. Window policies
     take the first eta and their range from `windows` (policy name -> (lo, hi)); each of `reuse_taus` adds an oval
-    row (first eta) that reuses selections at that tau, right after the oval rows."""
+    row (first eta) that reuses selections at that tau, and each of `group_pages` one that scores in two levels
+    with groups of that many pages, right after the oval rows."""
     unknown = [n for n in names if n not in ALL_POLICIES]
     if unknown:
         raise ValueError(f"--policies names unknown policy {unknown}; allowed: {', '.join(ALL_POLICIES)}")
@@ -127,6 +138,7 @@ def build_policies(names: list[str], top_ks: list[int], etas: list[float],
             if name == "oval":
                 rows.extend(Policy("oval", k, float(eta)) for eta in etas)
                 rows.extend(Policy("oval", k, float(etas[0]), reuse_tau=float(tau)) for tau in reuse_taus)
+                rows.extend(Policy("oval", k, float(etas[0]), group_pages=int(g)) for g in group_pages)
             elif name in WINDOW_POLICIES:
                 rows.append(Policy(name, k, float(etas[0]), tuple(windows[name])))
             else:

@@ -27,11 +27,17 @@ from .policies import Policy
 from .reuse import EvalReuse
 
 
-def geometry_for(model_config, page_size: int, rank: int, kinds=("oval", "quest"), record: str = "float") -> KVGeometry:
+def geometry_for(model_config, page_size: int, rank: int, kinds=("oval", "quest"), record: str = "float",
+                 group_pages: int = 0) -> KVGeometry:
     """An fp32 pool geometry for the eval's pools (both summaries by default: rows of either scorer share it); record:
-    how the oval records are stored (page_record.py)."""
-    config = OvalConfig(page_size=page_size, rank=rank, record=record)
+    how the oval records are stored (page_record.py); group_pages: coarse records for two-level rows (grouped.py)."""
+    config = OvalConfig(page_size=page_size, rank=rank, record=record, group_pages=group_pages)
     return KVGeometry.for_oval(*kv_dims(model_config), config, "float32", kinds)
+
+
+def groups_of(policies) -> int:
+    """The coarse group size a pool needs for these rows (two-level oval rows; 0: none)."""
+    return max((p.group_pages for p in policies), default=0)
 
 
 def ensure_output_metric(pool: PagePool, runner, policies) -> None:
@@ -200,9 +206,11 @@ class EvalRunner(PagedLlama):
             q_rows = q.index_select(0, idx)
             if scorer == "oracle":
                 s = oracle_page_scores(self.pool, layer, table, sub.lengths.index_select(0, idx), q_rows, self.scale)
-            else:
-                s = score_pages(scorer, group_queries(q_rows, self.kv_heads), self.pool.summaries, layer, table,
-                                self.scale)
+            else:  # 'oval:G': two-level scoring with groups of G pages
+                name, _, size = scorer.partition(":")
+                groups = (int(size), self.config.top_groups) if size else (0, 0)
+                s = score_pages(name, group_queries(q_rows, self.kv_heads), self.pool.summaries, layer, table,
+                                self.scale, sealed=sub.sealed.index_select(0, idx), groups=groups)
             scores.index_copy_(0, idx, s.float())
         return scores
 

@@ -27,6 +27,7 @@ import torch
 from oval_edge.geometry import batch_buckets
 from oval_edge.kernels.cpu import decode_kernels
 from oval_edge.kv.ring import ring_row
+from oval_edge.sparse.grouped import grouped_scores, uses_groups
 from oval_edge.sparse.scoring import group_queries, score_pages
 from oval_edge.sparse.selection import DecodePlan, slots_per_step
 from oval_edge.sparse.sliding import ring_slots
@@ -165,7 +166,12 @@ class StaticAttention:
         """Page scores [B, Hkv, W] of one sparse layer from the records (pages past `sealed` are not candidates)."""
         runner, step = self.runner, self.step
         grouped = group_queries(q, runner.kv_heads)  # [B, Hkv, G, D]
-        if runner.config.scorer == "oval":
+        config = runner.config
+        if config.scorer == "oval" and uses_groups(step.page_table.shape[1], config.group_pages, config.top_groups):
+            return grouped_scores(grouped, self.pool.summaries, self.pool.paged_index[layer], step.page_table,
+                                  step.sealed, runner.scale, config.group_pages, config.top_groups,
+                                  lambda table, n: page_scores(self.pool, layer, grouped, table, n, runner.scale))
+        if config.scorer == "oval":
             return page_scores(self.pool, layer, grouped, step.page_table, step.sealed, runner.scale)
         return score_pages(runner.config.scorer, grouped, self.pool.summaries, layer, step.page_table, runner.scale)
 
@@ -238,9 +244,14 @@ class StaticDecoder:
         g = self.runner.pool.geometry
         gathered = rows * self.runner.kv_heads * (step.dense_layers * self.width * g.page_size + sparse_layers
                                                   * step.slots + step.sliding_layers * g.ring_pages * g.page_size)
-        # Scoring reads the records of each row's sealed pages (the kernels stop at sealed[b]), in every sparse layer.
-        sealed = sum((length - 1) // g.page_size for length in step.lengths_list)
+        # Scoring reads the records of each row's sealed pages (the kernels stop at sealed[b]), in every sparse layer;
+        # in two levels, every group's coarse record and the fine records of a fixed set of pages per row.
+        config = self.runner.config
+        if uses_groups(self.width, config.group_pages, config.top_groups):
+            per_head = rows * g.scoring_bytes(self.width, config.top_groups)
+        else:
+            per_head = sum((length - 1) // g.page_size for length in step.lengths_list) * g.summary_bytes_per_head()
         return StepStats(kv_tokens_read=attended if step.reads_valid_only else gathered, attended_tokens=attended,
                          sparse_layers=0 if shorts else sparse_layers,
-                         summary_bytes=sealed * sparse_layers * self.runner.kv_heads * g.summary_bytes_per_head(),
+                         summary_bytes=per_head * sparse_layers * self.runner.kv_heads,
                          window_mean=window_sum / window_count if window_count else float(self.runner.config.window_min))

@@ -97,9 +97,10 @@ class DecodeRows:
             read.windows.append(selection.window[selection.sparse_rows])
         scored = selection.window is not None and not self.plan.all_dense
         read.sparse_layers += scored
-        if scored:  # the scorers read every listed page's record of every KV head (scoring.score_pages)
-            read.summary_bytes += self.step.page_table.numel() * runner.pool.geometry.summary_bytes_per_head() \
-                * runner.pool.geometry.kv_heads
+        if scored:  # the scorers read the listed pages' records of every KV head (scoring.score_pages)
+            rows, pages = self.step.page_table.shape
+            g, config = runner.pool.geometry, self.plan.config
+            read.summary_bytes += rows * g.scoring_bytes(pages, config.top_groups) * g.kv_heads
         if self.collect:
             self.selections.append(selection)
         return out

@@ -1,0 +1,82 @@
+"""Coarse records of page groups, for two-level scoring (oval_edge/sparse/grouped.py).
+
+A group is a run of G = geometry.group_pages consecutive logical pages of one sequence. When its last page seals,
+one record is built from the keys of all G*P tokens, per layer and KV head, and stored in the slot of that last
+physical page (the slot exists for every page; only group-last pages use it). Keying by the last page keeps the
+record valid under prefix caching: a page's name hashes every page before it, so a shared last page means a shared
+group.
+
+The record is the group's centred key basis with a box around the coordinates:
+
+    mu [D] (key mean), B^T [r, D] (top-r principal directions of K - mu), lo, hi [r] (min and max of (K - mu) B)
+
+so that for every key k_t of the group q . k_t ~= mu . q + sum_i (B^T q)_i c_ti <= mu . q + sum_i max(p_i lo_i,
+p_i hi_i) with p = B^T q: Quest's per-channel bound, taken in the group's principal axes, where the keys' spread
+is concentrated (axis-aligned bounds over 512 tokens say little; rotated ones keep their shape).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+GROUP_NAMES = ("group_mean", "group_basis", "group_bounds")
+
+
+def allocate_group_records(geometry, num_pages: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """The coarse record slots, one per physical page and KV head, allocated once with the pool ({} if flat)."""
+    g = geometry
+    if not g.group_pages:
+        return {}
+    lead = (g.paged_layers, num_pages, g.kv_heads)
+    return {
+        "group_mean": torch.zeros(lead + (g.head_dim,), dtype=dtype, device=device),  # [L, pages, Hkv, D]
+        "group_basis": torch.zeros(lead + (g.rank, g.head_dim), dtype=dtype, device=device),  # [L, pages, Hkv, r, D]
+        "group_bounds": torch.zeros(lead + (2, g.rank), dtype=dtype, device=device),  # [L, pages, Hkv, 2, r]
+    }
+
+
+def group_record(keys: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keys [N, T, D] (T = G * P tokens of N groups) -> (mu [N, D], B^T [N, r, D], bounds [N, 2, r]) fp32.
+
+    The basis comes from the D x D scatter matrix (T > D here, so this is the small side)."""
+    k = keys.float()
+    mean = k.mean(dim=1)  # [N, D]
+    x = k - mean[:, None]  # [N, T, D]
+    _, vectors = torch.linalg.eigh(x.transpose(1, 2) @ x)  # ascending eigenvalues
+    basis = vectors[..., -rank:].flip(-1)  # [N, D, r]
+    coords = x @ basis  # [N, T, r]
+    bounds = torch.stack((coords.amin(dim=1), coords.amax(dim=1)), dim=1)  # [N, 2, r]
+    return mean, basis.transpose(1, 2).contiguous(), bounds
+
+
+@torch.no_grad()
+def seal_groups(pool, groups: Sequence[Sequence[int]]) -> None:
+    """Build the coarse records of complete groups, each given as its G physical pages in logical order, every layer
+    and KV head at once; the record lands in the slot of the group's last page."""
+    g = pool.geometry
+    if not groups or not g.paged_layers:
+        return
+    per_batch = max(1, pool.seal_chunk // g.group_pages)  # bounded transient memory, as page sealing
+    for i in range(0, len(groups), per_batch):
+        batch = groups[i : i + per_batch]
+        idx = torch.tensor([p for group in batch for p in group], dtype=torch.long, device=pool.device)
+        keys = pool.k.index_select(1, idx)  # [L, n*G, Hkv, P, D]
+        n = len(batch)
+        keys = keys.view(g.paged_layers, n, g.group_pages, g.kv_heads, g.page_size, g.head_dim)
+        keys = keys.permute(0, 1, 3, 2, 4, 5).reshape(-1, g.group_pages * g.page_size, g.head_dim)  # [L*n*Hkv, T, D]
+        mean, basis_t, bounds = group_record(keys, g.rank)
+        lead = (g.paged_layers, n, g.kv_heads)
+        last = torch.tensor([group[-1] for group in batch], dtype=torch.long, device=pool.device)
+        for name, value in zip(GROUP_NAMES, (mean, basis_t, bounds)):
+            store = pool.summaries[name]
+            store.index_copy_(1, last, value.view(*lead, *value.shape[1:]).to(store.dtype))
+
+
+def completed_groups(table: Sequence[int], sealed_before: int, sealed_now: int, group_pages: int) -> list[list[int]]:
+    """The groups of a page table whose last page sealed between sealed_before and sealed_now pages ([] if flat)."""
+    if not group_pages:
+        return []
+    first = sealed_before // group_pages
+    return [list(table[j * group_pages : (j + 1) * group_pages]) for j in range(first, sealed_now // group_pages)]
