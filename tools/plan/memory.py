@@ -72,8 +72,9 @@ def decode_reads(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, cont
     # Scoring reads the summary of every sealed page in each sparse layer once the row exceeds the budget.
     sparse_layers = sum(1 for layer, (t, kind) in enumerate(zip(per_layer, shape.kinds))
                         if layer >= oval.dense_layers and t < context and kind == "full")
-    summary_page = shape.kv_heads * geometry.summary_bytes_per_head()
-    summaries = batch * sparse_layers * (context // oval.page_size) * summary_page
+    # (two-level scoring: every group's coarse record and a fixed set of fine records, geometry.scoring_bytes)
+    summaries = batch * sparse_layers * shape.kv_heads * geometry.scoring_bytes(context // oval.page_size,
+                                                                                 oval.top_groups)
     return {"tokens_per_layer_dense": per_layer[0] if per_layer else 0, "tokens_per_layer_sparse": min(context, oval.token_budget),
             "tokens_per_layer_sliding": min(context, shape.sliding_window) if shape.sliding_layers else 0,
             "tokens_per_step": sum(per_layer), "kv_bytes": kv, "summary_bytes": summaries}
