@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import Callable
 
-from .settings import BenchSettings, passage_ids, prompt_length, reuse_tau_of, schedule, warmup_ids
+from .settings import CONSTRAINED, BenchSettings, passage_ids, prompt_length, reuse_tau_of, schedule, warmup_ids
 
 WORKER_MODULE = "oval_edge.tools.bench.worker"
 
@@ -47,6 +47,7 @@ def job_spec(settings: BenchSettings, engine: str, context: int, run: int, promp
         "threads": settings.threads, "page_size": settings.page_size, "top_k": settings.top_k,
         "decode_step": settings.decode_step, "cuda_graphs": settings.cuda_graphs, "reuse_tau": reuse_tau_of(engine),
         "hf_dtype": settings.hf_dtype, "kv_elements_per_token": kv_elements_per_token,
+        "schema": settings.schema if engine == CONSTRAINED else None,
     }
 
 

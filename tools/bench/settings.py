@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 RUNTIME_ENGINES = ("oval", "dense")  # this project's runtime, OVAL and dense attention on the same page pool
 REUSE_PREFIX = "oval+reuse@"  # OVAL with selection reuse at a query cosine (--reuse-tau 0.95 -> oval+reuse@0.95)
+CONSTRAINED = "oval+schema"  # OVAL with every token masked by --schema's grammar (the cost of constrained decoding)
 PEER_ENGINES = ("hf", "llama.cpp")  # what a user would pick instead (Hugging Face generate(), llama-cpp-python)
 ENGINES = RUNTIME_ENGINES + PEER_ENGINES
 ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "huggingface": "hf", "transformers": "hf"}
@@ -67,6 +68,7 @@ class BenchSettings:
     hf_dtype: str = "float32"
     timeout_s: float = 3600.0
     skipped: dict = field(default_factory=dict)  # engine -> why it does not run (printed, kept in the JSON)
+    schema: dict | bool | None = None  # --schema: the JSON schema the oval+schema engine decodes under
 
     def __post_init__(self) -> None:
         if not self.contexts:
@@ -76,9 +78,11 @@ class BenchSettings:
                 raise ValueError(f"--contexts value {c!r} is out of range: allowed integers in [1, 1048576]")
         if not self.engines:
             raise ValueError("no engine to run; give --engines oval,dense and/or --peers")
-        unknown = [e for e in self.engines if e not in ENGINES and not e.startswith(REUSE_PREFIX)]
+        unknown = [e for e in self.engines if e not in (*ENGINES, CONSTRAINED) and not e.startswith(REUSE_PREFIX)]
         if unknown:
             raise ValueError(f"--engines {unknown} unknown; allowed: {', '.join(ENGINES)}")
+        if (CONSTRAINED in self.engines) != (self.schema is not None):
+            raise ValueError(f"the {CONSTRAINED} engine runs exactly when --schema FILE.json is given")
         for engine in self.engines:
             try:
                 tau = reuse_tau_of(engine)
@@ -133,6 +137,16 @@ def with_reuse(engines: tuple[str, ...], text: str | None) -> tuple[str, ...]:
     added = tuple(dict.fromkeys(f"{REUSE_PREFIX}{t:g}" for t in taus))
     at = engines.index("oval") + 1 if "oval" in engines else 0
     return engines[:at] + added + engines[at:]
+
+
+def with_schema(engines: tuple[str, ...], schema) -> tuple[str, ...]:
+    """--schema FILE: the oval+schema engine right after oval (so the two alternate run by run)."""
+    if schema is None:
+        return engines
+    if "oval" not in engines:
+        raise ValueError("--schema compares constrained with free decoding under OVAL; keep oval in --engines")
+    at = engines.index("oval") + 1
+    return engines[:at] + (CONSTRAINED,) + engines[at:]
 
 
 def parse_engines(text: str, peers: bool) -> tuple[str, ...]:

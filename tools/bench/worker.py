@@ -20,6 +20,11 @@ import traceback
 from .meters import MemoryMeter, TokenClock
 
 
+def runs_runtime(job: dict) -> bool:
+    """oval, dense, oval+reuse@TAU (oval with reuse) and oval+schema (oval under a grammar) are this runtime."""
+    return job.get("engine") in ("oval", "dense") or job.get("reuse_tau") is not None or job.get("schema") is not None
+
+
 def run_job(job: dict) -> dict:
     """Run one job (see runner.job_spec for its keys) and return its result row."""
     threads = int(job["threads"])
@@ -28,7 +33,7 @@ def run_job(job: dict) -> dict:
     uses_torch_cuda = job["device"] == "cuda" and engine != "llama.cpp"
     meter = MemoryMeter(cuda=uses_torch_cuda)
     began = time.perf_counter()
-    if engine in ("oval", "dense") or job.get("reuse_tau") is not None:  # oval+reuse@TAU: oval with reuse
+    if runs_runtime(job):
         from .runtime_engine import run_runtime
 
         extra = run_runtime(job, meter, clock)
@@ -60,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     job_path, result_path = argv
     with open(job_path, encoding="utf-8") as handle:
         job = json.load(handle)
-    # the runtime's engines (oval, dense, oval+reuse@TAU) run as `oval-edge serve` does (before bitsandbytes loads)
-    if job.get("engine") in ("oval", "dense") or job.get("reuse_tau") is not None:
+    # the runtime's engines run as `oval-edge serve` does (before bitsandbytes loads)
+    if runs_runtime(job):
         from oval_edge.cli import prepare_runtime_process
 
         prepare_runtime_process()
