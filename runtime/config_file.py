@@ -1,6 +1,7 @@
 """The TOML file `oval-edge plan --write-config` writes and `oval-edge serve --config` reads.
 
-    [model]   path = "/abs/model.gguf" | "/abs/hf-folder" | "default";  quant = "nf4" | "fp4" | "none"
+    [model]   path = "/abs/model.gguf" | "/abs/hf-folder" | "default";  quant = "nf4" | "fp4" | "none";
+              chat_template = "chatml-tools" (shipped) | "template.jinja" (relative to the config file's folder)
     [oval]    OvalConfig fields (page_size, top_k, sink_pages, window_min, window_max, dense_layers, scorer, rank,
               eta, kv_dtype, reuse_tau, reuse_slots, window_module) - validated by OvalConfig itself; a relative
               window_module path is taken relative to the config file's folder
@@ -22,6 +23,7 @@ import sys
 
 from oval_edge.config import OvalConfig
 from oval_edge.runtime.model.source import QUANT_TYPES
+from oval_edge.runtime.model.tokenizer import SHIPPED_TEMPLATES
 from oval_edge.units import parse_bytes
 
 if sys.version_info >= (3, 11):
@@ -80,7 +82,8 @@ def _bool(value, where: str):
 
 _attention = _choice("oval", "dense")
 _decode_step = _choice("static", "compiled", "eager")
-MODEL_KEYS = {"path": _str, "quant": _quant, "dtype": _choice("auto", "float32", "bfloat16", "float16")}
+MODEL_KEYS = {"path": _str, "quant": _quant, "dtype": _choice("auto", "float32", "bfloat16", "float16"),
+              "chat_template": _str}
 # Ranges as runtime/engine/setup.EngineConfig checks them, so a file that loads also builds an engine.
 ENGINE_KEYS = {
     "max_batch": _int(1, 1024), "max_queue": _int(0, 1_000_000), "prefill_chunk": _int(16, 65536),
@@ -169,6 +172,9 @@ def load_config_file(path: str) -> dict:
     module = sections["oval"].get("window_module")  # like the model path: relative to the config file's folder
     if module and not os.path.isabs(os.path.expanduser(module)):
         sections["oval"]["window_module"] = os.path.normpath(os.path.join(os.path.dirname(path), module))
+    template = sections["model"].get("chat_template")  # a shipped template's name, or a file like the model path
+    if template and template not in SHIPPED_TEMPLATES and not os.path.isabs(os.path.expanduser(template)):
+        sections["model"]["chat_template"] = os.path.normpath(os.path.join(os.path.dirname(path), template))
     return sections
 
 

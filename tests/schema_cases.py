@@ -1,6 +1,6 @@
-"""Seeded JSON schemas for the structured-output tests (no tests here): objects with required fields, enums, bounded
-numbers, arrays and nested objects, each small enough that a small model finishes a valid document in a few dozen
-tokens (strings and arrays are bounded, so a document cannot run to max_tokens on its own)."""
+"""Seeded JSON schemas for the structured-output and tool-calling tests (no tests here): objects with required
+fields, enums, bounded numbers, arrays and nested objects, each small enough that a small model finishes a valid
+document in a few dozen tokens (strings and arrays are bounded, so a document cannot run to max_tokens on its own)."""
 
 from __future__ import annotations
 
@@ -45,4 +45,19 @@ def schemas(count: int, seed: int = 2024) -> list[dict]:
         if i % 5 == 4:  # a top-level array of objects
             schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 2}
         out.append(schema)
+    return out
+
+
+FUNCTIONS = ("get_weather", "book_table", "search_items", "set_alarm", "convert_units", "send_message")
+
+
+def function_tools(count: int, seed: int = 7) -> list[dict]:
+    """`count` OpenAI tools with seeded parameters schemas (objects, as function parameters are)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        verb = FUNCTIONS[i % len(FUNCTIONS)]
+        name = verb if i < len(FUNCTIONS) else f"{verb}_{i}"
+        out.append({"type": "function", "function": {"name": name, "description": verb.replace("_", " "),
+                                                      "parameters": _object(rng, depth=i % 2)}})
     return out

@@ -215,3 +215,40 @@ def test_prompt_is_shortened_only_past_the_models_positions():
     assert prompt_length(8192, 64, None) == 8192
     with pytest.raises(ValueError, match="no room"):
         prompt_length(100, 9000, 8192)
+
+
+@pytest.mark.slow
+def test_schema_row_decodes_under_the_grammar(tmp_path):
+    # oval and oval+schema alternate; a schema whose document ends before --gen tokens is an error row that says so.
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "array", "minItems": 8, "items": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 999}}))
+    out = tmp_path / "bench.json"
+    args = _bench_args(contexts="64", gen=4, runs=1, engines="oval", device="cpu", quant="none", threads=1,
+                       json_path=str(out), no_progress=True, schema=str(schema))
+    assert bench_command.run(args) == 0
+    report = json.loads(out.read_text())
+    assert [r["engine"] for r in report["runs"]] == ["oval", "oval+schema"]
+    constrained = next(r for r in report["rows"] if r["engine"] == "oval+schema")
+    assert constrained["runs_ok"] == 1 and constrained["decode_tok_s"] > 0 and "JSON schema" in constrained["label"]
+    assert report["ratios"][0]["vs"] == "oval+schema"
+    schema.write_text(json.dumps({"enum": [1]}))  # "1" and the end of the document: two tokens
+    bench_command.run(_bench_args(contexts="64", gen=4, runs=1, engines="oval", device="cpu", quant="none",
+                                  threads=1, json_path=str(out), no_progress=True, schema=str(schema)))
+    failed = next(r for r in json.loads(out.read_text())["runs"] if r["engine"] == "oval+schema")
+    assert "--schema document ended" in failed["error"]
+
+
+def test_schema_flag_validation(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="--schema .*bad.json"):
+        bench_command.build_settings(_bench_args(schema=str(bad), device="cpu"))
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="an object"):
+        bench_command.build_settings(_bench_args(schema=str(bad), device="cpu"))
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="keep oval"):
+        bench_command.build_settings(_bench_args(schema=str(bad), device="cpu", engines="dense"))
+    with pytest.raises(ValueError, match="exactly when --schema"):
+        BenchSettings(contexts=(512,), engines=("oval", "oval+schema"))

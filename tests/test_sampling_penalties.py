@@ -39,6 +39,15 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     assert processed(prompt=[0], repetition_penalty=1.0).tolist() == pytest.approx(LOGITS.tolist())
 
 
+def test_a_tiny_repetition_penalty_still_samples():
+    # 1e-300 > 0 is a valid value: dividing a logit by it overflows, which must not reach the softmax as NaN
+    # (a 500 the schemathesis run found); the seen positive logit dominates, as the definition says.
+    got = processed(prompt=[0], repetition_penalty=1e-300)
+    assert torch.isfinite(got).all()
+    sampler = RowSampler(SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=3))
+    assert sampler.choose(LOGITS, [0], []).token == 0
+
+
 def test_logit_bias_adds_and_can_force_or_forbid_a_token():
     got = processed(logit_bias={1: 5.0, 3: -100.0})
     assert float(got[1]) == pytest.approx(4.0) and float(got[3]) == pytest.approx(-97.0)

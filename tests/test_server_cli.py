@@ -141,3 +141,22 @@ def test_threads_flag_sets_torch_threads():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_chat_template_flag_and_config_key(tmp_path):
+    import argparse
+
+    from oval_edge.runtime.server.options import add_engine_arguments, engine_spec
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    spec = engine_spec(parser.parse_args(["--chat-template", "chatml-tools"]))
+    assert spec.chat_template == "chatml-tools" and "<tool_call>" in spec.chat_template_text
+    assert engine_spec(parser.parse_args([])).chat_template_text is None  # the model's own
+    with pytest.raises(ValueError, match="--chat-template .*nope.jinja"):
+        engine_spec(parser.parse_args(["--chat-template", str(tmp_path / "nope.jinja")]))
+    # [model] chat_template: a file is taken relative to the config file's folder
+    (tmp_path / "mine.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}{{ tools }}")
+    (tmp_path / "c.toml").write_text('[model]\nchat_template = "mine.jinja"\n')
+    spec = engine_spec(parser.parse_args(["--config", str(tmp_path / "c.toml")]))
+    assert spec.chat_template == str(tmp_path / "mine.jinja") and "{{ tools }}" in spec.chat_template_text

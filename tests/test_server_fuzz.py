@@ -1,6 +1,7 @@
 """Property-based fuzzing with schemathesis against the server's own OpenAPI schema: generated requests that fit
-the schema and requests that break it, for every operation, must never get a 5xx; afterwards every KV page is
-free. The server's max_tokens cap is 2 here, and the schema publishes it, so valid requests stay cheap."""
+the schema and requests that break it (tools, tool messages and response_format among their fields), for every
+operation, must never get a 5xx; afterwards every KV page is free. The server's max_tokens cap is 2 here, and the
+schema publishes it, so valid requests stay cheap."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections import Counter
 import pytest
 from test_server_support import ServerThread, get, make_engine, wait_pages_free
 
+from oval_edge.runtime.model.tokenizer import read_chat_template
 from oval_edge.runtime.server.app import ServerSettings, create_app
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -22,6 +24,9 @@ EXAMPLES = {GenerationMode.POSITIVE: 25, GenerationMode.NEGATIVE: 25}
 @pytest.fixture(scope="module")
 def server():
     engine = make_engine(num_pages=32, max_model_len=256)
+    # The tool-capable template, so that generated `tools` requests reach the template, the tool-call grammar and
+    # the parser instead of stopping at the bundled template's "cannot render tools" 400.
+    engine.chat_template = read_chat_template("chatml-tools")
     app = create_app(ServerSettings(model_name="smol-test", max_tokens_limit=2, max_body_bytes=64 * 1024),
                      lambda: engine)
     with ServerThread(app) as running:

@@ -17,7 +17,7 @@ from oval_edge.config import OvalConfig
 from oval_edge.kv.pool import PagePool
 from oval_edge.runtime.model.heap import release_heap
 from oval_edge.runtime.model.loader import LoadedModel, load_model
-from oval_edge.runtime.model.tokenizer import eos_token_ids
+from oval_edge.runtime.model.tokenizer import encode_chat, eos_token_ids
 
 from .forward.paged_llama import PagedLlama
 from .forward.step_rows import DecodeRows, PrefillRows, StaticDecodeRows, StepStats
@@ -36,6 +36,7 @@ class Engine:
         self.oval = oval or OvalConfig()
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
+        self.chat_template: str | None = None  # `serve --chat-template`: replaces the tokenizer's own template
         model_len = loaded.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or model_len, model_len)
         self.pool: PagePool = build_pool(loaded, self.oval, self.config, self.max_model_len)
@@ -288,12 +289,9 @@ class Engine:
             self.step()
         return request
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The model's own chat template, with the assistant turn opened."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The chat template (`chat_template`, else the model's own), tools rendered, the assistant turn opened."""
+        return encode_chat(self.tokenizer, messages, tools, self.chat_template)
 
 
 __all__ = ["Engine", "EngineConfig", "Request", "RequestRejected", "QueueFull", "SamplingParams", "FINISHED",

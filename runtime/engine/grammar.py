@@ -76,6 +76,28 @@ class GrammarCompiler:
         """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
         return self._compile({"type": "object"}, strict=False)
 
+    def tool_call(self, functions: list[tuple[str, object]], opening: str, closing: str) -> object:
+        """A compiled grammar for exactly one call `opening{"name": N, "arguments": A}closing`, N one of the
+        functions' names and A valid under that function's parameters schema. functions: [(name, parameters)].
+        Raises ToolSchemaError(index, message) naming the first function whose schema cannot be enforced."""
+        variants, defs = [], {}
+        for index, (name, parameters) in enumerate(functions):
+            try:
+                self.json_schema(parameters)  # alone first, so that an error names its function
+            except GrammarError as exc:
+                raise ToolSchemaError(index, str(exc)) from exc
+            parameters, own_defs = _hoist_defs(parameters, f"f{index}_")
+            defs.update(own_defs)
+            variants.append({"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
+                             "required": ["name", "arguments"], "additionalProperties": False})
+        schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+        if defs:
+            schema = {**schema, "$defs": defs}
+        xgr = self._xgr
+        body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        literal = lambda text: xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")  # noqa: E731
+        return self._compiler.compile_grammar(xgr.Grammar.concat(literal(opening), body, literal(closing)))
+
     def _compile(self, schema, strict: bool):
         try:
             text = json.dumps(schema)
@@ -86,6 +108,40 @@ class GrammarCompiler:
             return self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=strict)
         except RuntimeError as exc:  # xgrammar's message names the construct ("Unsupported type "foo"", ...)
             raise GrammarError(f"the schema cannot be compiled: {_last_line(exc)}") from exc
+
+
+class ToolSchemaError(GrammarError):
+    """A tool's parameters schema cannot be enforced; `index` is its place in the request's tools."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+
+def _hoist_defs(schema, prefix: str):
+    """(schema without its own $defs/definitions, those definitions renamed with `prefix`), its "#/$defs/X" and
+    "#/definitions/X" references rewritten: a parameters schema is nested under "arguments", where its references
+    to its own root would no longer resolve."""
+    if not isinstance(schema, dict):
+        return schema, {}
+    defs = {prefix + k: v for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)
+            for k, v in schema[key].items()}
+    if not defs:
+        return schema, {}
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            out = {k: rewrite(v) for k, v in node.items()}
+            ref = out.get("$ref")
+            if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+                out["$ref"] = "#/$defs/" + prefix + ref.split("/", 2)[2]
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    root = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    return rewrite(root), {name: rewrite(value) for name, value in defs.items()}
 
 
 def _last_line(exc: Exception) -> str:

@@ -37,7 +37,10 @@ def apply_repetition(logits: torch.Tensor, seen_ids: Sequence[int], penalty: flo
     if penalty == 1.0 or not seen_ids:
         return logits
     seen = token_counts(seen_ids, logits.shape[-1]) > 0
-    scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+    # Clamped to finite: a penalty near 0 (the API allows any > 0) would divide a logit to inf, and the sampler's
+    # max shift would then turn inf - inf into NaN.
+    limit = torch.finfo(logits.dtype).max
+    scaled = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(-limit, limit)
     return torch.where(seen, scaled, logits)
 
 

@@ -1,8 +1,10 @@
-"""A model's own tokenizer and chat template, read without importing transformers' model classes."""
+"""A model's own tokenizer and chat template, read without importing transformers' model classes; the chat template
+an operator puts in its place (`serve --chat-template`), and whether a template renders tools."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from .source import ModelSource
 
@@ -47,3 +49,59 @@ def eos_token_ids(tokenizer, model) -> set[int]:
         elif source:
             ids.update(int(i) for i in source)
     return ids
+
+
+# Templates shipped as package data, by the name `--chat-template` takes.
+SHIPPED_TEMPLATES = {"chatml-tools": Path(__file__).parent / "templates" / "chatml-tools.jinja"}
+
+
+def read_chat_template(spec: str) -> str:
+    """The text of `--chat-template SPEC`: a shipped template's name or a Jinja file; raises ValueError naming it
+    when it cannot be read or does not parse."""
+    path = SHIPPED_TEMPLATES.get(spec, Path(os.path.expanduser(spec)))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {spec!r}: cannot read {path} ({exc}); give a Jinja file or one of the "
+                         f"shipped templates: {', '.join(SHIPPED_TEMPLATES)}") from exc
+    parse_template(text, f"--chat-template {spec!r}")
+    return text
+
+
+def parse_template(text: str, where: str):
+    """The template's Jinja syntax tree (transformers renders it with the loopcontrols extension)."""
+    import jinja2
+
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return env.parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"{where}: the template does not parse (line {exc.lineno}: {exc.message})") from exc
+
+
+def renders_tools(tokenizer, override: str | None = None) -> bool:
+    """Whether the chat template in use reads the `tools` variable (one that does not would silently drop them)."""
+    from jinja2 import meta
+
+    template = override if override is not None else tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: transformers picks "tool_use" when tools are passed
+        template = template.get("tool_use", template.get("default"))
+    if not isinstance(template, str):
+        return False
+    try:
+        return "tools" in meta.find_undeclared_variables(parse_template(template, "the chat template"))
+    except ValueError:
+        return False
+
+
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                template: str | None = None) -> list[int]:
+    """Token ids of `messages` under the chat template (`template`, else the tokenizer's own), with `tools`
+    rendered where given, and the assistant turn opened."""
+    kwargs = {"tools": tools} if tools else {}
+    if template is not None:
+        kwargs["chat_template"] = template
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)

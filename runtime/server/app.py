@@ -30,6 +30,7 @@ from .generate import Job, chat_prompt_ids, completion_prompt_ids, respond, stre
 from .metrics import ServerMetrics
 from .protocol import request_models
 from .tokenize_routes import install_token_routes
+from .tool_calls import ToolPlan, ToolStream, check_messages, tool_grammar, tool_message, tool_plan
 
 log = logging.getLogger("oval_edge.server")
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
@@ -208,8 +209,10 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
         try:
             engine = state.require_ready(job.endpoint)
             state.check_model(body.model)
-            prompt_ids = await chat_prompt_ids(state, engine, body)
-            return await _generate(job, prompt_ids, body, http)
+            check_messages(body.messages)
+            plan = tool_plan(body, engine)  # None: no tools rendered, plain content
+            prompt_ids = await chat_prompt_ids(state, engine, body, plan.tools if plan else None)
+            return await _generate(job, prompt_ids, body, http, plan=plan)
         except ApiError as exc:
             _log_refusal(job, exc)
             raise
@@ -226,17 +229,18 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
             _log_refusal(job, exc)
             raise
 
-    async def _generate(job: Job, prompt_ids: list[int], body, http: Request, default_max_tokens: int | None = None):
+    async def _generate(job: Job, prompt_ids: list[int], body, http: Request, default_max_tokens: int | None = None,
+                        plan: ToolPlan | None = None):
         job.prompt_tokens = len(prompt_ids)
         default = min(default_max_tokens or settings.default_max_tokens, settings.max_tokens_limit)
         engine = state.engine
-        grammar = await response_grammar(state, engine, body)
+        grammar = await response_grammar(state, engine, body) or await tool_grammar(state, engine, plan)
         params = sampling_params(body, len(prompt_ids), engine.token_limit(), default,
                                  engine.loaded.config.vocab_size, grammar)
         tickets = await submit(state, job, prompt_ids, params, body.n or 1)
         if body.stream:
-            return stream(state, job, tickets)
-        return await respond(state, job, tickets, http)
+            return stream(state, job, tickets, (lambda _: ToolStream(plan)) if plan else None)
+        return await respond(state, job, tickets, http, (lambda r: tool_message(r, plan)) if plan else None)
 
     def _log_refusal(job: Job, exc: ApiError) -> None:
         if exc.code in ("queue_full",):

@@ -77,6 +77,7 @@ def end_ids(engine, request: Request) -> set[int]:
 
 def choice(kind: str, index: int, request: Request, logprobs: dict | None, message: dict | None = None) -> dict:
     if kind == "chat":
+        finish = "tool_calls" if message and message.get("tool_calls") else request.finish_reason
         message = message or {"role": "assistant", "content": request.text}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": request.finish_reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
     return {"index": index, "text": request.text, "logprobs": logprobs, "finish_reason": request.finish_reason}

@@ -55,10 +55,10 @@ class Job:
 
 # ---- prompt ids: the tokenizer and chat template run on the app's tokenize worker, never on the event loop (a
 # long conversation's jinja templating would stall every other stream's SSE writes) nor on the engine thread.
-async def chat_prompt_ids(state, engine, body) -> list[int]:
+async def chat_prompt_ids(state, engine, body, tools: list[dict] | None = None) -> list[int]:
     messages = [m.for_template() for m in body.messages]
     try:
-        return await state.off_loop(engine.encode_chat, messages)
+        return await state.off_loop(engine.encode_chat, messages, tools)
     except ApiError:
         raise
     except Exception as exc:  # noqa: BLE001 - a template error is about these messages (jinja raises many)
@@ -221,7 +221,8 @@ async def _merged(tickets: list[Ticket]):
 
 async def _events(state, job: Job, tickets: list[Ticket], stream_text=None):
     """The SSE body. Cancelled (client gone) at any await: the finally cancels the engine requests.
-    stream_text(index) -> a per-choice filter of text deltas into chunk dicts (tool calls), None for content."""
+    stream_text(index) -> a per-choice filter of text deltas into delta fields, with push(text) -> fields or None
+    and finish(finish_reason) -> (fields or None, finish_reason) (tool calls); None for plain content."""
     finished: list[Request | None] = [None] * len(tickets)
     listed = [0] * len(tickets)  # samples already sent with logprobs, per choice
     tokenizer = state.engine.tokenizer
@@ -240,9 +241,9 @@ async def _events(state, job: Job, tickets: list[Ticket], stream_text=None):
                     samples = [s for s in payload.samples[listed[index]:]
                                if s.token not in end_ids(state.engine, payload)]
                     logprobs = logprobs_of(job.kind, tokenizer, payload, set(), samples) if samples else None
-                    fields = filters[index].finish() if filters[index] else None
-                    yield _sse(_chunk(job, None, payload.finish_reason, index=index, logprobs=logprobs,
-                                      delta_fields=fields))
+                    fields, reason = (filters[index].finish(payload.finish_reason) if filters[index]
+                                      else (None, payload.finish_reason))
+                    yield _sse(_chunk(job, None, reason, index=index, logprobs=logprobs, delta_fields=fields))
                 continue
             text, count = payload
             logprobs = None

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.runtime.model.source import QUANT_TYPES
+from oval_edge.runtime.model.tokenizer import read_chat_template
 
 
 
@@ -30,6 +31,8 @@ class EngineSpec:
     dtype: str = "auto"
     prefix_cache: bool = True
     max_step_tokens: int | None = None
+    chat_template: str | None = None  # --chat-template as given (a shipped name or a file), None = the model's
+    chat_template_text: str | None = None  # its text, read and parsed when the spec is made
 
     def engine_config(self):
         from oval_edge.runtime.engine.setup import EngineConfig
@@ -43,8 +46,10 @@ class EngineSpec:
         """Load the model and build the engine (seconds to minutes; call it off the event loop)."""
         from oval_edge.runtime.engine.engine import Engine
 
-        return Engine.load(self.model, self.quant, self.device, oval=self.oval, config=self.engine_config(),
-                           dtype=self.dtype)
+        engine = Engine.load(self.model, self.quant, self.device, oval=self.oval, config=self.engine_config(),
+                             dtype=self.dtype)
+        engine.chat_template = self.chat_template_text
+        return engine
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +98,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        help="activations on CUDA: auto (the default) is bfloat16 on compute capability 8.0+ (Orin: "
                             "8.7) and float16 below; the CPU runs float32")
+    group.add_argument("--chat-template", metavar="FILE.jinja|NAME",
+                       help="a Jinja chat template to use instead of the model's own, or a shipped one by name: "
+                            "chatml-tools (ChatML with tool calling, for ChatML models whose template lacks tools, "
+                            "such as the bundled SmolLM2)")
     group.add_argument("--attention", choices=("oval", "dense"),
                        help="oval (sparse decode, the default) or dense (reads every cached token: the baseline)")
 
@@ -142,6 +151,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     if budget is not None:
         oval_values["memory_budget"] = budget
     oval = OvalConfig.from_dict(oval_values)
+    template = _pick(getattr(args, "chat_template", None), model_t, "chat_template", None)
     spec = EngineSpec(
         model=_pick(args.model, model_t, "path", "default"),
         quant=_pick(args.quant, model_t, "quant", "nf4"),
@@ -158,6 +168,8 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         dtype=_pick(getattr(args, "dtype", None), model_t, "dtype", "auto"),
         prefix_cache=_pick(getattr(args, "prefix_cache", None), server_t, "prefix_cache", True),
         max_step_tokens=_pick(getattr(args, "max_step_tokens", None), server_t, "max_step_tokens", None),
+        chat_template=template,
+        chat_template_text=None if template is None else read_chat_template(template),
     )
     device = spec.device
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
@@ -175,5 +187,5 @@ def describe_spec(spec: EngineSpec) -> str:
     return (f"page_size {o.page_size}, top_k {o.top_k}, sink {o.sink_pages}, window {o.window_min}..{o.window_max}, "
             f"dense_layers {o.dense_layers}, scorer {o.scorer}, attention {spec.attention}, decode step "
             f"{spec.decode_step}{' (CUDA graphs on CUDA)' if spec.cuda_graphs and spec.decode_step == 'static' else ''}, "
-            f"dtype {spec.dtype}, max_batch "
+            f"dtype {spec.dtype}, {'chat template ' + spec.chat_template + ', ' if spec.chat_template else ''}max_batch "
             f"{spec.max_batch}, max_queue {spec.max_queue}")

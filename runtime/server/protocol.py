@@ -72,19 +72,11 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[TextPart], None] = None
     name: Annotated[str, Field(max_length=64)] | None = None
+    # Which role may carry which field is checked per request (tool_calls.check_messages), so that the 400 names
+    # the field itself (messages[i].tool_call_id); a model validator here could only name the message.
     tool_calls: list[ToolCall] | None = Field(None, description="assistant messages only: the calls it made")
     tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
         None, description="tool messages only (required there): the id of the call this message answers")
-
-    @model_validator(mode="after")
-    def _roles_and_tool_fields(self):
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError(f"tool_calls is only allowed on assistant messages, not on role '{self.role}'")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs tool_call_id: the id of the assistant's tool call it answers")
-        if self.tool_call_id is not None and self.role != "tool":
-            raise ValueError(f"tool_call_id is only allowed on tool messages, not on role '{self.role}'")
-        return self
 
     def for_template(self) -> dict:
         """The dict the model's chat template takes (developer is OpenAI's new name for system); tool calls carry
@@ -236,10 +228,6 @@ def request_models(max_tokens_limit: int) -> tuple[type[BaseModel], type[BaseMod
                 return "tool_choice", "tool_choice 'required' needs at least one entry in tools"
             if self.tools and self.response_format is not None and self.response_format.type != "text":
                 return "response_format", "response_format and tools cannot be combined; send one of them"
-            if self.tools and self.tool_choice != "none":
-                # The fields parse (so a bad tool message is a 400 naming it), but calling is not built yet: say so
-                # rather than answer as if the tools were never sent.
-                return "tools", "tool calling is not supported by this server yet; omit tools or send tool_choice 'none'"
             return None
 
         @property

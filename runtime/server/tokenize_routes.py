@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 
 from .errors import ApiError
 from .protocol import ChatMessage, PromptText, TokenId, _Strict
+from .tool_calls import check_messages
 
 MAX_TOKENS_LISTED = 1 << 17
 
@@ -43,8 +44,9 @@ def _tokenize(engine, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         return list(engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
     messages = [m.for_template() for m in body.messages]
+    template = {"chat_template": engine.chat_template} if engine.chat_template is not None else {}
     ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                               tokenize=True)
+                                               tokenize=True, **template)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -53,6 +55,8 @@ def install_token_routes(app: FastAPI, state, responses: dict) -> None:
     async def tokenize(body: TokenizeRequest) -> dict:
         engine = state.require_ready("tokenize")
         state.check_model(body.model)
+        if body.messages is not None:
+            check_messages(body.messages)
         try:
             ids = await state.off_loop(_tokenize, engine, body)
         except ApiError:

@@ -2,6 +2,7 @@
 
     oval-edge bench --contexts 512,2048,4096,8192 --runs 3 --peers --json bench.json
     oval-edge bench --serve auto --clients 32 --requests-per-client 4 --max-tokens 32
+    oval-edge bench --contexts 512,2048 --engines oval --schema tools/data/bench-schema.json   # constrained decoding
 
 Engines: `oval` and `dense` (this runtime, same 4-bit weights and page pool), `hf` (Hugging Face generate(),
 dense, weights dequantized from the same GGUF) and `llama.cpp` (llama-cpp-python on the same GGUF file).
@@ -23,7 +24,7 @@ from oval_edge.tools.gguf_write.synthetic import DEFAULT_POSITIONS, SYNTHETIC_MO
 
 from .report import aggregate, format_table, label_rows, report_json, write_json_report
 from .settings import (COUNTED_STEPS, HF_DTYPES, BenchSettings, default_threads, parse_engines, parse_int_list,
-                       prompt_length, with_groups, with_reuse)
+                       prompt_length, with_groups, with_reuse, with_schema)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-pages", default=None,
                         help="comma-separated group sizes: also run oval scoring in two levels, coarse groups of that "
                              "many pages first (oval+groups@G)")
+    parser.add_argument("--schema", metavar="FILE.json", default=None,
+                        help="also run oval with every token constrained by this JSON schema (xgrammar, as serve's "
+                             "response_format does): the oval+schema row, whose decode ratio is the per-token cost "
+                             "of constrained decoding. The schema must allow at least --gen + 1 tokens (e.g. an "
+                             "array with minItems); tools/data/bench-schema.json does for --gen up to ~300")
     parser.add_argument("--hf-dtype", default="float32", choices=HF_DTYPES,
                         help="dtype of the Hugging Face peer's dequantized weights and cache (default float32)")
     parser.add_argument("--bandwidth", type=float, default=None,
@@ -130,6 +136,8 @@ def build_settings(args: argparse.Namespace) -> BenchSettings:
     OvalConfig(page_size=args.page_size, top_k=args.top_k)  # a bad value fails now, not in every worker
     engines = parse_engines(args.engines, args.peers)
     engines = with_groups(with_reuse(engines, getattr(args, "reuse_tau", None)), getattr(args, "group_pages", None))
+    schema = _read_schema(getattr(args, "schema", None))
+    engines = with_schema(engines, schema)
     device = _resolve_device(args.device)
     model, model_name = _model(args)
     skipped = {}
@@ -148,8 +156,24 @@ def build_settings(args: argparse.Namespace) -> BenchSettings:
         model_dir=source.directory, gguf_file=source.gguf_file, quant=args.quant, device=device,
         threads=args.threads if args.threads is not None else default_threads(), page_size=args.page_size,
         top_k=args.top_k, decode_step=args.decode_step, cuda_graphs=args.cuda_graphs, hf_dtype=args.hf_dtype,
-        timeout_s=args.timeout, skipped=skipped,
+        timeout_s=args.timeout, skipped=skipped, schema=schema,
     )
+
+
+def _read_schema(path: str | None):
+    """--schema's JSON schema, or None; a file that is not JSON fails here, naming it."""
+    if path is None:
+        return None
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            schema = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--schema {path}: cannot read a JSON schema from it ({exc})") from exc
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"--schema {path}: a JSON schema is an object (or a boolean), not {type(schema).__name__}")
+    return schema
 
 
 def _model(args: argparse.Namespace) -> tuple[str, str | None]:

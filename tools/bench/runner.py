@@ -16,8 +16,8 @@ import sys
 import tempfile
 from typing import Callable
 
-from .settings import (BenchSettings, group_pages_of, passage_ids, prompt_length, reuse_tau_of, schedule,
-                       warmup_ids)
+from .settings import (CONSTRAINED, BenchSettings, group_pages_of, passage_ids, prompt_length, reuse_tau_of,
+                       schedule, warmup_ids)
 
 WORKER_MODULE = "oval_edge.tools.bench.worker"
 
@@ -49,6 +49,7 @@ def job_spec(settings: BenchSettings, engine: str, context: int, run: int, promp
         "decode_step": settings.decode_step, "cuda_graphs": settings.cuda_graphs, "reuse_tau": reuse_tau_of(engine),
         "group_pages": group_pages_of(engine),
         "hf_dtype": settings.hf_dtype, "kv_elements_per_token": kv_elements_per_token,
+        "schema": settings.schema if engine == CONSTRAINED else None,
     }
 
 

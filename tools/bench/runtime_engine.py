@@ -56,16 +56,25 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
                 if engine.config.decode_step != "compiled":  # under a dispatch mode a compiled step runs eager
                     engine.next_decode_trace = trace
 
+    # oval+schema: every token is masked by the schema's grammar (filled on the grammar worker during the forward,
+    # applied to the host copy of the logits), so the document may end the request: no ignore_eos there.
+    grammar = engine.grammars().json_schema(job["schema"]) if job.get("schema") is not None else None
+    params = SamplingParams(max_tokens=gen + COUNTED_STEPS, ignore_eos=grammar is None, grammar=grammar)
     clock.begin()  # greedy sampling reads each token back to the host (int(argmax)), so ticks follow the device
-    request = engine.generate(prompt, SamplingParams(max_tokens=gen + COUNTED_STEPS, ignore_eos=True), on_token=on_token)
+    request = engine.generate(prompt, params, on_token=on_token)
     if request.finish_reason not in ("length", "stop"):
         raise RuntimeError(f"the {job['engine']} engine ended the request with {request.finish_reason}: {request.error}")
+    if len(ticks) < gen:
+        raise RuntimeError(f"the --schema document ended after {len(ticks)} of --gen {gen} tokens; give a schema "
+                           "that allows more (an array with a larger minItems) or a smaller --gen")
     geometry = engine.pool.geometry
     # Selection reuse counts (the 32-token warm-up fits the token budget: dense, so it looks nothing up).
     counts = engine.runner.reuse.counts if engine.runner.reuse is not None else None
     graphed = engine.static is not None and engine.static.graphs is not None
     label = f"{job['engine']} ({engine.loaded.quant}, {engine.config.decode_step} decode step" \
             f"{', CUDA graphs' if graphed else ''})"
+    if grammar is not None:
+        label = f"oval + JSON schema (xgrammar mask per token; {engine.loaded.quant}, {engine.config.decode_step} step)"
     if counts is not None:
         label = f"oval + selection reuse at tau={oval.reuse_tau:g} ({engine.loaded.quant}), " \
                 f"{counts.hit_rate:.1%} of row-layer steps reused"

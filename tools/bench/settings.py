@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 RUNTIME_ENGINES = ("oval", "dense")  # this project's runtime, OVAL and dense attention on the same page pool
 REUSE_PREFIX = "oval+reuse@"  # OVAL with selection reuse at a query cosine (--reuse-tau 0.95 -> oval+reuse@0.95)
 GROUPS_PREFIX = "oval+groups@"  # OVAL scoring in two levels, groups of G pages (--group-pages 16 -> oval+groups@16)
+CONSTRAINED = "oval+schema"  # OVAL with every token masked by --schema's grammar (the cost of constrained decoding)
 PEER_ENGINES = ("hf", "llama.cpp")  # what a user would pick instead (Hugging Face generate(), llama-cpp-python)
 ENGINES = RUNTIME_ENGINES + PEER_ENGINES
 ENGINE_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "huggingface": "hf", "transformers": "hf"}
@@ -68,6 +69,7 @@ class BenchSettings:
     hf_dtype: str = "float32"
     timeout_s: float = 3600.0
     skipped: dict = field(default_factory=dict)  # engine -> why it does not run (printed, kept in the JSON)
+    schema: dict | bool | None = None  # --schema: the JSON schema the oval+schema engine decodes under
 
     def __post_init__(self) -> None:
         if not self.contexts:
@@ -77,9 +79,12 @@ class BenchSettings:
                 raise ValueError(f"--contexts value {c!r} is out of range: allowed integers in [1, 1048576]")
         if not self.engines:
             raise ValueError("no engine to run; give --engines oval,dense and/or --peers")
-        unknown = [e for e in self.engines if e not in ENGINES and not e.startswith((REUSE_PREFIX, GROUPS_PREFIX))]
+        unknown = [e for e in self.engines if e not in (*ENGINES, CONSTRAINED)
+                   and not e.startswith((REUSE_PREFIX, GROUPS_PREFIX))]
         if unknown:
             raise ValueError(f"--engines {unknown} unknown; allowed: {', '.join(ENGINES)}")
+        if (CONSTRAINED in self.engines) != (self.schema is not None):
+            raise ValueError(f"the {CONSTRAINED} engine runs exactly when --schema FILE.json is given")
         for engine in self.engines:
             try:
                 tau = reuse_tau_of(engine)
@@ -157,6 +162,15 @@ def after_oval(engines: tuple[str, ...], added: list[str]) -> tuple[str, ...]:
         return engines
     at = engines.index("oval") + 1 if "oval" in engines else 0
     return engines[:at] + tuple(dict.fromkeys(added)) + engines[at:]
+
+
+def with_schema(engines: tuple[str, ...], schema) -> tuple[str, ...]:
+    """--schema FILE: the oval+schema engine right after oval (so the two alternate run by run)."""
+    if schema is None:
+        return engines
+    if "oval" not in engines:
+        raise ValueError("--schema compares constrained with free decoding under OVAL; keep oval in --engines")
+    return after_oval(engines, [CONSTRAINED])
 
 
 def parse_engines(text: str, peers: bool) -> tuple[str, ...]:

@@ -20,6 +20,13 @@ import traceback
 from .meters import MemoryMeter, TokenClock
 
 
+def runs_runtime(job: dict) -> bool:
+    """oval, dense, oval+reuse@TAU (oval with reuse), oval+groups@G (two-level scoring) and oval+schema (oval under a
+    grammar) are this runtime."""
+    return (job.get("engine") in ("oval", "dense") or job.get("reuse_tau") is not None
+            or job.get("schema") is not None or bool(job.get("group_pages")))
+
+
 def run_job(job: dict) -> dict:
     """Run one job (see runner.job_spec for its keys) and return its result row."""
     threads = int(job["threads"])
@@ -52,11 +59,6 @@ def run_job(job: dict) -> dict:
     return row
 
 
-def runs_runtime(job: dict) -> bool:
-    """The runtime's engines: oval, dense and oval's variants (oval+reuse@TAU, oval+groups@G)."""
-    return job.get("engine") in ("oval", "dense") or job.get("reuse_tau") is not None or bool(job.get("group_pages"))
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2:
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     job_path, result_path = argv
     with open(job_path, encoding="utf-8") as handle:
         job = json.load(handle)
-    # the runtime's engines (oval, dense, oval+reuse@TAU) run as `oval-edge serve` does (before bitsandbytes loads)
+    # the runtime's engines run as `oval-edge serve` does (before bitsandbytes loads)
     if runs_runtime(job):
         from oval_edge.cli import prepare_runtime_process
 
