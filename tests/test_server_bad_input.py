@@ -104,7 +104,18 @@ CASES = [
     ("completion: empty text", "completions", json.dumps({"prompt": ""}).encode(), 400, "at least 1 character",
      "prompt"),
     ("completion: echo", "completions", json.dumps({"prompt": "a", "echo": True}).encode(), 400, "echo", "echo"),
+    ("SGLang extension off its neutral value", "chat", chat(no_stop_trim=True), 400, "should be False",
+     "no_stop_trim"),
+    ("SGLang reasoning extension off", "chat", chat(separate_reasoning=False), 400, "should be True",
+     "separate_reasoning"),
 ]
+# What sglang-router 0.3.2 forwards for {"messages", "max_tokens": 3} (captured from the router): its extensions at
+# their defaults, each accepted at that value only.
+ROUTER_CHAT = {"messages": OK_MESSAGES, "logprobs": False, "max_completion_tokens": 3, "stream": False,
+               "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
+               "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False}
+ROUTER_COMPLETION = {"prompt": "Hi", "max_tokens": 3, "stream": False, "echo": False, "no_stop_trim": False,
+                     "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False}
 
 
 @pytest.mark.parametrize("case_id,route,raw,status,words,param", CASES, ids=[c[0] for c in CASES])
@@ -130,6 +141,10 @@ def test_server_still_serves_and_no_page_leaked(server):
     ok = post(server.url + "/v1/chat/completions", json={"messages": OK_MESSAGES, "max_tokens": 3,
                                                                 "temperature": 0}, timeout=120)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+    routed = post(server.url + "/v1/chat/completions", json=ROUTER_CHAT, timeout=120)
+    assert routed.status_code == 200 and routed.json()["usage"]["completion_tokens"] <= 3, routed.text
+    routed = post(server.url + "/v1/completions", json=ROUTER_COMPLETION, timeout=120)
+    assert routed.status_code == 200 and routed.json()["choices"][0]["text"], routed.text
     after = wait_pages_free(server.url)
     assert after["oval_edge_requests_refused_total"] >= 1  # the over-limit prompt was refused by the engine
     assert metrics(server.url)["oval_edge_ready"] == 1

@@ -160,3 +160,32 @@ def test_chat_template_flag_and_config_key(tmp_path):
     (tmp_path / "c.toml").write_text('[model]\nchat_template = "mine.jinja"\n')
     spec = engine_spec(parser.parse_args(["--config", str(tmp_path / "c.toml")]))
     assert spec.chat_template == str(tmp_path / "mine.jinja") and "{{ tools }}" in spec.chat_template_text
+
+
+def test_the_listening_socket_gives_accepted_connections_tcp_nodelay():
+    """Kept-alive clients (routers, Prometheus) wait ~40 ms per request when Nagle is on: asyncio turns it off
+    only for sockets whose proto is TCP, so the socket serve binds must say so (checked here, not timed)."""
+    import asyncio
+    import socket
+
+    from oval_edge.runtime.server.serve import _bind
+
+    listener = _bind("127.0.0.1", 0)
+    assert listener.proto == socket.IPPROTO_TCP
+
+    async def accepted_nodelay() -> int:
+        seen = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        _, writer = await asyncio.open_connection(*listener.getsockname()[:2])
+        value = await asyncio.wait_for(seen, 10)
+        writer.close()
+        server.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) != 0

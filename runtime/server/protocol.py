@@ -176,6 +176,11 @@ class _Generation(_Strict):
     response_format: ResponseFormat | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-sequence token")
+    # SGLang's router (sglang-router) re-serializes each request with its own extensions at their defaults; each is
+    # accepted only at the value that describes what this server does anyway.
+    no_stop_trim: Literal[False] | None = Field(None, description="SGLang extension; only false (stops are trimmed)")
+    skip_special_tokens: Literal[True] | None = Field(None, description="SGLang extension; only true")
+    return_hidden_states: Literal[False] | None = Field(None, description="SGLang extension; only false")
 
     def field_problems(self) -> tuple[str, str] | None:
         return None
@@ -213,6 +218,10 @@ def request_models(max_tokens_limit: int) -> tuple[type[BaseModel], type[BaseMod
         tools: Annotated[list[Tool], Field(max_length=128)] | None = None
         tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice, None] = None
         parallel_tool_calls: bool | None = None
+        # More of SGLang's router defaults (see _Generation); the reasoning ones act only with a reasoning parser.
+        continue_final_message: Literal[False] | None = Field(None, description="SGLang extension; only false")
+        separate_reasoning: Literal[True] | None = Field(None, description="SGLang extension; only true")
+        stream_reasoning: Literal[True] | None = Field(None, description="SGLang extension; only true")
 
         def field_problems(self) -> tuple[str, str] | None:
             """(param, message) for a combination of fields that cannot be served, else None (the route answers it
