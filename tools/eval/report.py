@@ -27,7 +27,7 @@ def fidelity_records(rows: list[FidelityRow]) -> list[dict]:
         "top_k": r.policy.top_k, "tokens_per_step": r.tokens_per_step, "context": r.context,
         "kl": r.kl, "top1": r.top1, "ppl": _finite(r.ppl), "accuracy": None, "retention": None,
         "tokens_attended": r.tokens_attended, "window_mean": r.window_mean, "window_range": r.policy.window,
-        "steps": r.steps, "reuse_tau": r.policy.reuse_tau,
+        "steps": r.steps, "reuse_tau": r.policy.reuse_tau, "group_pages": r.policy.group_pages,
         "reuse_hit_rate": r.reuse["hit_rate"] if r.reuse else None,
         "reuse_head_hit_rate": r.reuse["head_hit_rate"] if r.reuse else None,
     } for r in rows]
@@ -46,6 +46,7 @@ def passkey_records(results: list[PasskeyResult]) -> list[dict]:
             "kl": None, "top1": None, "ppl": None, "accuracy": r.accuracy, "retention": retention(ref, r),
             "cases": len(r.answers), "correct": sum(r.answers), "tokens_attended": r.tokens_attended,
             "window_mean": r.window_mean, "window_range": r.policy.window, "reuse_tau": r.policy.reuse_tau,
+            "group_pages": r.policy.group_pages,
             "answers": [{"depth": d, "key": k, "output": o, "correct": a}
                         for (d, k), o, a in zip(r.cases, r.outputs, r.answers)],
         })
@@ -61,6 +62,8 @@ def _label(rec: dict) -> str:
         return "dense"
     if rec["policy"] == "oval" and rec.get("reuse_tau") is not None:
         return f"oval reuse τ={rec['reuse_tau']:g}"
+    if rec["policy"] == "oval" and rec.get("group_pages"):
+        return f"oval groups of {rec['group_pages']}"
     if rec["policy"] == "oval":
         return f"oval eta={rec['eta']:g}"
     if rec.get("window_range"):
