@@ -9,7 +9,7 @@ from .geometry import RECORD_FORMATS
 from .units import parse_bytes
 
 SCORERS = ("oval", "quest")
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 PAGE_SIZE_RANGE = (16, 256)
 
 
@@ -43,7 +43,9 @@ class OvalConfig:
                   top_groups best groups' pages (and of the unfinished group) only.
     record        how oval page records are stored: 'float' (the pool's dtype), 'int8' or 'int4' (quantized with
                   per-page scales, read in place by the kernels; oval_edge/kv/page_record.py).
-    kv_dtype      dtype of the page pool; 'auto' = float16 on CUDA, float32 on CPU.
+    kv_dtype      dtype of the page pool's K/V: 'auto' = the activations' 16-bit dtype on CUDA, bfloat16 on CPU;
+                  'int8' = symmetric absmax int8 with one fp32 scale per token and KV head (oval_edge/kv/int8.py),
+                  dequantized inside the attention kernels; summaries and records stay in the 'auto' dtype.
     window_module path of a calibrated output-aware window module (`oval-edge calibrate`): it sets each KV
                   head's window within [window_min, window_max] from the layer's hidden state; None = off.
     reuse_tau     selection reuse (sparse/reuse.py): a row keeps a recent selection of a layer instead of scoring
@@ -136,11 +138,16 @@ class OvalConfig:
         """The page pool's dtype on a device type ('cpu', 'cuda'): kv_dtype, or for 'auto' on CUDA the activations'
         16-bit dtype when given (bfloat16 on sm_80+: attention then reads K/V without a cast), else float16; on the
         CPU bfloat16 (it halves the pool; attention math still runs in fp32 on the gathered slots)."""
-        if self.kv_dtype != "auto":
+        if self.kv_dtype not in ("auto", "int8"):  # int8: K/V codes; this is then the dtype of everything else
             return self.kv_dtype
         if device_type == "cuda":
             return activations if activations in ("bfloat16", "float16") else "float16"
         return "bfloat16"
+
+    @property
+    def kv_int8(self) -> bool:
+        """K/V pages stored as int8 codes + per-row scales (pool_dtype then names the summaries' float dtype)."""
+        return self.kv_dtype == "int8"
 
     def replace(self, **changes) -> "OvalConfig":
         return dataclasses.replace(self, **changes)

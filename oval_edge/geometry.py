@@ -15,6 +15,8 @@ SUMMARY_KINDS = ("oval", "quest")
 # per page and head for the mean and one per basis vector and coordinate row (oval_edge/kv/page_record.py).
 RECORD_FORMATS = ("float", "int8", "int4")
 RECORD_SCALE_BYTES = 4
+# kv_int8: each K and V row (one token, one KV head: head_dim values) is stored as int8 codes and one fp32 scale.
+KV_SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class KVGeometry:
     # Two-level scoring (oval_edge/sparse/grouped.py): each run of group_pages logical pages gets one coarse record
     # when its last page seals, stored in that page's slot. 0 = flat scoring (every page's record read every step).
     group_pages: int = 0
+    # kv_dtype='int8': K/V as int8 codes + a scale per row; `dtype` is then that of the rest (kv/int8.py).
+    kv_int8: bool = False
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim", "page_size"):
@@ -65,16 +69,21 @@ class KVGeometry:
                                  or not all(0 <= i < self.layers for i in self.ring_layers)):
             raise ValueError(f"ring_layers={self.ring_layers} must be distinct increasing layer indices below "
                              f"layers={self.layers}, with a window >= 1 (got {self.window})")
+        if self.kv_int8 and self.ring_layers:
+            raise ValueError(f"kv_dtype='int8' does not take sliding-window layers (this model has "
+                             f"{len(self.ring_layers)}; their rings are kept in the float dtype only); use "
+                             "kv_dtype='auto' or 'bfloat16' for this model")
 
     @classmethod
     def for_oval(cls, layers: int, kv_heads: int, head_dim: int, oval, dtype: str,
                  summary_kinds: tuple[str, ...] | None = None,
                  ring: tuple[tuple[int, ...], int] = ((), 0)) -> "KVGeometry":
         """The geometry an OvalConfig asks for (its page size and rank; its scorer's summaries unless told).
-        ring: (sliding-window layers, window), ring_layout() of the model config."""
+        ring: (sliding-window layers, window), ring_layout() of the model config. dtype: the float dtype
+        (OvalConfig.pool_dtype); oval.kv_dtype == 'int8' stores K/V as int8 beside it."""
         kinds = tuple(summary_kinds or (oval.scorer,))
         return cls(layers, kv_heads, head_dim, oval.page_size, dtype, kinds, oval.rank, oval.record, *ring,
-                   group_pages=oval.group_pages if "oval" in kinds else 0)
+                   group_pages=oval.group_pages if "oval" in kinds else 0, kv_int8=oval.kv_dtype == "int8")
 
     @property
     def dtype_bytes(self) -> int:
@@ -102,9 +111,25 @@ class KVGeometry:
                 * self.dtype_bytes)
 
     @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one K (or V) row: one token, one KV head, head_dim values (int8: the codes and their scale)."""
+        return self.head_dim + KV_SCALE_BYTES if self.kv_int8 else self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_label(self) -> str:
+        """The K/V storage in words (startup report, plan)."""
+        return f"int8 + fp32 scale per row (summaries {self.dtype})" if self.kv_int8 else self.dtype
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token position in every paged layer and KV head."""
-        return 2 * self.paged_layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.paged_layers * self.kv_heads * self.kv_row_bytes
+
+    def stage_bytes(self, stage_pages: int) -> int:
+        """kv_int8: the staged keys of `stage_pages` open pages + 1 overflow page (oval_edge/kv/int8.py); else 0."""
+        if not self.kv_int8:
+            return 0
+        return (stage_pages + 1) * self.paged_layers * self.kv_heads * self.page_size * self.head_dim * self.dtype_bytes
 
     def oval_record_bytes(self) -> int:
         """Bytes of one oval record (one page, one KV head): mean mu [D], basis B^T [r, D], coordinates R^T [r, P],
@@ -169,6 +194,11 @@ def kv_dims(model_config) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a transformers-style config (no num_key_value_heads: multi-head attention)."""
     kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
     return model_config.num_hidden_layers, kv_heads, head_dim_of(model_config)
+
+
+def stage_pages_for(geometry: KVGeometry, max_batch: int, step_tokens: int) -> int:
+    """kv_int8 staging slots (kv/int8.py): each row's open page, and the pages one step fills (+1 a row mid-page)."""
+    return 2 * max_batch + -(-step_tokens // geometry.page_size)
 
 
 # Transient bytes one seal batch may hold; the pages per batch follow from it (seal_chunk_pages).

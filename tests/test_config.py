@@ -81,8 +81,9 @@ def test_eta(value):
 
 
 def test_kv_dtype():
-    with pytest.raises(ValueError, match=r"kv_dtype='int8' is unknown; allowed: auto, float32, bfloat16, float16"):
-        OvalConfig(kv_dtype="int8")
+    with pytest.raises(ValueError, match=r"kv_dtype='fp8' is unknown; allowed: auto, float32, bfloat16, float16, int8"):
+        OvalConfig(kv_dtype="fp8")
+    assert OvalConfig(kv_dtype="int8").kv_int8 and not OvalConfig().kv_int8
 
 
 @pytest.mark.parametrize(

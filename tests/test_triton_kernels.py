@@ -50,6 +50,7 @@ from oval_edge.kernels import cpu as native  # noqa: E402
 from oval_edge.sparse import attention, scoring, step_ops  # noqa: E402
 from oval_edge.sparse.attention import attend, gather_rows  # noqa: E402
 from oval_edge.kernels.cpu_check import random_records  # noqa: E402
+from oval_edge.kv.int8 import quantize_rows  # noqa: E402
 from oval_edge.kv.page_record import layer_records  # noqa: E402
 from oval_edge.sparse.scoring import quest_scores, record_scores  # noqa: E402
 
@@ -190,6 +191,36 @@ def _sparse(gen: torch.Generator, batch: int, hkv: int, page: int, pages: int):
     valid = torch.rand(batch, hkv, slots, generator=gen) < 0.8
     valid[..., 0] = True
     return flat, valid, None
+
+
+# kv_dtype='int8' rows (oval_edge/kv/int8.py): (Hq, Hkv, page, batch, q dtype, splits, layout)
+INT8_CASES = [(9, 3, 16, 3, F32, 1, "sparse"), (32, 8, 32, 3, BF16, 2, "dense"), (9, 3, 64, 1, F16, None, "long")]
+
+
+@pytest.mark.parametrize("hq,hkv,page,batch,q_dtype,splits,layout", INT8_CASES,
+                         ids=[f"{c[0]}of{c[1]}-P{c[2]}-{str(c[4])[6:]}-S{c[5]}-{c[6]}" for c in INT8_CASES])
+def test_attention_over_int8_slots_equals_the_torch_reference(hq, hkv, page, batch, q_dtype, splits, layout):
+    """The int8 variant reads codes and per-row scales in place; the torch path gathers and dequantizes them."""
+    gen = torch.Generator().manual_seed(hq + page + batch)
+    pages = 24
+    rows = pages * hkv * page
+    (k_rows, k_scales), (v_rows, v_scales) = (quantize_rows(torch.randn(rows, DIM, generator=gen) * 2) for _ in "kv")
+    q = torch.randn(batch, hq, DIM, generator=gen).to(q_dtype)
+    flat, valid, limits = (_sparse(gen, batch, hkv, page, pages) if layout == "sparse"
+                           else _dense(gen, batch, hkv, page, pages, width=24 if layout == "long" else 6))
+    bounded = valid if limits is None else valid & (torch.arange(flat.shape[-1]) < limits[:, None, None])
+    scales = (k_scales, v_scales)
+    k, v = gather_rows(k_rows, v_rows, flat, scales)  # the torch path: gathered rows dequantized
+    assert k.dtype == F32
+    expected = attend(q.float(), k, v, bounded, DIM**-0.5)
+    actual = triton_attention.attend_slots(q, k_rows, v_rows, flat, valid, DIM**-0.5, limits, splits, scales)
+    assert actual.shape == q.shape and actual.dtype == q_dtype
+    _near(actual, expected, TOL[q_dtype])
+    routed = gpu.TritonKernels(triton_scoring, triton_attention, "interpreted").attend_slots(
+        q, k_rows, v_rows, flat, valid, DIM**-0.5, limits, splits, scales)
+    _near(routed, expected, TOL[q_dtype])
+    assert gpu.TritonKernels(triton_scoring, triton_attention, "interpreted").attend_slots(
+        q, k_rows, v_rows, flat, valid, DIM**-0.5, limits) is None  # int8 rows without scales: declined
 
 
 def test_slots_outside_the_layer_count_as_invalid():

@@ -61,9 +61,7 @@ class OvalState:
         self.stats = OvalStats()
         self._hooks: list[Callable[[int, Selection, StepIndex], None]] = []
 
-    @property
-    def num_layers(self) -> int:
-        return self.pool.geometry.layers
+    num_layers = property(lambda self: self.pool.geometry.layers)
 
     def add_selection_hook(self, hook: Callable[[int, Selection, StepIndex], None]) -> Callable[[], None]:
         """Call `hook(layer, selection, step)` after every decode attention; returns a function that removes it."""
@@ -84,7 +82,8 @@ class OvalState:
 
     def describe(self) -> str:
         pool = self.pool
-        head = f"OVAL page pool: {pool.num_pages} pages x {pool.page_size} tokens ({pool.nbytes()} bytes)"
+        head = (f"OVAL page pool: {pool.num_pages} pages x {pool.page_size} tokens ({pool.nbytes()} bytes, K/V "
+                f"{pool.geometry.kv_label})")
         return f"{head}; {pool.sizing.explain()}" if pool.sizing is not None else head
 
 
@@ -97,12 +96,13 @@ class OvalCall:
     step: StepIndex
 
 
-def model_geometry(model_config, config: OvalConfig, dtype: str) -> KVGeometry:
-    return KVGeometry.for_oval(*kv_dims(model_config), config, dtype)
+# kv_dtype='int8': staged open pages (kv/int8.py); a forward call filling more pages seals the rest from their
+# dequantized keys (counted in pool.int8.staging.misses).
+HF_STAGE_PAGES = 64
 
 
 def resolve_kv_dtype(config: OvalConfig, device: torch.device, model_dtype: torch.dtype) -> str:
-    if config.kv_dtype != "auto":
+    if config.kv_dtype not in ("auto", "int8"):
         return config.kv_dtype
     if device.type == "cuda":  # half precision on GPUs: the model's own if it is half, else float16
         return {torch.bfloat16: "bfloat16"}.get(model_dtype, "float16")
@@ -114,7 +114,7 @@ def build_state(model, config: OvalConfig, num_pages: int | None = None) -> Oval
     else one sequence at the model's full context (`max_position_embeddings`)."""
     param = next(model.parameters())
     device = param.device
-    geometry = model_geometry(model.config, config, resolve_kv_dtype(config, device, param.dtype))
+    geometry = KVGeometry.for_oval(*kv_dims(model.config), config, resolve_kv_dtype(config, device, param.dtype))
     sizing = None
     if num_pages is not None:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
@@ -126,7 +126,8 @@ def build_state(model, config: OvalConfig, num_pages: int | None = None) -> Oval
         num_pages = sizing.pages
     else:
         num_pages = math.ceil(model.config.max_position_embeddings / config.page_size)
-    pool = PagePool(geometry, num_pages, device=device, eta=config.eta, sizing=sizing)
+    pool = PagePool(geometry, num_pages, device=device, eta=config.eta, sizing=sizing,
+                    stage_pages=min(num_pages, HF_STAGE_PAGES))
     if config.eta > 0 and "basis" in pool.summaries:  # records with eta > 0 weigh values by W_O (DESIGN §4.3)
         c, project = model.config, lambda o_proj: (lambda x: o_proj(x.to(param.dtype)).float())
         pool.set_output_metric([output_metric_sqrt(project(layer.self_attn.o_proj), c.num_attention_heads,

@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
 _SCORE_ARGS = [_ptr] * 7 + [_i64] * 8 + [ctypes.c_float, _ptr]
-_ATTEND_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr]
+_ATTEND_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
+                _ptr, _ptr]
+# attend_slots by K/V row storage: fp32, bf16, int8 codes with an fp32 scale per row (kv_dtype='int8').
+ATTEND_SUFFIX = {**ELEMENT_SUFFIX, torch.int8: "int8"}
 
 
 class NativeKernels:
@@ -46,7 +49,7 @@ class NativeKernels:
             scores = getattr(library, f"oval_scores_{suffix}")
             scores.argtypes, scores.restype = _SCORE_ARGS, ctypes.c_int
             self._scores[dtype] = scores
-        for dtype, suffix in ELEMENT_SUFFIX.items():
+        for dtype, suffix in ATTEND_SUFFIX.items():
             attend = getattr(library, f"attend_slots_{suffix}")
             attend.argtypes, attend.restype = _ATTEND_ARGS, ctypes.c_int
             self._attend[dtype] = attend
@@ -88,16 +91,20 @@ class NativeKernels:
         return _result(code, out, "oval_scores", "page table holds a page outside 0..{}", pages_total - 1)
 
     def attend_slots(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
-                     valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None) -> torch.Tensor | None:
+                     valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None,
+                     scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """attention.attend over the valid slots of `flat` [B, Hkv, T] (rows of one layer's [rows, D] K and V
         views), reading them in place instead of gathering. q [B, Hq, D] fp32 -> [B, Hq, D].
-        limits [B] int64: row b visits only its first limits[b] slots (the rest count as invalid)."""
+        limits [B] int64: row b visits only its first limits[b] slots (the rest count as invalid).
+        scales: (k, v) fp32 [rows] when the rows are int8 codes (each row read is dequantized in the kernel)."""
         kernel = self._attend.get(k_rows.dtype)
         b, hq, dim = q.shape
         hkv, slots = flat.shape[1], flat.shape[2]
+        quantized = k_rows.dtype == torch.int8
         if (kernel is None or q.dtype != torch.float32 or v_rows.dtype != k_rows.dtype
                 or not _on_cpu(q, k_rows, v_rows, flat, valid)
-                or not (k_rows.is_contiguous() and v_rows.is_contiguous())):
+                or not (k_rows.is_contiguous() and v_rows.is_contiguous())
+                or not _scales_fit(scales, quantized, k_rows.shape[0])):
             return None
         q = q.contiguous()
         idx = _as(flat, torch.int64).contiguous()
@@ -106,7 +113,8 @@ class NativeKernels:
         out = torch.empty_like(q)
         code = kernel(q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), k_rows.shape[0], idx.data_ptr(),
                       ok.data_ptr(), _row_bounds(limits), b, hkv, hq // hkv, dim, slots, float(scale),
-                      weights.data_ptr(), out.data_ptr())
+                      weights.data_ptr(), out.data_ptr(),
+                      *((s.data_ptr() for s in scales) if quantized else (None, None)))
         return _result(code, out, "attend_slots", "a valid slot lies outside the layer's 0..{} rows",
                        k_rows.shape[0] - 1)
 
@@ -221,6 +229,14 @@ def _row_bounds(bounds: torch.Tensor | None) -> int | None:
     if bounds.dtype != torch.int64 or not bounds.is_contiguous() or bounds.device.type != "cpu":
         raise ValueError("per-row bounds must be a contiguous int64 CPU tensor [B]")
     return bounds.data_ptr()
+
+
+def _scales_fit(scales, quantized: bool, rows: int) -> bool:
+    """Scales given exactly for int8 rows, as contiguous fp32 CPU tensors of one value per row."""
+    if not quantized:
+        return scales is None
+    return scales is not None and all(s.dtype == torch.float32 and s.is_contiguous() and s.numel() == rows
+                                      and s.device.type == "cpu" for s in scales)
 
 
 def _on_cpu(*tensors: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ import sys
 import torch
 
 from oval_edge.config import OvalConfig
+from oval_edge.kv.int8 import dequantize_rows, quantize_rows
 from oval_edge.kv.page_record import LayerRecords, encode
 from oval_edge.sparse.scoring import record_scores
 from oval_edge.sparse.selection import DecodePlan
@@ -50,20 +51,22 @@ def self_check(kernels: NativeKernels) -> str | None:
             if counted is None or not (torch.equal(counted[0, :, :2], got[0, :, :2])
                                        and torch.equal(counted[1], got[1]) and bool((counted[0, :, 2] < -1e38).all())):
                 return f"oval_scores with counts {fmt} {dtype}"
-    for dtype in ELEMENT_SUFFIX:
-        k_rows = torch.randn(pages * hkv * page_size, dim, generator=gen).to(dtype)
-        v_rows = torch.randn(pages * hkv * page_size, dim, generator=gen).to(dtype)
-        k, v = k_rows[flat].float(), v_rows[flat].float()  # [B, Hkv, T, D]
+    for dtype in (*ELEMENT_SUFFIX, torch.int8):  # int8: codes + a scale per row (kv_dtype='int8', kv/int8.py)
+        k_rows, v_rows, scales = _kv_rows(gen, pages * hkv * page_size, dim, dtype)
+        k, v = (rows[flat].float() if scales is None else dequantize_rows(rows[flat], s[flat])  # [B, Hkv, T, D]
+                for rows, s in zip((k_rows, v_rows), scales or (None, None)))
         logits = torch.einsum("bhgd,bhtd->bhgt", q, k) * 0.125
         weights = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1)
         want = torch.einsum("bhgt,bhtd->bhgd", weights, v).reshape(2, hkv * group, dim)
-        got = kernels.attend_slots(q.reshape(2, hkv * group, dim), k_rows, v_rows, flat, valid, 0.125)
+        got = kernels.attend_slots(q.reshape(2, hkv * group, dim), k_rows, v_rows, flat, valid, 0.125, scales=scales)
         if got is None or not torch.allclose(got, want, rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE):
             return f"attend_slots {dtype}"
         limits = torch.tensor([25, 40])
         bounded = valid & (torch.arange(40) < limits[:, None, None])
-        want = kernels.attend_slots(q.reshape(2, hkv * group, dim), k_rows, v_rows, flat, bounded, 0.125)
-        got = kernels.attend_slots(q.reshape(2, hkv * group, dim), k_rows, v_rows, flat, valid, 0.125, limits=limits)
+        want = kernels.attend_slots(q.reshape(2, hkv * group, dim), k_rows, v_rows, flat, bounded, 0.125,
+                                    scales=scales)
+        got = kernels.attend_slots(q.reshape(2, hkv * group, dim), k_rows, v_rows, flat, valid, 0.125, limits=limits,
+                                   scales=scales)
         if got is None or want is None or not torch.allclose(got, want, rtol=SELF_CHECK_TOLERANCE, atol=1e-6):
             return f"attend_slots with limits {dtype}"
     problem = _check_selection(kernels, gen)
@@ -75,6 +78,15 @@ def self_check(kernels: NativeKernels) -> str | None:
                                          atol=1e-6):
         return "rms_norm"
     return _check_head(kernels, gen)
+
+
+def _kv_rows(gen: torch.Generator, rows: int, dim: int, dtype: torch.dtype):
+    """Random K, V rows [rows, D] stored in dtype, and for int8 their (k, v) scales [rows] (else None)."""
+    k, v = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen)
+    if dtype != torch.int8:
+        return k.to(dtype), v.to(dtype), None
+    (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
+    return k, v, (k_scale, v_scale)
 
 
 def _check_head(kernels: NativeKernels, gen: torch.Generator) -> str | None:

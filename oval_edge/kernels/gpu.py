@@ -58,13 +58,20 @@ class TritonKernels:
 
     def attend_slots(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
                      valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None,
-                     splits: int | None = None) -> torch.Tensor | None:
+                     splits: int | None = None,
+                     scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """q [B, Hq, D] over the valid slots flat [B, Hkv, T] of one layer's rows [rows, D] -> [B, Hq, D] in q's
-        dtype. limits [B]: row b visits only its first limits[b] slots. splits: see triton_attention.split_count."""
-        if not (_same_device(q, k_rows, v_rows, flat, valid, limits) and _floats(q, k_rows, v_rows)
+        dtype. limits [B]: row b visits only its first limits[b] slots. splits: see triton_attention.split_count.
+        scales: (k, v) fp32 [rows] when the rows are int8 codes (kv_dtype='int8'; dequantized in the kernel)."""
+        quantized = k_rows.dtype == torch.int8 and v_rows.dtype == torch.int8
+        if quantized != (scales is not None) or (quantized and not all(
+                s.dtype == torch.float32 and s.is_contiguous() and s.numel() == k_rows.shape[0] for s in scales)):
+            return None
+        if not (_same_device(q, k_rows, v_rows, flat, valid, limits, *(scales or ()))
+                and _floats(q, *(() if quantized else (k_rows, v_rows)))
                 and valid.dtype == torch.bool and k_rows.is_contiguous() and v_rows.is_contiguous()):
             return None
-        return self._attention.attend_slots(q, k_rows, v_rows, flat, valid, scale, limits, splits)
+        return self._attention.attend_slots(q, k_rows, v_rows, flat, valid, scale, limits, splits, scales)
 
 
 def gpu_kernels(device: torch.device) -> TritonKernels | None:

@@ -31,6 +31,25 @@ static inline __attribute__((always_inline)) float load(const void *base, int64_
     return is_bf16 ? widen_bf16(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
+/* K/V row storage of attend_slots: fp32, bf16, or int8 codes times the row's fp32 scale (kv_dtype='int8'). */
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_INT8 2
+
+static inline __attribute__((always_inline)) int64_t kv_size(int kv) { return kv == KV_F32 ? 4 : kv == KV_BF16 ? 2 : 1; }
+
+/* row[0..dim) = K or V row r, widened to fp32 (int8: code * scales[r]); kv is a constant after inlining. */
+static inline __attribute__((always_inline)) void load_kv_row(float *restrict row, const void *rows,
+                                                             const float *scales, int64_t r, int64_t dim, int kv) {
+    if (kv == KV_INT8) {
+        const int8_t *codes = (const int8_t *)rows + r * dim;
+        float s = scales[r];
+        for (int64_t d = 0; d < dim; d++) row[d] = (float)codes[d] * s;
+    } else {
+        for (int64_t d = 0; d < dim; d++) row[d] = load(rows, r * dim + d, kv == KV_BF16);
+    }
+}
+
 /* 2^x for x <= 0 without libm, so the compiler vectorises the loops that call it. x = n + f with n = round(x),
  * |f| <= 1/2, 2^f by its Taylor series to degree 6 (relative error < 1.3e-7, about fp32's rounding), 2^n from
  * the exponent bits. x is clamped at -126, so terms below 2^-126 count as 2^-126 (~1e-38): next to the largest
@@ -63,9 +82,8 @@ static inline void prefetch_bytes(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += CACHE_LINE) __builtin_prefetch(p + off, 0, 3);
 }
 
-static inline __attribute__((always_inline)) void prefetch_row(const void *rows, int64_t row, int64_t dim,
-                                                              int is_bf16) {
-    int64_t size = is_bf16 ? 2 : 4;
+static inline __attribute__((always_inline)) void prefetch_row(const void *rows, int64_t row, int64_t dim, int kv) {
+    int64_t size = kv_size(kv);
     prefetch_bytes((const char *)rows + row * dim * size, dim * size);
 }
 
@@ -179,7 +197,7 @@ static inline __attribute__((always_inline)) int attend_slots(
     const float *restrict q, const void *restrict k_rows, const void *restrict v_rows, int64_t rows_total,
     const int64_t *restrict flat, const uint8_t *restrict valid, const int64_t *restrict limits, int64_t batch,
     int64_t kv_heads, int64_t group, int64_t dim, int64_t slots, float scale, float *restrict weights,
-    float *restrict out, int is_bf16) {
+    float *restrict out, const float *restrict k_scales, const float *restrict v_scales, int kv) {
     if (dim > MAX_DIM || group > MAX_GROUP) return 1;
     for (int64_t b = 0; b < batch; b++)
         for (int64_t h = 0; h < kv_heads; h++)
@@ -204,8 +222,8 @@ static inline __attribute__((always_inline)) int attend_slots(
                     for (int64_t g = 0; g < group; g++) weights[g * slots + t] = -3.0e38f;
                     continue;
                 }
-                if (t + PREFETCH_SLOTS < used) prefetch_row(k_rows, idx[t + PREFETCH_SLOTS], dim, is_bf16);
-                for (int64_t d = 0; d < dim; d++) row[d] = load(k_rows, idx[t] * dim + d, is_bf16);
+                if (t + PREFETCH_SLOTS < used) prefetch_row(k_rows, idx[t + PREFETCH_SLOTS], dim, kv);
+                load_kv_row(row, k_rows, k_scales, idx[t], dim, kv);
                 for (int64_t g = 0; g < group; g++) {
                     float s = scale * log2e * dot(qh + g * dim, row, dim);
                     weights[g * slots + t] = s;
@@ -228,8 +246,8 @@ static inline __attribute__((always_inline)) int attend_slots(
             for (int64_t j = 0; j < group * dim; j++) acc[j] = 0.0f;
             for (int64_t t = 0; t < used; t++) {
                 if (!ok[t]) continue;
-                if (t + PREFETCH_SLOTS < used) prefetch_row(v_rows, idx[t + PREFETCH_SLOTS], dim, is_bf16);
-                for (int64_t d = 0; d < dim; d++) row[d] = load(v_rows, idx[t] * dim + d, is_bf16);
+                if (t + PREFETCH_SLOTS < used) prefetch_row(v_rows, idx[t + PREFETCH_SLOTS], dim, kv);
+                load_kv_row(row, v_rows, v_scales, idx[t], dim, kv);
                 for (int64_t g = 0; g < group; g++) {
                     float w = weights[g * slots + t], *a = acc + g * dim;
                     for (int64_t d = 0; d < dim; d++) a[d] += w * row[d];
@@ -269,14 +287,17 @@ int oval_scores_int4(SCORE_ARGS) { SCORE_DISPATCH(FMT_INT4) }
 #define ATTEND_ARGS                                                                                           \
     const float *q, const void *k_rows, const void *v_rows, int64_t rows_total, const int64_t *flat,          \
         const uint8_t *valid, const int64_t *limits, int64_t batch, int64_t kv_heads, int64_t group,           \
-        int64_t dim, int64_t slots, float scale, float *weights, float *out
-#define ATTEND_WITH(DIM, BF16)                                                                                \
+        int64_t dim, int64_t slots, float scale, float *weights, float *out, const float *k_scales,             \
+        const float *v_scales
+#define ATTEND_WITH(DIM, KV)                                                                                  \
     attend_slots(q, k_rows, v_rows, rows_total, flat, valid, limits, batch, kv_heads, group, DIM, slots, scale, \
-                 weights, out, BF16)
-#define ATTEND_DISPATCH(BF16)                                                                                 \
-    if (dim == 64) return ATTEND_WITH(64, BF16);                                                              \
-    if (dim == 128) return ATTEND_WITH(128, BF16);                                                            \
-    return ATTEND_WITH(dim, BF16);
-int attend_slots_f32(ATTEND_ARGS) { ATTEND_DISPATCH(0) }
-int attend_slots_bf16(ATTEND_ARGS) { ATTEND_DISPATCH(1) }
+                 weights, out, k_scales, v_scales, KV)
+#define ATTEND_DISPATCH(KV)                                                                                   \
+    if (dim == 64) return ATTEND_WITH(64, KV);                                                                \
+    if (dim == 128) return ATTEND_WITH(128, KV);                                                              \
+    return ATTEND_WITH(dim, KV);
+/* k_scales, v_scales: the rows' fp32 scales [rows_total] for int8 (NULL otherwise). */
+int attend_slots_f32(ATTEND_ARGS) { ATTEND_DISPATCH(KV_F32) }
+int attend_slots_bf16(ATTEND_ARGS) { ATTEND_DISPATCH(KV_BF16) }
+int attend_slots_int8(ATTEND_ARGS) { ATTEND_DISPATCH(KV_INT8) }
 

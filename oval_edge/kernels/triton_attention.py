@@ -55,14 +55,16 @@ def split_count(batch: int, kv_heads: int, slots: int) -> int:
 
 
 @triton.jit
-def _attend_kernel(q_ptr, k_ptr, v_ptr, flat_ptr, valid_ptr, limits_ptr, out_ptr, m_ptr, l_ptr,
+def _attend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, flat_ptr, valid_ptr, limits_ptr, out_ptr, m_ptr, l_ptr,
                    kv_heads, group, dim, slots, chunk, rows_total, scale_log2,
-                   HAS_LIMITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
+                   HAS_LIMITS: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_D: tl.constexpr):
     """One program: row b, KV head h (axis 0 = b * Hkv + h), split s (axis 1) over slots [s*chunk, (s+1)*chunk).
 
     q [B, Hq, D] with Hq = Hkv·G (so the group's heads are rows bh·G .. bh·G + G - 1); k, v [rows_total, D];
     flat [B, Hkv, T] int64; valid [B, Hkv, T] bool; limits [B] int64 (HAS_LIMITS).
+    QUANT: k, v are int8 codes and ks, vs [rows_total] fp32 their rows' scales (kv_dtype='int8'): each row read is
+    dequantized here, code * scale, so only the selected rows' bytes and scales are read.
     SPLIT=False: out [B, Hq, D] (q's dtype), normalised. SPLIT=True: out is the fp32 accumulator [B·Hq, S, D]
     (unnormalised), m, l [B·Hq, S] the running max (log2 units) and sum, for _merge_kernel.
     """
@@ -93,6 +95,8 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, flat_ptr, valid_ptr, limits_ptr, out_ptr
         rows = idx[:, None] * dim + d[None, :]  # [T, D]
         row_ok = ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if QUANT:
+            k = k * tl.load(ks_ptr + idx, mask=ok, other=0.0)[:, None]
         z = tl.reduce(q[:, None, :] * k[None, :, :], 2, SUM)  # [G, T]
         z = tl.where(ok[None, :], z, float("-inf"))
         new_peak = tl.maximum(peak, tl.reduce(z, 1, MAX))
@@ -100,6 +104,8 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, flat_ptr, valid_ptr, limits_ptr, out_ptr
         w = tl.exp2(z - new_peak[:, None])  # [G, T]; 0 for invalid slots
         total = total * rescale + tl.reduce(w, 1, SUM)
         v = tl.load(v_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if QUANT:
+            v = v * tl.load(vs_ptr + idx, mask=ok, other=0.0)[:, None]
         acc = acc * rescale[:, None] + tl.reduce(w[:, :, None] * v[None, :, :], 1, SUM)  # [G, D]
         peak = new_peak
     if SPLIT:
@@ -143,10 +149,11 @@ def _block_t(group: int, block_d: int, slots: int) -> int:
 
 def attend_slots(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
                  valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None,
-                 splits: int | None = None) -> torch.Tensor:
+                 splits: int | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """attention.attend_rows with the rows read in place. q [B, Hq, D]; k_rows, v_rows [rows, D] (contiguous, any
-    float dtype, may differ from q's); flat [B, Hkv, T] int64; valid [B, Hkv, T] bool; limits [B] int64: row b
-    reads only its first limits[b] slots -> [B, Hq, D] in q's dtype. splits: None = split_count(B, Hkv, T)."""
+    float dtype, may differ from q's; or int8 codes with scales = (k, v) fp32 [rows]); flat [B, Hkv, T] int64;
+    valid [B, Hkv, T] bool; limits [B] int64: row b reads only its first limits[b] slots -> [B, Hq, D] in q's
+    dtype. splits: None = split_count(B, Hkv, T)."""
     b, hq, dim = q.shape
     hkv, slots = flat.shape[1], flat.shape[2]
     group = hq // hkv
@@ -161,18 +168,19 @@ def attend_slots(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fl
     chunk = triton.cdiv(triton.cdiv(slots, splits), block_t) * block_t  # whole loop steps per split
     splits = triton.cdiv(slots, chunk)  # no split starts past T
     out = torch.empty_like(q)
-    meta = dict(HAS_LIMITS=limits is not None, BLOCK_G=triton.next_power_of_2(group), BLOCK_T=block_t,
+    meta = dict(HAS_LIMITS=limits is not None, QUANT=scales is not None, BLOCK_G=triton.next_power_of_2(group), BLOCK_T=block_t,
                 BLOCK_D=block_d)
     args = (hkv, group, dim, slots, chunk, k_rows.shape[0], float(scale) * LOG2_E)
     bounds = flat if limits is None else limits  # not read without HAS_LIMITS
+    kv = (k_rows, v_rows, *(scales if scales is not None else (k_rows, v_rows)))  # scales not read without QUANT
     if splits == 1:
-        _attend_kernel[(b * hkv, 1)](q, k_rows, v_rows, flat, valid, bounds, out, out, out, *args, SPLIT=False,
+        _attend_kernel[(b * hkv, 1)](q, *kv, flat, valid, bounds, out, out, out, *args, SPLIT=False,
                                      **meta)
         return out
     acc = torch.empty((b * hq, splits, dim), dtype=torch.float32, device=q.device)
     peak = torch.empty((b * hq, splits), dtype=torch.float32, device=q.device)
     total = torch.empty_like(peak)
-    _attend_kernel[(b * hkv, splits)](q, k_rows, v_rows, flat, valid, bounds, acc, peak, total, *args, SPLIT=True,
+    _attend_kernel[(b * hkv, splits)](q, *kv, flat, valid, bounds, acc, peak, total, *args, SPLIT=True,
                                       **meta)
     _merge_kernel[(b * hq,)](acc, peak, total, out, splits, dim, BLOCK_S=triton.next_power_of_2(splits),
                              BLOCK_D=block_d)

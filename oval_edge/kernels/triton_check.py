@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from oval_edge.kv.int8 import dequantize_rows, quantize_rows
 from oval_edge.kv.page_record import LayerRecords, decode, encode, gather
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,15 @@ def self_check(kernels, device: torch.device) -> str | None:
             got = kernels.attend_slots(q.view(b, -1, dim), k_rows, v_rows, flat, valid, 0.125, limits, splits)
             if got is None or not _close(got, want):
                 return f"attend_slots {dtype} splits={splits}"
+    # int8 K/V rows (kv_dtype='int8'): codes and per-row scales, against the reference on their dequantized rows
+    (k_codes, k_scales), (v_codes, v_scales) = (quantize_rows(rand(pages * hkv * page, dim)) for _ in range(2))
+    want = attend_reference(q.view(b, -1, dim), dequantize_rows(k_codes, k_scales), dequantize_rows(v_codes, v_scales),
+                            flat, bounded, 0.125)
+    for splits in (1, 2):
+        got = kernels.attend_slots(q.view(b, -1, dim), k_codes, v_codes, flat, valid, 0.125, limits, splits,
+                                   scales=(k_scales, v_scales))
+        if got is None or not _close(got, want):
+            return f"attend_slots int8 splits={splits}"
     return None
 
 

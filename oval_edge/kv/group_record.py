@@ -21,6 +21,8 @@ from typing import Sequence
 
 import torch
 
+from .int8 import dequantize_rows
+
 GROUP_NAMES = ("group_mean", "group_basis", "group_bounds")
 
 
@@ -62,7 +64,11 @@ def seal_groups(pool, groups: Sequence[Sequence[int]]) -> None:
     for i in range(0, len(groups), per_batch):
         batch = groups[i : i + per_batch]
         idx = torch.tensor([p for group in batch for p in group], dtype=torch.long, device=pool.device)
-        keys = pool.k.index_select(1, idx)  # [L, n*G, Hkv, P, D]
+        # [L, n*G, Hkv, P, D]; int8 K/V: dequantized codes (the pages have sealed, their staged keys are gone; the
+        # codes' rounding, <= scale / 2 per value, is small against the spread of a group's G*P keys)
+        keys = pool.k.index_select(1, idx)
+        if pool.int8 is not None:
+            keys = dequantize_rows(keys, pool.int8.k_scale.index_select(1, idx))
         n = len(batch)
         keys = keys.view(g.paged_layers, n, g.group_pages, g.kv_heads, g.page_size, g.head_dim)
         keys = keys.permute(0, 1, 3, 2, 4, 5).reshape(-1, g.group_pages * g.page_size, g.head_dim)  # [L*n*Hkv, T, D]

@@ -1,7 +1,8 @@
 """The KV page pool: allocated once from the budget, never grown (DESIGN §3).
 
 Tensors (per model):
-    K, V     [layers, pages, kv_heads, page_size, head_dim]
+    K, V     [layers, pages, kv_heads, page_size, head_dim]   (kv_int8: int8 codes; `int8` holds their scales
+             and the staging of open pages' keys: int8.py)
     quest    kmin, kmax [layers, pages, kv_heads, head_dim]
     oval     mean, basis, coords (+ scales) [paged layers, kv_heads, pages, ...]: page_record.py; group_record.py
 
@@ -18,10 +19,11 @@ import torch
 
 from oval_edge.geometry import KVGeometry, PoolSizing, seal_chunk_pages
 
-from .invariants import check_pool_invariants
+from .int8 import Int8Pages
 from .prefix_cache import PrefixLedger, page_hashes
 from .ring import SlidingRings
 from .page_record import allocate_records
+from .pool_views import PoolViews
 from .step_index import StepIndex, build_step_index
 from .group_record import allocate_group_records, completed_groups, seal_groups
 from .summaries import seal_pages, stack_output_metric
@@ -29,7 +31,7 @@ from .summaries import seal_pages, stack_output_metric
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class PagePool:
+class PagePool(PoolViews):
     def __init__(
         self,
         geometry: KVGeometry,
@@ -39,6 +41,7 @@ class PagePool:
         sizing: PoolSizing | None = None,
         prefix_salt: bytes | None = None,
         ring_sequences: int | None = None,
+        stage_pages: int | None = None,
     ) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages} must be >= 1")
@@ -52,8 +55,11 @@ class PagePool:
         dtype = TORCH_DTYPES[g.dtype]
         shape = (g.paged_layers, num_pages, g.kv_heads, g.page_size, g.head_dim)
         # The only allocations the pool ever makes: everything below is written in place.
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k = torch.zeros(shape, dtype=torch.int8 if g.kv_int8 else dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.k.dtype, device=self.device)
+        # int8: scales and open pages' keys (int8.py); stage_pages: the engine's need, else 2 x sequences + 8.
+        self.int8 = Int8Pages(g, num_pages, stage_pages or 2 * (ring_sequences or 8) + 8, dtype,
+                              self.device) if g.kv_int8 else None
         # Sliding layers keep a ring per sequence (ring.py) for at most ring_sequences (default: pages) sequences.
         self.rings = SlidingRings(g, ring_sequences or num_pages, dtype, self.device) if g.ring_layers else None
         # Model layer -> its row of k / v / summaries (-1: in the rings), and its [rows, head_dim] views (no copy).
@@ -62,6 +68,8 @@ class PagePool:
                        for layer, i in enumerate(self.paged_index)]
         self.v_rows = [self.v[i].view(-1, g.head_dim) if i >= 0 else self.rings.v_rows[self.rings.index[layer]]
                        for layer, i in enumerate(self.paged_index)]
+        # layer -> (k, v scales [rows]) of an int8 layer, else None: what attention dequantizes the rows with
+        self.scale_rows = [self.int8.scale_rows[i] if self.int8 and i >= 0 else None for i in self.paged_index]
         self.summaries: dict[str, torch.Tensor] = {}
         if "quest" in g.summary_kinds:
             self.summaries["kmin"] = torch.zeros(shape[:3] + (g.head_dim,), dtype=dtype, device=self.device)
@@ -85,39 +93,7 @@ class PagePool:
         self._unscored: set[Hashable] = set()
         self.unsummarized: set[int] = set()
 
-    @property
-    def page_size(self) -> int:
-        return self.geometry.page_size
-
-    @property
-    def num_free(self) -> int:
-        """Pages an allocation can take now: the free list and the cached pages it may reclaim."""
-        return len(self._free) + len(self.ledger.lru)
-
-    @property
-    def num_cached(self) -> int:
-        """Pages no sequence holds that keep their contents for a later prefix hit (part of num_free)."""
-        return len(self.ledger.lru)
-
-    @property
-    def num_used(self) -> int:
-        """Pages some sequence holds (a shared prefix page counts once)."""
-        return len(self.ledger.refs)
-
-    def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_pages * self.page_size
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors())
-
-    def _tensors(self) -> list[torch.Tensor]:
-        rings = [self.rings.k, self.rings.v] if self.rings is not None else []
-        return [self.k, self.v, *self.summaries.values(), *rings]
-
+    # ---- allocation --------------------------------------------------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether allocate(seq, num_tokens) would succeed now without a prefix hit (>= 1 page per sequence)."""
         rings_free = self.rings is None or self.rings.num_free > 0
@@ -192,6 +168,8 @@ class PagePool:
         self._tail.pop(seq_id, None)
         self._parent.pop(seq_id, None)
         self._unscored.discard(seq_id)
+        if self.int8 is not None and pages:
+            self.int8.staging.release(pages)
         if self.rings is not None:
             self.rings.release(seq_id)
         if not pages:
@@ -205,27 +183,15 @@ class PagePool:
         if tail is not None:
             tail.extend(int(t) for t in token_ids)
 
-    def owns(self, seq_id: Hashable) -> bool:
-        return seq_id in self._tables
-
-    def page_table(self, seq_id: Hashable) -> list[int]:
-        return list(self._tables[seq_id])
-
-    def length(self, seq_id: Hashable) -> int:
-        return self._lengths[seq_id]
-
-    def sealed_pages(self, seq_id: Hashable) -> int:
-        return self._sealed[seq_id]
-
-    def sequences(self) -> list:
-        return list(self._tables)
-
+    # ---- one forward step --------------------------------------------------------------------------------
     def prepare(self, seq_ids: Sequence[Hashable], new_tokens: Sequence[int]) -> StepIndex:
         """Index where `new_tokens[b]` tokens of each sequence go. Pages must already be reserved."""
         step = build_step_index(seq_ids, new_tokens, self._tables, self._lengths, self._sealed, self.page_size,
                                 self.geometry.kv_heads, self.device)
         if self.rings is not None:
             step.attach_rings(self.rings, self.device)
+        for sid, n in zip(seq_ids, new_tokens) if self.int8 is not None else ():
+            self.int8.stage(self._tables[sid], self._lengths[sid], n, self.page_size)
         return step
 
     def write(self, layer: int, step: StepIndex, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -244,6 +210,8 @@ class PagePool:
         A cast only where the dtypes differ: a same-dtype .to() is still a dispatched op, twice per layer per step."""
         d = self.geometry.head_dim
         k, v = k.reshape(-1, d), v.reshape(-1, d)
+        if self.scale_rows[layer] is not None:  # int8: codes + scales, and the keys staged for sealing
+            return self.int8.write(self.paged_index[layer], self.k_rows[layer], self.v_rows[layer], slots, k, v)
         self.k_rows[layer].index_copy_(0, slots, k if k.dtype == self.k.dtype else k.to(self.k.dtype))
         self.v_rows[layer].index_copy_(0, slots, v if v.dtype == self.v.dtype else v.to(self.v.dtype))
 
@@ -264,6 +232,8 @@ class PagePool:
             sealed_now = self._tables[sid][self._sealed[sid] : full]
             if sid in self._unscored:
                 self.unsummarized.update(sealed_now)
+                if self.int8 is not None:  # no summaries now; a later seal reads the dequantized keys
+                    self.int8.staging.release(sealed_now)
             else:
                 to_seal.extend(sealed_now)
                 groups += completed_groups(self._tables[sid], self._sealed[sid], full, self.geometry.group_pages)
@@ -285,16 +255,9 @@ class PagePool:
         """Build the summaries of full physical pages, every layer and KV head at once (summaries.seal_pages). eta:
         the oval record's output-aware mix (default: the pool's); kinds: which summaries (default: all)."""
         seal_pages(self, pages, self.eta if eta is None else float(eta), kinds)
+        if self.int8 is not None:
+            self.int8.staging.release(pages)
 
     def set_output_metric(self, per_layer: Sequence[torch.Tensor]) -> None:
         """G^{1/2} [Hkv, D, D] of each paged layer (summaries.output_metric_sqrt), which records with eta > 0 need."""
         self.output_metric = stack_output_metric(per_layer, self.geometry, self.device)
-
-    def storage_pointers(self) -> tuple[int, ...]:
-        """Data pointers of every pool tensor: equal across calls proves nothing was reallocated."""
-        return tuple(t.data_ptr() for t in self._tensors())
-
-    def check_invariants(self) -> None:
-        """AssertionError if a page (or ring) is lost, in two states, shared without its refcount, or a table is
-        inconsistent (used by tests; invariants.py). Free + cached + owned = all pages."""
-        check_pool_invariants(self)

@@ -106,7 +106,8 @@ def seal_pages(pool, pages, eta: float, kinds=None) -> None:
     oval = "basis" in pool.summaries and (kinds is None or "oval" in kinds)
     for i in range(0, len(pages), chunk):
         idx = torch.tensor(pages[i : i + chunk], dtype=torch.long, device=pool.device)
-        keys = pool.k.index_select(1, idx)  # [layers, n, kv_heads, P, D]
+        # [layers, n, kv_heads, P, D]; int8: the staged full-precision keys (kv/int8.py), never the codes' round trip
+        keys = pool.k.index_select(1, idx) if pool.int8 is None else pool.int8.seal_keys(pool.k, pages[i : i + chunk], idx)
         flat = keys.reshape(-1, g.page_size, g.head_dim)
         lead = keys.shape[:3]
         if quest:
@@ -114,7 +115,8 @@ def seal_pages(pool, pages, eta: float, kinds=None) -> None:
             pool.summaries["kmin"].index_copy_(1, idx, kmin.view(*lead, g.head_dim))
             pool.summaries["kmax"].index_copy_(1, idx, kmax.view(*lead, g.head_dim))
         if oval:
-            values = pool.v.index_select(1, idx).reshape(-1, g.page_size, g.head_dim)
+            values = (pool.v.index_select(1, idx) if pool.int8 is None else pool.int8.values(pool.v, idx)).reshape(
+                -1, g.page_size, g.head_dim)
             metric = None
             if eta > 0:
                 if pool.output_metric is None:
@@ -127,5 +129,5 @@ def seal_pages(pool, pages, eta: float, kinds=None) -> None:
             stored = page_record.encode(mean.view(*head_major, g.head_dim).transpose(1, 2),
                                         basis_t.view(*head_major, g.rank, g.head_dim).transpose(1, 2),
                                         coords_t.view(*head_major, g.rank, g.page_size).transpose(1, 2),
-                                        g.record, pool.k.dtype)
+                                        g.record, keys.dtype)
             page_record.store(pool.summaries, idx, stored)

@@ -10,6 +10,7 @@ import torch
 
 from oval_edge.config import OvalConfig
 from oval_edge.kernels.cpu import decode_kernels
+from oval_edge.kv.int8 import dequantize_rows
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
 
@@ -94,11 +95,17 @@ def attend_selection(pool: PagePool, layer: int, q: torch.Tensor, selection: Sel
                      softcap: float = 0.0) -> torch.Tensor:
     """Attend over the selection's K/V in one layer of the pool. q [B, Hq, D] -> [B, Hq, D]."""
     return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], selection.flat, selection.valid, scale,
-                       softcap=softcap)
+                       softcap=softcap, scales=pool.scale_rows[layer])
+
+
+# scales: (k, v scales [rows] fp32) when the rows are int8 codes (kv_dtype='int8', oval_edge/kv/int8.py), else None;
+# every path below dequantizes only the rows it reads.
+Scales = tuple[torch.Tensor, torch.Tensor] | None
 
 
 def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor,
-                scale: float, limits: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+                scale: float, limits: torch.Tensor | None = None, softcap: float = 0.0,
+                scales: Scales = None) -> torch.Tensor:
     """Attend over the valid slots `flat` [B, Hkv, T] of one layer's K/V rows [rows, D]. q [B, Hq, D] -> [B, Hq, D].
 
     limits [B]: row b reads only its first limits[b] slots (the static step's dense layers list every slot of a
@@ -110,24 +117,25 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fla
     """
     kernels = decode_kernels(q.device) if not softcap else None  # the kernels take no soft-cap
     if kernels is not None:  # reads the selected rows in place: no gathered copy
-        out = kernels.attend_slots(q, k_rows, v_rows, flat, valid, scale, limits)
+        out = kernels.attend_slots(q, k_rows, v_rows, flat, valid, scale, limits, scales=scales)
         if out is not None:
             return out
     if limits is not None:
         valid = valid & (torch.arange(flat.shape[-1], device=flat.device) < limits[:, None, None])
     if flat.shape[-1] < PER_HEAD_SLOTS:
-        k, v = gather_rows(k_rows, v_rows, flat)
+        k, v = gather_rows(k_rows, v_rows, flat, scales, q.dtype)
         return attend(q, k, v, valid, scale, softcap)
     hkv = flat.shape[1]
     group = q.shape[1] // hkv
     out = torch.empty_like(q)
-    for head, (k, v) in enumerate(head_by_head_kv(k_rows, v_rows, flat, q.dtype)):  # [B, 1, T, D] each
+    for head, (k, v) in enumerate(head_by_head_kv(k_rows, v_rows, flat, q.dtype, scales)):  # [B, 1, T, D] each
         heads = slice(head * group, (head + 1) * group)
         out[:, heads] = attend(q[:, heads], k, v, valid[:, head : head + 1], scale, softcap)
     return out
 
 
-def head_by_head_kv(k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor, dtype: torch.dtype):
+def head_by_head_kv(k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor, dtype: torch.dtype,
+                    scales: Scales = None):
     """Yield each KV head's gathered K, V [B, 1, T, D] in `dtype` for the flat slots [B, Hkv, T] of one layer's rows.
 
     All heads share one pair of buffers (valid until the next head is yielded): fresh multi-MB buffers per head land
@@ -142,7 +150,10 @@ def head_by_head_kv(k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tens
         idx = flat[:, head].reshape(-1)
         torch.index_select(k_rows, 0, idx, out=picked[0].view(b * t, d))
         torch.index_select(v_rows, 0, idx, out=picked[1].view(b * t, d))
-        if wide is not picked:
+        if scales is not None:  # int8 codes times their rows' scales [B * T]
+            for i, row_scales in enumerate(scales):
+                torch.mul(picked[i].view(b * t, d), row_scales.index_select(0, idx)[:, None], out=wide[i].view(b * t, d))
+        elif wide is not picked:
             wide.copy_(picked)
         yield wide[0], wide[1]
 
@@ -162,14 +173,19 @@ def decode_plan(pool: PagePool, step: StepIndex, config: OvalConfig) -> DecodePl
 
 def gather_slots(pool: PagePool, layer: int, flat: torch.Tensor):
     """Copy the slots `flat` [B, Hkv, T] (flat pool indices) of one layer: -> k, v [B, Hkv, T, D]."""
-    return gather_rows(pool.k_rows[layer], pool.v_rows[layer], flat)
+    return gather_rows(pool.k_rows[layer], pool.v_rows[layer], flat, pool.scale_rows[layer])
 
 
-def gather_rows(k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor):
-    """Copy the rows `flat` [B, Hkv, T] of one layer's K and V [rows, D]: -> k, v [B, Hkv, T, D]."""
+def gather_rows(k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor, scales: Scales = None,
+                dtype: torch.dtype = torch.float32):
+    """Copy the rows `flat` [B, Hkv, T] of one layer's K and V [rows, D]: -> k, v [B, Hkv, T, D] (as stored, or
+    for int8 rows dequantized to `dtype`)."""
     idx = flat.reshape(-1)
     shape = (*flat.shape, k_rows.shape[-1])
-    return k_rows.index_select(0, idx).view(shape), v_rows.index_select(0, idx).view(shape)
+    k, v = k_rows.index_select(0, idx), v_rows.index_select(0, idx)
+    if scales is not None:
+        k, v = (dequantize_rows(x, s.index_select(0, idx), dtype) for x, s in ((k, scales[0]), (v, scales[1])))
+    return k.view(shape), v.view(shape)
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -11,6 +11,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from oval_edge.kv.int8 import dequantize_rows, quantize_rows
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
 
@@ -40,8 +41,9 @@ def prefill_attention(
             # The chunk's own K/V as the pool stores them (rounded to its dtype), the values every later reader
             # sees: a later chunk, decode, and a request that maps these pages from the prefix cache, whose
             # greedy tokens must equal this one's.
-            ks = as_dtype(k_new[offset : offset + n], pool.k.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D]
-            vs = as_dtype(v_new[offset : offset + n], pool.v.dtype).transpose(0, 1)[None]
+            # [1, Hkv, n, D]; int8 pools: the rows' int8 round trip (kv/int8.py), what decode will read
+            ks = stored_rows(k_new[offset : offset + n], pool).transpose(0, 1)[None]
+            vs = stored_rows(v_new[offset : offset + n], pool).transpose(0, 1)[None]
             if softcap:
                 positions = torch.arange(n, device=q.device)
                 res = capped_attention(qs, ks.to(q.dtype), vs.to(q.dtype), positions[None, :] <= positions[:, None],
@@ -58,6 +60,14 @@ def prefill_attention(
             res = _attend_history(pool, layer, flat, qs, start, scale, softcap)
         out[offset : offset + n] = res[0].transpose(0, 1)
     return out
+
+
+def stored_rows(x: torch.Tensor, pool: PagePool) -> torch.Tensor:
+    """x [n, Hkv, D] as the pool returns it to a reader: in its dtype, or int8-quantized and back (fp32)."""
+    if pool.int8 is None:
+        return as_dtype(x, pool.k.dtype)
+    codes, scales = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return dequantize_rows(codes, scales).view(x.shape)
 
 
 def chunk_rows(step: StepIndex):
@@ -85,7 +95,8 @@ def _attend_history(pool: PagePool, layer: int, flat: torch.Tensor, q: torch.Ten
     group = q.shape[1] // hkv
     split = _split_attention_for_cpu() if q.device.type == "cpu" and not softcap else None
     out = torch.empty_like(q)
-    for head, (k, v) in enumerate(head_by_head_kv(pool.k_rows[layer], pool.v_rows[layer], flat, q.dtype)):
+    for head, (k, v) in enumerate(head_by_head_kv(pool.k_rows[layer], pool.v_rows[layer], flat, q.dtype,
+                                                          pool.scale_rows[layer])):
         heads = slice(head * group, (head + 1) * group)
         if split is not None:
             out[:, heads] = _history_without_mask(split, q[:, heads], k, v, start, scale)

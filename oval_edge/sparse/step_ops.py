@@ -116,7 +116,8 @@ def attend_slots(pool, layer: int, q: torch.Tensor, flat: torch.Tensor, valid: t
     soft-capped when softcap > 0)."""
     if torch.compiler.is_compiling():
         return torch.ops.oval_edge.attend_slots(q, *_storage(pool, layer), flat, valid, limits, scale, softcap)
-    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, limits, softcap)
+    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, limits, softcap,
+                       pool.scale_rows[layer])
 
 
 def select_slots(plan: DecodePlan, scores: torch.Tensor, sealed: torch.Tensor):

@@ -11,7 +11,7 @@ import torch
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.geometry import (KVGeometry, decode_graph_bytes, kv_dims, prefill_workspace_bytes, ring_layout,
-                                size_pool)
+                                size_pool, stage_pages_for)
 from oval_edge.kernels.cpu import describe_kernels
 from oval_edge.kv.pool import PagePool
 from oval_edge.runtime.model.loader import LoadedModel
@@ -114,9 +114,13 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         # Every layer on a window (Mistral v0.1, Phi-3-mini-4k): pages hold no bytes, only positions; enough of them
         # for max_batch sequences at full length, and the rings are the whole KV cache.
         config = dataclasses.replace(config, num_pages=config.max_batch * -(-max_model_len // oval.page_size))
+    if oval.kv_int8 and config.decode_step == "compiled":  # step_ops' traced operators take no int8 scales
+        raise ValueError("decode_step='compiled' does not take kv_dtype='int8'; use decode_step='static' (the "
+                         "default) or 'eager'")
+    stage = stage_pages_for(geometry, config.max_batch, config.step_tokens)
     if config.num_pages is not None:
         pool = PagePool(geometry, config.num_pages, loaded.device, eta=oval.eta, prefix_salt=salt,
-                        ring_sequences=config.max_batch)
+                        ring_sequences=config.max_batch, stage_pages=stage)
         log.info("KV pool: %d pages fixed by num_pages (%s)", config.num_pages, format_bytes(pool.nbytes()))
         return pool
     act_bytes = torch.finfo(loaded.dtype).bits // 8
@@ -124,6 +128,7 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         c.hidden_size, c.intermediate_size, c.num_attention_heads, geometry, config.prefill_chunk,
         max_model_len, act_bytes, step_tokens=config.step_tokens,
     )
+    workspace += geometry.stage_bytes(stage)  # int8: open pages' keys kept for sealing (0 otherwise)
     if uses_cuda_graphs(config, loaded.device):  # the captured steps keep their blocks for the process's life
         workspace += decode_graph_bytes(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.vocab_size,
                                         geometry, config.max_batch, max_model_len, act_bytes)
@@ -142,7 +147,7 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
     sizing = size_pool(budget, loaded.weight_bytes, geometry, workspace, reserve, ring_sequences=config.max_batch)
     log.info("KV pool: %s", sizing.explain())
     return PagePool(geometry, sizing.pages, loaded.device, eta=oval.eta, sizing=sizing, prefix_salt=salt,
-                    ring_sequences=config.max_batch)
+                    ring_sequences=config.max_batch, stage_pages=stage)
 
 
 def prefix_salt(loaded: LoadedModel, oval: OvalConfig, geometry: KVGeometry) -> bytes:

@@ -35,8 +35,8 @@ class EngineStats:
     def record_decode(self, rows: int, seconds: float, step: StepStats, geometry: KVGeometry) -> None:
         self.decode_steps += 1
         self._recent.append((rows, seconds))
-        # kv_tokens_read counts gathered slots x KV heads; each slot moves K and V of head_dim values.
-        self.kv_bytes_last_step = step.kv_tokens_read * geometry.head_dim * 2 * geometry.dtype_bytes
+        # kv_tokens_read counts gathered slots x KV heads; each slot moves a K and a V row (int8: codes + scale).
+        self.kv_bytes_last_step = step.kv_tokens_read * 2 * geometry.kv_row_bytes
         self.summary_bytes_last_step = step.summary_bytes
         per = max(1, rows * geometry.layers * geometry.kv_heads)
         self.attended_per_row_layer = step.attended_tokens / per

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, KV_DTYPES, OvalConfig
 from oval_edge.runtime.model.source import QUANT_TYPES
 from oval_edge.runtime.model.tokenizer import read_chat_template
 
@@ -65,6 +65,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        "sequences at full context, within the memory there is)")
     group.add_argument("--page-size", type=int, help="tokens per KV page: 16, 32, 64, 128 or 256 (default: 32)")
     group.add_argument("--top-k", type=int, help="pages selected per KV head at each decode step (default: 4)")
+    group.add_argument("--kv-dtype", choices=KV_DTYPES,
+                       help="K/V page storage (default: auto = bfloat16 on CPU, the activations' dtype on CUDA); "
+                            "int8 = codes + an fp32 scale per token and KV head (~1.9x the tokens of bfloat16)")
     group.add_argument("--max-batch", type=int, help="sequences decoded together in one step (default: 4)")
     group.add_argument("--max-queue", type=int, help="requests that may wait for pages; more get 503 (default: 64)")
     group.add_argument("--max-context", type=int, metavar="TOKENS",
@@ -138,7 +141,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         sections.update(load_config_file(args.config))
     model_t, server_t = sections["model"], sections["server"]
     oval_values = dict(sections.get("oval") or {})
-    for flag, key in ((args.page_size, "page_size"), (args.top_k, "top_k")):
+    for flag, key in ((args.page_size, "page_size"), (args.top_k, "top_k"), (getattr(args, "kv_dtype", None), "kv_dtype")):
         if flag is not None:
             oval_values[key] = flag
     if getattr(args, "window_module", None):

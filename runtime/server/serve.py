@@ -101,6 +101,8 @@ def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = N
         f"  KV pool   {sizing}",
         f"  capacity  {pool.num_pages} pages x {pool.page_size} tokens = {pool.capacity_tokens} tokens; limit per "
         f"request {engine.token_limit()} tokens (prompt + max_tokens)",
+        f"  KV dtype  {pool.geometry.kv_label}: {pool.geometry.kv_bytes_per_token} bytes per token"
+        + (f", {pool.int8.staging.slots} staging pages for sealing" if pool.int8 is not None else ""),
         f"  engine    {describe_spec(spec)}",
         f"  kernels   {describe_kernels(engine.loaded.device)}",
         f"  decode    {engine.describe_decode_step()}",

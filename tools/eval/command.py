@@ -24,6 +24,7 @@ from .policies import (ALL_POLICIES, POLICY_NAMES, build_policies, parse_float_l
                        parse_names)
 
 TASKS = ("fidelity", "passkey")
+EVAL_KV_DTYPES = ("float32", "bfloat16", "float16", "int8")  # --kv-dtype (OvalConfig.kv_dtype, 'auto' aside)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     oval.add_argument("--rank", type=int, default=4, help="oval basis rank r (at most page_size - 1)")
     oval.add_argument("--record", default="float", choices=("float", "int8", "int4"),
                       help="how oval page records are stored: fp32, or quantized as the pool can keep them")
+    oval.add_argument("--kv-dtype", default="float32",
+                      help="comma-separated K/V page storages to compare: float32 (default), bfloat16, float16, "
+                           "int8 (codes + an fp32 scale per token and KV head). Besides float32, each gets its own "
+                           "pool of every policy's rows, all compared with one fp32 dense reference")
     fid = parser.add_argument_group("fidelity (teacher-forced)")
     fid.add_argument("--text", default=None,
                      help="a UTF-8 text file (default: the model writes its own text from --seed); "
@@ -121,11 +126,14 @@ def _settings(args: argparse.Namespace) -> dict:
     depths = parse_float_list(args.depths, "--depths", 0.0, 1.0)
     bases = [OvalConfig(page_size=p, top_k=max(top_ks), sink_pages=args.sink_pages, window_min=args.window,
                         window_max=args.window, dense_layers=args.dense_layers, rank=args.rank, eta=etas[0],
-                        record=args.record, kv_dtype="float32", top_groups=args.top_groups) for p in page_sizes]  # validates window, sink, rank, ...
+                        record=args.record, kv_dtype="float32", top_groups=args.top_groups)
+             for p in page_sizes]  # validates window, sink, rank, ...
+    kv_dtypes = parse_names(args.kv_dtype, "--kv-dtype", EVAL_KV_DTYPES)
     if args.text is not None and not os.path.isfile(args.text):
         raise ValueError(f"--text {args.text} is not a file")
-    return dict(tasks=tasks, policies=build_policies(names, top_ks, etas, windows, reuse_taus, group_pages), page_sizes=page_sizes,
-                start=start, contexts=contexts, depths=depths, base=bases[0].replace(top_k=top_ks[0]),
+    return dict(tasks=tasks, policies=build_policies(names, top_ks, etas, windows, reuse_taus, group_pages),
+                page_sizes=page_sizes, start=start, contexts=contexts, depths=depths, kv_dtypes=tuple(kv_dtypes),
+                base=bases[0].replace(top_k=top_ks[0]),
                 pool_memory=parse_bytes(args.pool_memory, "--pool-memory"))
 
 
@@ -212,7 +220,7 @@ def _fidelity(args, s, loaded, base: OvalConfig) -> list[dict]:
     print(f"\nfidelity: {source}, {args.length} tokens, dense prefill 0..{s['start'] - 1}, "
           f"{args.length - s['start']} teacher-forced decode steps per row")
     rows = run_fidelity(loaded, ids, s["start"], base, s["policies"], s["page_sizes"], args.prefill_chunk,
-                        show_progress=not args.no_progress, window_module=s["module"])
+                        show_progress=not args.no_progress, window_module=s["module"], kv_dtypes=s["kv_dtypes"])
     return fidelity_records(rows)
 
 
@@ -224,15 +232,15 @@ def _passkey(args, s, loaded, base: OvalConfig) -> list[dict]:
     results = []
     print(f"\npasskey: contexts {s['contexts']}, depths {s['depths']}, {args.keys} key(s) per depth, question fed "
           f"as decode steps, greedy answer")
-    for page_size in s["page_sizes"]:
-        config = base.replace(page_size=page_size)
-        geometry = geometry_for(loaded.config, page_size, config.rank, record=config.record,
+    for page_size, kv_dtype in ((p, d) for p in s["page_sizes"] for d in s["kv_dtypes"]):
+        config = base.replace(page_size=page_size, kv_dtype=kv_dtype)
+        geometry = geometry_for(loaded.config, page_size, config.rank, record=config.record, kv_dtype=kv_dtype,
                                 group_pages=groups_of(s["policies"]))
         for context in s["contexts"]:
             cases = build_cases(loaded.tokenizer, context, s["depths"], args.keys, args.seed)
             row_bytes = -(-(context + 8) // page_size) * geometry.bytes_per_page
             max_rows = max(len(s["policies"]), s["pool_memory"] // row_bytes)
-            print(f"  context {context}, page {page_size}: {len(cases)} cases, up to {max_rows} rows "
+            print(f"  context {context}, page {page_size}, K/V {kv_dtype}: {len(cases)} cases, up to {max_rows} rows "
                   f"({format_bytes(max_rows * row_bytes)}) per batch")
             results += run_passkey(loaded, cases, config, s["policies"], max_rows, args.prefill_chunk,
                                    show_progress=not args.no_progress, window_module=s["module"])

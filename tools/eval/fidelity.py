@@ -5,6 +5,11 @@ budget, plus the dense reference row). Then the true tokens start..N-1 are fed o
 together. Each row keeps its own cache, so a policy's errors propagate into its later layers and steps exactly
 as they would while serving. Per row: mean KL(dense || policy) over the N - start steps, top-1 agreement with
 dense, and the perplexity of the true next tokens (steps start..N-2).
+
+kv_dtypes (`--kv-dtype`): with the default ['float32'] every row shares one fp32 pool. Other K/V storages (bfloat16,
+int8, ...) each get a pool of their own holding every policy's rows, decoded in lockstep with a reference pool
+that holds the dense row in fp32: every row, of every storage, is compared with that one full-precision
+reference, so the rows of two storages at equal pages differ only by the storage.
 """
 
 from __future__ import annotations
@@ -34,14 +39,15 @@ class FidelityRow:
     top1: float
     ppl: float
     reuse: dict | None = None  # rows with a reuse_tau: {"hit_rate", "head_hit_rate", "lookups"} (tools/eval/reuse)
+    kv_dtype: str = "float32"  # the K/V storage of the row's pool (the reference is always fp32)
 
 
 @torch.no_grad()
 def run_fidelity(loaded, ids: list[int], start: int, base: OvalConfig, policies: list[Policy],
                  page_sizes: list[int], chunk: int = 512, show_progress: bool = True,
-                 window_module=None) -> list[FidelityRow]:
+                 window_module=None, kv_dtypes: tuple[str, ...] = ("float32",)) -> list[FidelityRow]:
     """One pass per page size; every pass starts from the same dense prefix (computed once). `window_module`:
-    the calibrated module the `module` policy rows decode with."""
+    the calibrated module the `module` policy rows decode with; kv_dtypes: the K/V storages compared (above)."""
     total = len(ids)
     if not 1 <= start < total:
         raise ValueError(f"--start={start} must be in [1, {total - 1}] for a text of {total} tokens")
@@ -52,23 +58,34 @@ def run_fidelity(loaded, ids: list[int], start: int, base: OvalConfig, policies:
     rows: list[FidelityRow] = []
     for page_size in page_sizes:
         config = base.replace(page_size=page_size)
-        rows += _one_pass(loaded, ids, start, config, policies, keys, values, show_progress, window_module)
+        lanes = [("float32", policies)] if list(kv_dtypes) == ["float32"] else \
+            [("float32", policies[:1])] + [(dtype, policies) for dtype in kv_dtypes]
+        rows += _one_pass(loaded, ids, start, config, lanes, keys, values, show_progress, window_module)
     return rows
 
 
-def _one_pass(loaded, ids, start, config: OvalConfig, policies, keys, values, show_progress,
-              window_module=None) -> list[FidelityRow]:
-    total, count, page_size = len(ids), len(policies), config.page_size
-    pages_per_row = -(-total // page_size)
-    pool = EvalPool(geometry_for(loaded.config, page_size, config.rank, record=config.record,
-                                 group_pages=groups_of(policies)), count * pages_per_row,
-                    loaded.device, eta=config.eta)
+def _lane(loaded, config: OvalConfig, kv_dtype: str, policies, keys, values, total: int, window_module):
+    """(pool, runner) of one K/V storage with a row per policy, each holding the dense prefix."""
+    count, page_size = len(policies), config.page_size
+    config = config.replace(kv_dtype=kv_dtype)
+    geometry = geometry_for(loaded.config, page_size, config.rank, record=config.record, kv_dtype=kv_dtype,
+                            group_pages=groups_of(policies))
+    pool = EvalPool(geometry, count * -(-total // page_size), loaded.device, eta=config.eta,
+                    stage_pages=count + -(-keys.shape[1] // page_size) + 1)  # int8: the prefix load + open pages
     runner = EvalRunner(loaded.model, pool, config, policies, window_module)
     ensure_output_metric(pool, runner, policies)
     for row, policy in enumerate(policies):
         pool.allocate_row(row, total, policy.summary_eta())
         load_kv(pool, row, keys, values)
-    seq_ids = list(range(count))
+    return pool, runner
+
+
+def _one_pass(loaded, ids, start, config: OvalConfig, lanes, keys, values, show_progress,
+              window_module=None) -> list[FidelityRow]:
+    """lanes: (kv dtype, policies) per pool; the first lane's first row (dense) is the reference of every row."""
+    total, page_size = len(ids), config.page_size
+    built = [_lane(loaded, config, dtype, policies, keys, values, total, window_module) for dtype, policies in lanes]
+    count = sum(len(policies) for _, policies in lanes)
     kl = torch.zeros(count, dtype=torch.float64)
     agree = torch.zeros(count, dtype=torch.long)
     nll = torch.zeros(count, dtype=torch.float64)
@@ -77,10 +94,13 @@ def _one_pass(loaded, ids, start, config: OvalConfig, policies, keys, values, sh
     bar = tqdm(steps, desc=f"fidelity P={page_size} ({count} rows)", unit="step", disable=not show_progress,
                leave=False)
     for pos in bar:
-        step = pool.prepare(seq_ids, [1] * count)
-        logits, _ = runner.forward(step, targets[pos].repeat(count), decode=True)
-        pool.commit(step)
-        logp = torch.log_softmax(logits.double().cpu(), dim=-1)  # [rows, V]
+        logps = []
+        for (_, policies), (pool, runner) in zip(lanes, built):
+            step = pool.prepare(list(range(len(policies))), [1] * len(policies))
+            logits, _ = runner.forward(step, targets[pos].repeat(len(policies)), decode=True)
+            pool.commit(step)
+            logps.append(torch.log_softmax(logits.double().cpu(), dim=-1))  # [rows, V]
+        logp = torch.cat(logps)
         ref = logp[0]
         kl += (ref.exp()[None] * (ref[None] - logp)).sum(-1)
         agree += (logp.argmax(-1) == ref.argmax()).long()
@@ -90,17 +110,22 @@ def _one_pass(loaded, ids, start, config: OvalConfig, policies, keys, values, sh
     n = total - start
     scored = max(n - 1, 1)
     out = []
-    for row, policy in enumerate(policies):
-        layer_steps = int(runner.sparse_layer_steps[row])
+    rows = [(dtype, policy, pool, runner, i) for (dtype, policies), (pool, runner) in zip(lanes, built)
+            for i, policy in enumerate(policies)]
+    if len(lanes) > 1:  # the reference lane's dense row is reported with its lane's own dense row beside it
+        rows = rows[1:]
+        kl, agree, nll = kl[1:], agree[1:], nll[1:]
+    for row, (kv_dtype, policy, pool, runner, i) in enumerate(rows):
+        layer_steps = int(runner.sparse_layer_steps[i])
         per_head = layer_steps * pool.geometry.kv_heads
-        attended = float(runner.reads[row]) / per_head if layer_steps else None
-        window = float(runner.window_sum[row]) / per_head if layer_steps else None
+        attended = float(runner.reads[i]) / per_head if layer_steps else None
+        window = float(runner.window_sum[i]) / per_head if layer_steps else None
         out.append(FidelityRow(
             policy=policy, page_size=page_size, tokens_per_step=policy.tokens_per_step(config),
             tokens_attended=attended, window_mean=window, context=total, steps=n,
             kl=max(float(kl[row]) / n, 0.0), top1=float(agree[row]) / n,
             ppl=math.exp(float(nll[row]) / scored) if n > 1 else float("nan"),
-            reuse=_reuse_summary(runner.row_reuse.counts(row)),
+            reuse=_reuse_summary(runner.row_reuse.counts(i)), kv_dtype=kv_dtype,
         ))
     return out
 

@@ -58,6 +58,7 @@ class PasskeyResult:
     reads: float = 0.0  # K/V slots attended in sparse layers, summed over KV heads, steps and cases
     window_sum: float = 0.0  # window lengths, summed likewise
     head_steps: int = 0  # sparse layer-steps x KV heads
+    kv_dtype: str = "float32"  # the K/V storage of the pool the cases ran in
 
     @property
     def tokens_attended(self) -> float | None:
@@ -130,12 +131,16 @@ def run_passkey(loaded, cases: list[PasskeyCase], base: OvalConfig, policies: li
     per_batch = max(1, max_rows // count)
     capacity = context + ANSWER_TOKENS
     pages_per_row = -(-capacity // base.page_size)
-    pool = EvalPool(geometry_for(loaded.config, base.page_size, base.rank, record=base.record,
+    rows = min(per_batch, len(cases)) * count
+    # int8 (kv_dtype): staging for every row's open page and the largest load (a whole prompt). Rows after the dense
+    # one get the dense row's K/V copied (capture_kv): their pages are sealed from those dequantized keys.
+    pool = EvalPool(geometry_for(loaded.config, base.page_size, base.rank, record=base.record, kv_dtype=base.kv_dtype,
                                  group_pages=groups_of(policies)),
-                    min(per_batch, len(cases)) * count * pages_per_row, loaded.device, eta=base.eta)
+                    rows * pages_per_row, loaded.device, eta=base.eta, stage_pages=rows + pages_per_row + 1)
     prefiller = PagedLlama(model, pool, base, attention="dense")  # chunked prefill is dense in any mode
     ensure_output_metric(pool, prefiller, policies)
-    results = [PasskeyResult(p, base.page_size, p.tokens_per_step(base), context) for p in policies]
+    results = [PasskeyResult(p, base.page_size, p.tokens_per_step(base), context, kv_dtype=base.kv_dtype)
+               for p in policies]
     bar = tqdm(total=len(cases), desc=f"passkey {context} tokens", unit="case", disable=not show_progress,
                leave=False)
     for first in range(0, len(cases), per_batch):

@@ -29,7 +29,7 @@ def fidelity_records(rows: list[FidelityRow]) -> list[dict]:
         "tokens_attended": r.tokens_attended, "window_mean": r.window_mean, "window_range": r.policy.window,
         "steps": r.steps, "reuse_tau": r.policy.reuse_tau, "group_pages": r.policy.group_pages,
         "reuse_hit_rate": r.reuse["hit_rate"] if r.reuse else None,
-        "reuse_head_hit_rate": r.reuse["head_hit_rate"] if r.reuse else None,
+        "reuse_head_hit_rate": r.reuse["head_hit_rate"] if r.reuse else None, "kv_dtype": r.kv_dtype,
     } for r in rows]
 
 
@@ -38,8 +38,8 @@ def passkey_records(results: list[PasskeyResult]) -> list[dict]:
     out, dense = [], {}
     for r in results:
         if r.policy.name == "dense":
-            dense[(r.context, r.page_size)] = r
-        ref = dense[(r.context, r.page_size)]
+            dense[(r.context, r.page_size, r.kv_dtype)] = r
+        ref = dense[(r.context, r.page_size, r.kv_dtype)]
         out.append({
             "task": "passkey", "policy": r.policy.name, "eta": r.policy.eta, "page_size": r.page_size,
             "top_k": r.policy.top_k, "tokens_per_step": r.tokens_per_step, "context": r.context,
@@ -47,6 +47,7 @@ def passkey_records(results: list[PasskeyResult]) -> list[dict]:
             "cases": len(r.answers), "correct": sum(r.answers), "tokens_attended": r.tokens_attended,
             "window_mean": r.window_mean, "window_range": r.policy.window, "reuse_tau": r.policy.reuse_tau,
             "group_pages": r.policy.group_pages,
+            "kv_dtype": r.kv_dtype,
             "answers": [{"depth": d, "key": k, "output": o, "correct": a}
                         for (d, k), o, a in zip(r.cases, r.outputs, r.answers)],
         })
@@ -58,6 +59,14 @@ def _num(value, fmt: str, none: str = "-") -> str:
 
 
 def _label(rec: dict) -> str:
+    kv = rec.get("kv_dtype", "float32")
+    return _policy_label(rec) + ("" if kv == "float32" else f" {KV_SHORT.get(kv, kv)}")
+
+
+KV_SHORT = {"bfloat16": "bf16", "float16": "fp16", "int8": "int8"}  # K/V storage suffix of a row's label
+
+
+def _policy_label(rec: dict) -> str:
     if rec["policy"] == "dense":
         return "dense"
     if rec["policy"] == "oval" and rec.get("reuse_tau") is not None:

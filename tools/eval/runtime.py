@@ -19,7 +19,7 @@ from oval_edge.geometry import KVGeometry, kv_dims
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
-from oval_edge.sparse.attention import decode_attention, decode_plan, flat_slots, gather_kv
+from oval_edge.sparse.attention import decode_attention, decode_plan, flat_slots, gather_kv, gather_rows
 from oval_edge.sparse.scoring import group_queries, score_pages
 from oval_edge.sparse.selection import Selection
 
@@ -28,11 +28,12 @@ from .reuse import EvalReuse
 
 
 def geometry_for(model_config, page_size: int, rank: int, kinds=("oval", "quest"), record: str = "float",
-                 group_pages: int = 0) -> KVGeometry:
-    """An fp32 pool geometry for the eval's pools (both summaries by default: rows of either scorer share it); record:
-    how the oval records are stored (page_record.py); group_pages: coarse records for two-level rows (grouped.py)."""
-    config = OvalConfig(page_size=page_size, rank=rank, record=record, group_pages=group_pages)
-    return KVGeometry.for_oval(*kv_dims(model_config), config, "float32", kinds)
+                 kv_dtype: str = "float32", group_pages: int = 0) -> KVGeometry:
+    """A pool geometry for the eval's pools (both summaries by default: rows of either scorer share it); record:
+    how the oval records are stored (page_record.py); kv_dtype: the K/V storage (int8: summaries stay fp32);
+    group_pages: coarse records for two-level rows (grouped.py)."""
+    config = OvalConfig(page_size=page_size, rank=rank, record=record, kv_dtype=kv_dtype, group_pages=group_pages)
+    return KVGeometry.for_oval(*kv_dims(model_config), config, "float32" if kv_dtype == "int8" else kv_dtype, kinds)
 
 
 def groups_of(policies) -> int:
@@ -50,8 +51,9 @@ class EvalPool(PagePool):
     """A PagePool whose pages are sealed with the eta of the row that owns them (oval rows with several etas share
     one pool); pages of rows that never read an oval summary get only the cheap quest summary."""
 
-    def __init__(self, geometry: KVGeometry, num_pages: int, device="cpu", eta: float = 0.0):
-        super().__init__(geometry, num_pages, device, eta=eta)
+    def __init__(self, geometry: KVGeometry, num_pages: int, device="cpu", eta: float = 0.0,
+                 stage_pages: int | None = None):
+        super().__init__(geometry, num_pages, device, eta=eta, stage_pages=stage_pages)
         self.page_eta: dict[int, float | None] = {}
 
     def allocate_row(self, seq_id, num_tokens: int, eta: float | None) -> None:
@@ -86,7 +88,8 @@ def oracle_page_scores(pool: PagePool, layer: int, page_table: torch.Tensor, len
     b, num_pages = page_table.shape
     positions = torch.arange(num_pages * g.page_size, device=q.device).expand(b, g.kv_heads, -1)
     idx = flat_slots(page_table, positions, g.kv_heads, g.page_size).reshape(-1)
-    keys = pool.k[layer].view(-1, g.head_dim).index_select(0, idx).view(*positions.shape, g.head_dim)
+    keys = gather_rows(pool.k_rows[layer], pool.v_rows[layer], idx, pool.scale_rows[layer])[0].view(
+        *positions.shape, g.head_dim)  # int8 pools: the keys dequantized
     grouped = group_queries(q, g.kv_heads).to(keys.dtype)  # [b, Hkv, G, D]
     logits = scale * torch.einsum("bhgd,bhtd->bhgt", grouped, keys).float()  # [b, Hkv, G, Np*P]
     logits = logits.masked_fill(positions[:, :, None, :] >= lengths[:, None, None, None], float("-inf"))

@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 
-from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
+from oval_edge.config import DEFAULT_PREFILL_CHUNK, KV_DTYPES, OvalConfig
 from oval_edge.jetson.modules import ORIN_MODULES, ModuleSpec, get_module, module_names
 from oval_edge.runtime.model.source import quant_choices
 from oval_edge.units import parse_bytes
@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes the server may use, e.g. 6GiB (default: the device's DRAM minus the OS reserve)")
     parser.add_argument("--page-size", default="16,32,64,128", help="comma-separated page sizes to compare")
     parser.add_argument("--top-k", type=int, default=OvalConfig.top_k, help="pages selected per KV head per step")
+    parser.add_argument("--kv-dtype", default=OvalConfig.kv_dtype, choices=KV_DTYPES,
+                        help="K/V page storage: auto (bfloat16 on CPU, the activations' dtype on CUDA), float32, "
+                             "bfloat16, float16, or int8 (codes + an fp32 scale per token and KV head)")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help=f"prefill chunk in tokens (default {DEFAULT_PREFILL_CHUNK})")
     parser.add_argument("--desktop", action="store_true", help="reserve memory for the desktop (default: headless)")
@@ -59,7 +62,7 @@ def _page_sizes(text: str) -> tuple[int, ...]:
 
 
 def build_request(args: argparse.Namespace) -> PlanRequest:
-    oval = OvalConfig(top_k=args.top_k)
+    oval = OvalConfig(top_k=args.top_k, kv_dtype=args.kv_dtype)
     return PlanRequest(
         quant=args.quant, context=args.context, batch=args.batch, page_sizes=_page_sizes(args.page_size),
         oval=oval,

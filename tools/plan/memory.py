@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from oval_edge.config import OvalConfig
 from oval_edge.geometry import (
-    KVGeometry, decode_graph_bytes, prefill_workspace_bytes, seal_chunk_pages, seal_workspace_bytes,
+    KVGeometry, decode_graph_bytes, prefill_workspace_bytes, seal_chunk_pages, seal_workspace_bytes, stage_pages_for,
 )
 
 from .model import ModelShape
@@ -67,7 +67,7 @@ def tokens_read_per_layer(shape: ModelShape, oval: OvalConfig, context: int) -> 
 
 def decode_reads(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, context: int, batch: int) -> dict:
     per_layer = tokens_read_per_layer(shape, oval, context)
-    kv_token = 2 * shape.kv_heads * shape.head_dim * geometry.dtype_bytes  # K and V of one position, one layer
+    kv_token = 2 * shape.kv_heads * geometry.kv_row_bytes  # K and V of one position, one layer (int8: + scales)
     kv = batch * sum(per_layer) * kv_token
     # Scoring reads the summary of every sealed page in each sparse layer once the row exceeds the budget.
     sparse_layers = sum(1 for layer, (t, kind) in enumerate(zip(per_layer, shape.kinds))
@@ -90,6 +90,7 @@ def reserved_workspace_bytes(shape: ModelShape, geometry: KVGeometry, target: st
     # serve's default step budget (EngineConfig.step_tokens): max_batch decode rows + one chunk
     reserved = prefill_workspace_bytes(shape.hidden, shape.intermediate, shape.heads, geometry, chunk, context, act,
                                        step_tokens=batch + chunk)
+    reserved += geometry.stage_bytes(stage_pages_for(geometry, batch, batch + chunk))  # int8: open pages' keys
     if target == "cuda":  # serve captures the static step into CUDA graphs by default (runtime/engine/forward/cuda_graph.py)
         reserved += decode_graph_bytes(shape.hidden, shape.intermediate, shape.heads, shape.vocab, geometry, batch,
                                        context, act)
@@ -119,7 +120,7 @@ def workspace_bytes(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, t
     allocates ~20 MiB, not the 144 MiB a score matrix would take). Logits are computed for the last position of
     each sequence only.
     """
-    a, kvb = ACTIVATION_BYTES[target], geometry.dtype_bytes
+    a, kvb = ACTIVATION_BYTES[target], geometry.kv_row_bytes // shape.head_dim  # int8: 1 (scales are noise here)
     h, i, d, hq, hkv = shape.hidden, shape.intermediate, shape.head_dim, shape.heads, shape.kv_heads
     cast = a if kvb != a else 0  # k/v.to(q.dtype) makes a copy when the pool dtype differs
 

@@ -47,7 +47,7 @@ def format_device_plan(plan: DevicePlan) -> str:
         + f", embedding {format_bytes(w.embedding)}, lm_head "
         + ("tied (0 B)" if w.lm_head == 0 else format_bytes(w.lm_head))
         + f", norms {format_bytes(w.norms)}" + (f", biases {format_bytes(w.biases)}" if w.biases else ""),
-        f"KV       : {format_bytes(geo.kv_bytes_per_token)} per token ({geo.dtype}, "
+        f"KV       : {format_bytes(geo.kv_bytes_per_token)} per token ({geo.kv_label}, "
         f"{'all' if not s.sliding_layers else f'the {s.full_layers} full'} layers) + {r.oval.scorer} "
         f"summaries (rank {r.oval.rank}) {format_bytes(geo.summary_bytes_per_page)} per page of {geo.page_size}; "
         f"top_k {r.oval.top_k}, sink {r.oval.sink_pages}, window {r.oval.window_max}, "

@@ -68,6 +68,9 @@ class StaticStep:
         self.reads_valid_only = decode_kernels(dev) is not None
         # compile_backend: None runs the step eager; "inductor" (decode_step="compiled") or another torch.compile backend
         # (the tests use "aot_eager": the same trace, the eager kernels' exact arithmetic).
+        if compile_backend is not None and pool.int8 is not None:  # the operators of step_ops take no scales
+            raise ValueError("decode_step='compiled' does not take kv_dtype='int8'; use decode_step='static' (the "
+                             "default) or 'eager'")
         self.run = self.forward if compile_backend is None else torch.compile(
             self.forward, fullgraph=True, dynamic=False, backend=compile_backend)
         self.lengths_list: list[int] = []
@@ -96,6 +99,8 @@ class StaticStep:
             tables.extend([0] * (width - len(table)))
             if row < n:
                 self.lengths_list.append(position + 1)
+                if pool.int8 is not None:  # the staging slot of the page this row writes (oval_edge/kv/int8.py)
+                    pool.int8.stage(table, position, 1, P)
         self.host.copy_(torch.tensor([v for values in rows for v in values] + tables, dtype=torch.long))
         if self.packed is not self.host:
             self.packed.copy_(self.host, non_blocking=True)
