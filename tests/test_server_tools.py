@@ -118,6 +118,15 @@ def test_n_choices_each_make_a_valid_call(client):
         jsonschema.validate(json.loads(item.message.tool_calls[0].function.arguments), wanted["function"]["parameters"])
 
 
+def test_parameters_that_allow_anything_mean_no_arguments(client):
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {}}}]
+    response = client.chat.completions.create(model="smol-test", messages=ASK, tools=tools, tool_choice="required",
+                                              temperature=0, max_tokens=MAX_TOKENS)
+    item = response.choices[0]
+    assert item.finish_reason == "tool_calls", item
+    assert json.loads(item.message.tool_calls[0].function.arguments) == {}
+
+
 def test_auto_and_none_answer(client):
     tools, _, _ = _case(1)
     for choice in ("auto", "none"):

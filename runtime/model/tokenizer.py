@@ -3,6 +3,7 @@ an operator puts in its place (`serve --chat-template`), and whether a template 
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -81,13 +82,17 @@ def parse_template(text: str, where: str):
 
 def renders_tools(tokenizer, override: str | None = None) -> bool:
     """Whether the chat template in use reads the `tools` variable (one that does not would silently drop them)."""
-    from jinja2 import meta
-
     template = override if override is not None else tokenizer.chat_template
     if isinstance(template, dict):  # named templates: transformers picks "tool_use" when tools are passed
         template = template.get("tool_use", template.get("default"))
-    if not isinstance(template, str):
-        return False
+    return isinstance(template, str) and _reads_tools(template)
+
+
+@functools.lru_cache(maxsize=16)
+def _reads_tools(template: str) -> bool:
+    # Cached by the template's text: parsing one takes ~10 ms, and a server asks for every request with tools.
+    from jinja2 import meta
+
     try:
         return "tools" in meta.find_undeclared_variables(parse_template(template, "the chat template"))
     except ValueError:

@@ -58,7 +58,7 @@ class Job:
 async def chat_prompt_ids(state, engine, body, tools: list[dict] | None = None) -> list[int]:
     messages = [m.for_template() for m in body.messages]
     try:
-        return await state.off_loop(engine.encode_chat, messages, tools)
+        return await state.off_loop(engine.encode_chat, messages, *([tools] if tools else []))
     except ApiError:
         raise
     except Exception as exc:  # noqa: BLE001 - a template error is about these messages (jinja raises many)

@@ -104,12 +104,19 @@ async def tool_grammar(state, engine, plan: ToolPlan | None):
     function whose parameters schema cannot be enforced."""
     if plan is None or not plan.forced:
         return None
-    functions = [(plan.tools[i]["function"]["name"], plan.tools[i]["function"]["parameters"]) for i in plan.forced]
+    # A schema that allows any value (true, {}) is taken as omitted parameters, a function without arguments:
+    # forced, its arguments are {} (as any value, they could be a number, or an object whose keys never end).
+    functions = [(plan.tools[i]["function"]["name"], _object_schema(plan.tools[i]["function"]["parameters"]))
+                 for i in plan.forced]
     try:
         return await state.off_loop(_compile, engine, functions)
     except ToolSchemaError as exc:
         param = f"tools[{plan.forced[exc.index]}].function.parameters"
         raise ApiError(400, f"{param}: {exc}", param, "invalid_schema") from exc
+
+
+def _object_schema(parameters):
+    return {"type": "object", "properties": {}} if parameters is True or parameters == {} else parameters
 
 
 def _call(inner: str, names: frozenset[str]) -> dict | None:
