@@ -1,7 +1,8 @@
 """OVAL: output-aware local page selection over a KV page pool allocated once from a memory budget."""
 
 from .config import OvalConfig
-from .geometry import KVGeometry, PoolSizing, size_pool
+from .geometry import KVGeometry
+from .pool_sizing import PoolSizing, size_pool
 from .units import format_bytes, parse_bytes
 
 __all__ = [

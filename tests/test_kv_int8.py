@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from oval_edge.config import OvalConfig
-from oval_edge.geometry import KV_SCALE_BYTES, KVGeometry, size_pool, stage_pages_for
+from oval_edge.geometry import KV_SCALE_BYTES, KVGeometry, stage_pages_for
+from oval_edge.pool_sizing import size_pool
 from oval_edge.kernels.cpu import cpu_kernels
 from oval_edge.kv.int8 import dequantize_rows, quantize_rows
 from oval_edge.kv.pool import PagePool

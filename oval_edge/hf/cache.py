@@ -2,9 +2,9 @@
 
 transformers calls `cache.update(k, v, layer)` in every attention layer (keys already rotated, [B, Hkv, n, D]) and
 then the registered attention function with what `update` returned. `OvalCache.update` writes the new tokens
-into the pool and returns them tagged with an `OvalCall` (pool, config, layer, `StepIndex`), which is how the
-OVAL attention function in `integration` finds the pool without any global state. Batch rows are pool
-sequences; positions are the pool's own lengths, so they stay absolute when generation continues from a cache.
+into the pool and returns them tagged with an `OvalCall` (pool, config, layer, `StepIndex`): so the OVAL attention
+function in `integration` finds the pool without global state. Batch rows are pool sequences; positions are the
+pool's own lengths, so they stay absolute when generation continues from a cache.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oval_edge.config import OvalConfig
-from oval_edge.geometry import KVGeometry, kv_dims, size_pool
+from oval_edge.geometry import KVGeometry, kv_dims
+from oval_edge.pool_sizing import size_pool
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
 from oval_edge.kv.summaries import output_metric_sqrt
@@ -96,8 +97,7 @@ class OvalCall:
     step: StepIndex
 
 
-# kv_dtype='int8': staged open pages (kv/int8.py); a forward call filling more pages seals the rest from their
-# dequantized keys (counted in pool.int8.staging.misses).
+# kv_dtype='int8': staged open pages (kv/int8.py); more in one call are sealed from dequantized keys (misses)
 HF_STAGE_PAGES = 64
 
 

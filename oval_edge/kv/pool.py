@@ -17,7 +17,8 @@ from typing import Hashable, Sequence
 
 import torch
 
-from oval_edge.geometry import KVGeometry, PoolSizing, seal_chunk_pages
+from oval_edge.geometry import KVGeometry, seal_chunk_pages
+from oval_edge.pool_sizing import PoolSizing
 
 from .int8 import Int8Pages
 from .prefix_cache import PrefixLedger, page_hashes

@@ -11,7 +11,8 @@ import torch
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.geometry import (KVGeometry, decode_graph_bytes, kv_dims, prefill_workspace_bytes, ring_layout,
-                                size_pool, stage_pages_for)
+                                stage_pages_for)
+from oval_edge.pool_sizing import size_pool
 from oval_edge.kernels.cpu import describe_kernels
 from oval_edge.kv.pool import PagePool
 from oval_edge.runtime.model.loader import LoadedModel

@@ -90,7 +90,7 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
         "kv_bytes_per_step": engine.stats.kv_bytes_last_step,
         "kv_bytes_source": "measured: K/V gathered at the last decode step, all layers (engine stats)",
         "summary_bytes_per_step": engine.stats.summary_bytes_last_step,
-        "kv_dtype": geometry.dtype,
+        "kv_dtype": "int8" if geometry.kv_int8 else geometry.dtype,
         "weight_bytes": engine.loaded.weight_bytes,
         "pool_pages": pages,
         "pool_bytes": engine.pool.nbytes(),

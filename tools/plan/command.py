@@ -1,7 +1,7 @@
 """`oval-edge plan`: will this model fit on this board, with what context, and how fast could it decode?
 
 Reads the model's configuration only (config.json or GGUF metadata), sizes the page pool for each page size with
-`oval_edge.geometry.size_pool`, and optionally writes the TOML that `oval-edge serve --config` reads.
+`oval_edge.pool_sizing.size_pool`, and optionally writes the TOML that `oval-edge serve --config` reads.
 Exit status: 0 when the requested context fits (or for `--device all`), 1 when it does not fit, 2 on bad input.
 """
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
-from oval_edge.geometry import size_pool
+from oval_edge.pool_sizing import size_pool
 from oval_edge.jetson.modules import ModuleSpec
 from oval_edge.units import format_bytes
 
