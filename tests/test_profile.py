@@ -199,7 +199,7 @@ def test_tiny_profile_of_the_bundled_model(tmp_path):
         pytest.skip(str(exc))
     out = {name: tmp_path / name for name in ("p.json", "p.png", "p.toml")}
     rc = main(["profile", "--page-sizes", "16,32", "--context", "300", "--steps", "3", "--warmup", "1",
-               "--calib-tokens", "288", "--calib-steps", "24", "--memory-budget", "1GiB", "--no-progress",
+               "--calib-tokens", "288", "--calib-steps", "24", "--memory-budget", "2GiB", "--no-progress",
                "--json", str(out["p.json"]), "--plot", str(out["p.png"]), "--write-config", str(out["p.toml"])])
     assert rc == 0
     report = json.loads(out["p.json"].read_text())
@@ -210,7 +210,8 @@ def test_tiny_profile_of_the_bundled_model(tmp_path):
         assert r["fits_context"] and r["decode_steps"] == 3 and r["interleaved"]  # two small probes fit the budget
         assert 0 < r["decode_ms_p25"] <= r["decode_ms_median"] <= r["decode_ms_p75"]
         assert r["seal_ms"] > 0 and r["seal_page_ms"] > 0
-        assert r["pool_bytes"] == r["pages"] * r["bytes_per_page"] <= 2**30
+        # 2 GiB: the reserve is this process's resident memory, which earlier test files in the worker raise
+        assert r["pool_bytes"] == r["pages"] * r["bytes_per_page"] <= 2 * 2**30
         assert r["summary_bytes"] == r["pages"] * r["summary_bytes_per_page"] > 0
         assert r["max_context"] == min(r["pages"] * r["page_size"], 8192)
         assert 0 < r["kl"] < 1 and 0 <= r["top1"] <= 1 and math.isfinite(r["ppl"]) and r["fidelity_steps"] == 24
@@ -228,7 +229,7 @@ def test_tiny_profile_of_the_bundled_model(tmp_path):
     assert out["p.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sections = load_config_file(str(out["p.toml"]))
     oval = oval_config(sections)
-    assert (oval.page_size, oval.top_k, oval.memory_budget) == (chosen["page_size"], chosen["top_k"], 2**30)
+    assert (oval.page_size, oval.top_k, oval.memory_budget) == (chosen["page_size"], chosen["top_k"], 2 * 2**30)
     assert sections["plan"]["decode_ms_median"] == pytest.approx(chosen["decode_ms_median"], rel=1e-3)
 
 
