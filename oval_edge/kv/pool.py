@@ -5,6 +5,7 @@ Tensors (per model):
              and the staging of open pages' keys: int8.py)
     quest    kmin, kmax [layers, pages, kv_heads, head_dim]
     oval     mean, basis, coords (+ scales) [paged layers, kv_heads, pages, ...]: page_record.py; group_record.py
+With a page store (store/tier.py) K/V hold the resident and recall frames, the summaries every page's record.
 
 A logical page holds the same `page_size` token positions in every layer. Sequences own page tables
 (logical page -> physical page). Verbs follow nano-vllm's block manager / vLLM's block pool: few of them, and
@@ -24,6 +25,8 @@ from .int8 import Int8Pages
 from .prefix_cache import PrefixLedger, page_hashes
 from .ring import SlidingRings
 from .page_record import allocate_records
+from .store.page_file import PageStore
+from .store.tier import StoreTier
 from .pool_views import PoolViews
 from .step_index import StepIndex, build_step_index
 from .group_record import allocate_group_records, completed_groups, seal_groups
@@ -43,7 +46,12 @@ class PagePool(PoolViews):
         prefix_salt: bytes | None = None,
         ring_sequences: int | None = None,
         stage_pages: int | None = None,
+        store: PageStore | None = None,
+        recall_pages: int = 0,
+        keep_pages: tuple[int, int] = (1, 3),
     ) -> None:
+        """store: the page store (store/page_file.py) for pages beyond the num_pages frames; recall_pages frames per
+        layer to recall into; keep_pages: (sink, window) pages each sequence keeps resident (store/tier.py)."""
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages} must be >= 1")
         self.geometry = geometry
@@ -53,13 +61,18 @@ class PagePool(PoolViews):
         self.sizing = sizing
         self.seal_chunk = seal_chunk_pages(geometry)  # pages summarised per batch (bounded transient memory)
         g = geometry
+        if store is not None and (g.group_pages or g.ring_layers):
+            raise ValueError("the page store does not yet take two-level scoring (group_pages) or sliding-window "
+                             "layers; set group_pages=0 or leave kv_store unset")
         dtype = TORCH_DTYPES[g.dtype]
-        shape = (g.paged_layers, num_pages, g.kv_heads, g.page_size, g.head_dim)
+        frames = num_pages + (recall_pages if store is not None else 0)
+        records = frames + (store.blocks if store is not None else 0)  # every page's record, stored ones too
+        shape = (g.paged_layers, frames, g.kv_heads, g.page_size, g.head_dim)
         # The only allocations the pool ever makes: everything below is written in place.
         self.k = torch.zeros(shape, dtype=torch.int8 if g.kv_int8 else dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.k.dtype, device=self.device)
         # int8: scales and open pages' keys (int8.py); stage_pages: the engine's need, else 2 x sequences + 8.
-        self.int8 = Int8Pages(g, num_pages, stage_pages or 2 * (ring_sequences or 8) + 8, dtype,
+        self.int8 = Int8Pages(g, frames, stage_pages or 2 * (ring_sequences or 8) + 8, dtype,
                               self.device) if g.kv_int8 else None
         # Sliding layers keep a ring per sequence (ring.py) for at most ring_sequences (default: pages) sequences.
         self.rings = SlidingRings(g, ring_sequences or num_pages, dtype, self.device) if g.ring_layers else None
@@ -73,14 +86,14 @@ class PagePool(PoolViews):
         self.scale_rows = [self.int8.scale_rows[i] if self.int8 and i >= 0 else None for i in self.paged_index]
         self.summaries: dict[str, torch.Tensor] = {}
         if "quest" in g.summary_kinds:
-            self.summaries["kmin"] = torch.zeros(shape[:3] + (g.head_dim,), dtype=dtype, device=self.device)
-            self.summaries["kmax"] = torch.zeros(shape[:3] + (g.head_dim,), dtype=dtype, device=self.device)
+            self.summaries["kmin"] = torch.zeros((g.paged_layers, records, g.kv_heads, g.head_dim), dtype=dtype,
+                                                 device=self.device)
+            self.summaries["kmax"] = torch.zeros_like(self.summaries["kmin"])
         if "oval" in g.summary_kinds:  # head-major records, rank first (page_record.py)
-            self.summaries.update(**allocate_records(g, num_pages, dtype, self.device),
-                                  **allocate_group_records(g, num_pages, dtype, self.device))
+            self.summaries.update(**allocate_records(g, records, dtype, self.device),
+                                  **allocate_group_records(g, records, dtype, self.device))
         self.output_metric: torch.Tensor | None = None  # G^{1/2} [paged layers, Hkv, D, D] for eta > 0
-        # Free list as a stack: recently freed pages are reused first (warm in cache).
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: recently freed pages first (warm)
         self._tables: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
         self._sealed: dict[Hashable, int] = {}
@@ -93,12 +106,13 @@ class PagePool(PoolViews):
         # summaries: built only if a scored sequence maps them from the prefix cache (allocate).
         self._unscored: set[Hashable] = set()
         self.unsummarized: set[int] = set()
+        self.store = None if store is None else StoreTier(self, store, recall_pages, *keep_pages)
 
     # ---- allocation --------------------------------------------------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether allocate(seq, num_tokens) would succeed now without a prefix hit (>= 1 page per sequence)."""
         rings_free = self.rings is None or self.rings.num_free > 0
-        return rings_free and self.pages_needed(max(num_tokens, 1)) <= self.num_free
+        return rings_free and self.pages_needed(max(num_tokens, 1)) <= self.num_takeable
 
     def allocate(self, seq_id: Hashable, num_tokens: int, tokens: Sequence[int] | None = None,
                  scored: bool = True) -> list[int] | None:
@@ -117,7 +131,7 @@ class PagePool(PoolViews):
             names = page_hashes(tokens, self.page_size, self.ledger.salt)[: (len(tokens) - 1) // self.page_size]
             hits = self.ledger.lookup(names)
         need = self.pages_needed(max(num_tokens, 1)) - len(hits)
-        if need > self.num_free - self.ledger.cached_among(hits):
+        if need > self.num_takeable - self.ledger.cached_among(hits):
             return None
         if self.rings is not None and not self.rings.take(seq_id):
             return None
@@ -143,19 +157,22 @@ class PagePool(PoolViews):
         return list(pages)
 
     def _take(self) -> int:
-        """One page: from the free list, else the least recently used cached page. Callers checked num_free."""
+        """One page: from the free list, else a store reservation (a frame comes when it is written:
+        make_resident), else the least recently used cached page. Callers checked num_free."""
+        if not self._free and self.store is not None and self.store.free_blocks:
+            return self.store.reserve()
         page = self._free.pop() if self._free else self.ledger.reclaim()
         self.ledger.take(page)
         self.unsummarized.discard(page)  # rewritten by its new sequence, sealed again when full
         return page
 
     def grow(self, seq_id: Hashable, num_tokens: int) -> bool:
-        """Make room for `num_tokens` positions in total; False (and nothing taken) if the pool is short."""
+        """Room for `num_tokens` positions in total; False (and nothing taken) if the pool is short."""
         table = self._tables[seq_id]
         need = self.pages_needed(num_tokens) - len(table)
         if need <= 0:
             return True
-        if need > self.num_free:
+        if need > self.num_takeable:
             return False
         table.extend(self._take() for _ in range(need))
         return True
@@ -175,20 +192,37 @@ class PagePool(PoolViews):
             self.rings.release(seq_id)
         if not pages:
             return 0
+        held = len(pages)
+        if self.store is not None:  # stored ids: their blocks go back (never shared: no refcount)
+            for page in [p for p in pages if self.store.is_stored(p)]:
+                self.store.release(page)
+            pages = [p for p in pages if not self.store.is_stored(p)]
         self._free.extend(p for p in reversed(pages) if self.ledger.release(p))
-        return len(pages)
+        return held
+
+    def make_resident(self, seq_id: Hashable, end_tokens: int) -> bool:
+        """Frames for the pages a step writes up to `end_tokens` (page store: older pages may leave); False: none."""
+        return self.store is None or self.store.make_resident(seq_id, end_tokens)
+
+    def readable(self, layer: int, flat: torch.Tensor, valid: torch.Tensor | None = None):
+        """(k_rows, v_rows, flat, scales) to read the slots `flat` [B, Hkv, T] of `layer` with (store/tier.py)."""
+        if self.store is None:
+            return self.k_rows[layer], self.v_rows[layer], flat, self.scale_rows[layer]
+        return self.store.readable(layer, self.paged_index[layer], flat, valid)
 
     def record_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         """The ids of the tokens the next step writes for this sequence, in order (they name its sealed pages)."""
         tail = self._tail.get(seq_id)
-        if tail is not None:
+        if tail is not None:  # a step that failed and is run again recorded its ids already: drop them first
+            del tail[self._lengths[seq_id] - self._sealed[seq_id] * self.page_size :]
             tail.extend(int(t) for t in token_ids)
 
     # ---- one forward step --------------------------------------------------------------------------------
     def prepare(self, seq_ids: Sequence[Hashable], new_tokens: Sequence[int]) -> StepIndex:
         """Index where `new_tokens[b]` tokens of each sequence go. Pages must already be reserved."""
         step = build_step_index(seq_ids, new_tokens, self._tables, self._lengths, self._sealed, self.page_size,
-                                self.geometry.kv_heads, self.device)
+                                self.geometry.kv_heads, self.device,
+                                resident=None if self.store is None else self.store.base)
         if self.rings is not None:
             step.attach_rings(self.rings, self.device)
         for sid, n in zip(seq_ids, new_tokens) if self.int8 is not None else ():
@@ -207,8 +241,8 @@ class PagePool(PoolViews):
         self.write_rows(layer, step.write_slots, k, v)
 
     def write_rows(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [N, kv_heads, head_dim] into the layer's rows `slots` [N * kv_heads] (of its [pages*Hkv*P, D] view).
-        A cast only where the dtypes differ: a same-dtype .to() is still a dispatched op, twice per layer per step."""
+        """k, v [N, kv_heads, head_dim] into the layer's rows `slots` [N * kv_heads] (of its [pages*Hkv*P, D] view);
+        a cast only where the dtypes differ (a same-dtype .to() is still a dispatched op)."""
         d = self.geometry.head_dim
         k, v = k.reshape(-1, d), v.reshape(-1, d)
         if self.scale_rows[layer] is not None:  # int8: codes + scales, and the keys staged for sealing
@@ -243,6 +277,8 @@ class PagePool(PoolViews):
         if to_seal and self.geometry.paged_layers:  # no paged layer (all sliding): nothing to summarise
             self.seal(to_seal)
             seal_groups(self, groups)
+        if self.store is not None:
+            self.store.end_step()
         return len(to_seal)
 
     def _name_pages(self, seq_id: Hashable, pages: Sequence[int]) -> None:

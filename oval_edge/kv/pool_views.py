@@ -19,8 +19,13 @@ class PoolViews:
 
     @property
     def num_free(self) -> int:
-        """Pages an allocation can take now: the free list and the cached pages it may reclaim."""
+        """Frames an allocation can take now: the free list and the cached pages it may reclaim."""
         return len(self._free) + len(self.ledger.lru)
+
+    @property
+    def num_takeable(self) -> int:
+        """Pages an allocation can take now: num_free and the page store's free blocks (store/tier.py)."""
+        return self.num_free + (len(self.store.free_blocks) if self.store is not None else 0)
 
     @property
     def num_cached(self) -> int:
@@ -37,6 +42,19 @@ class PoolViews:
 
     @property
     def capacity_tokens(self) -> int:
+        """Tokens the pool holds, its page store included."""
+        return (self.num_pages + (self.store.blocks if self.store else 0)) * self.page_size
+
+    def capacity_note(self) -> str:
+        """' (in memory N tokens, page store M)' with a page store, else '': what a refusal message adds."""
+        if self.store is None:
+            return ""
+        stored = self.store.blocks * self.page_size
+        return f" (the in-memory pool holds {self.resident_tokens} tokens, the page store {stored})"
+
+    @property
+    def resident_tokens(self) -> int:
+        """Tokens the in-memory frames hold (capacity_tokens without a store)."""
         return self.num_pages * self.page_size
 
     def nbytes(self) -> int:

@@ -54,9 +54,10 @@ class StepIndex:
 
 
 def build_step_index(seq_ids: Sequence[Hashable], new_tokens: Sequence[int], tables: dict, lengths_of: dict,
-                     sealed_of: dict, page_size: int, kv_heads: int, device) -> StepIndex:
+                     sealed_of: dict, page_size: int, kv_heads: int, device, resident: int | None = None) -> StepIndex:
     """PagePool.prepare: where `new_tokens[b]` tokens of each sequence go, from the pool's page tables, lengths and
-    sealed page counts (dicts keyed by sequence). Pages must already be reserved."""
+    sealed page counts (dicts keyed by sequence). Pages must already be reserved; with a page store, pages written
+    must have ids below `resident` (PagePool.make_resident)."""
     P, H = page_size, kv_heads
 
     def pages_needed(tokens: int) -> int:
@@ -71,6 +72,9 @@ def build_step_index(seq_ids: Sequence[Hashable], new_tokens: Sequence[int], tab
             raise ValueError(f"sequence {sid!r} needs {pages_needed(end)} pages for {end} tokens but owns "
                              f"{len(table)}; grow() it first")
         pos = range(start, end)
+        if resident is not None and n and any(table[j] >= resident for j in range(start // P, pages_needed(end))):
+            raise ValueError(f"sequence {sid!r} writes into a page that is in the page store; call "
+                             "PagePool.make_resident first")
         positions.extend(pos)
         rows.extend([row] * n)
         bases.extend(table[p // P] * H * P + p % P for p in pos)

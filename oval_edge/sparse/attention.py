@@ -93,9 +93,10 @@ PER_HEAD_SLOTS = 2048  # from this many slots per KV head (dense layers at long 
 
 def attend_selection(pool: PagePool, layer: int, q: torch.Tensor, selection: Selection, scale: float,
                      softcap: float = 0.0) -> torch.Tensor:
-    """Attend over the selection's K/V in one layer of the pool. q [B, Hq, D] -> [B, Hq, D]."""
-    return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], selection.flat, selection.valid, scale,
-                       softcap=softcap, scales=pool.scale_rows[layer])
+    """Attend over the selection's K/V in one layer of the pool. q [B, Hq, D] -> [B, Hq, D]. Stored pages (a
+    pool with a page store) are recalled first (PagePool.readable)."""
+    k_rows, v_rows, flat, scales = pool.readable(layer, selection.flat, selection.valid)
+    return attend_rows(q, k_rows, v_rows, flat, selection.valid, scale, softcap=softcap, scales=scales)
 
 
 # scales: (k, v scales [rows] fp32) when the rows are int8 codes (kv_dtype='int8', oval_edge/kv/int8.py), else None;
@@ -173,7 +174,8 @@ def decode_plan(pool: PagePool, step: StepIndex, config: OvalConfig) -> DecodePl
 
 def gather_slots(pool: PagePool, layer: int, flat: torch.Tensor):
     """Copy the slots `flat` [B, Hkv, T] (flat pool indices) of one layer: -> k, v [B, Hkv, T, D]."""
-    return gather_rows(pool.k_rows[layer], pool.v_rows[layer], flat, pool.scale_rows[layer])
+    k_rows, v_rows, flat, scales = pool.readable(layer, flat)
+    return gather_rows(k_rows, v_rows, flat, scales)
 
 
 def gather_rows(k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor, scales: Scales = None,

@@ -95,8 +95,8 @@ def _attend_history(pool: PagePool, layer: int, flat: torch.Tensor, q: torch.Ten
     group = q.shape[1] // hkv
     split = _split_attention_for_cpu() if q.device.type == "cpu" and not softcap else None
     out = torch.empty_like(q)
-    for head, (k, v) in enumerate(head_by_head_kv(pool.k_rows[layer], pool.v_rows[layer], flat, q.dtype,
-                                                          pool.scale_rows[layer])):
+    k_rows, v_rows, flat, scales = pool.readable(layer, flat)  # stored pages read back (a page store)
+    for head, (k, v) in enumerate(head_by_head_kv(k_rows, v_rows, flat, q.dtype, scales)):
         heads = slice(head * group, (head + 1) * group)
         if split is not None:
             out[:, heads] = _history_without_mask(split, q[:, heads], k, v, start, scale)

@@ -14,6 +14,7 @@ import time
 import torch
 
 from oval_edge.config import OvalConfig
+from oval_edge.kv.store.page_file import StoreError
 from oval_edge.kv.pool import PagePool
 from oval_edge.runtime.model.heap import release_heap
 from oval_edge.runtime.model.loader import LoadedModel, load_model
@@ -25,7 +26,7 @@ from .grammar import GrammarService
 from .request import FINISHED, RUNNING, WAITING, QueueFull, Request, RequestRejected
 from .sampling import SamplingParams
 from .scheduler import Scheduler, StepPlan
-from .setup import EngineConfig, build_pool, uses_cuda_graphs
+from .setup import EngineConfig, build_pool, describe_decode_step, uses_cuda_graphs
 from .forward.static_step import StaticDecoder
 from .stats import EngineStats
 
@@ -46,8 +47,9 @@ class Engine:
             from oval_edge.sparse.window_module import window_hook
 
             self.runner.hooks.window = window_hook(self.oval, loaded.config, loaded.name, loaded.device)
-        # The static decode step (static_step.py), sized for the longest sequence this engine admits.
-        self.static = None if self.config.decode_step == "eager" else StaticDecoder(
+        # The static decode step (static_step.py), sized for the longest sequence this engine admits; eager with a
+        # page store (recalls are decided per layer on the host: store/tier.py).
+        self.static = None if self.config.decode_step == "eager" or self.pool.store is not None else StaticDecoder(
             self.runner, self.config.max_batch, self.token_limit(),
             compile_backend="inductor" if self.config.decode_step == "compiled" else None)
         if self.static is not None and uses_cuda_graphs(self.config, loaded.device) and self.runner.hooks.empty():
@@ -61,8 +63,7 @@ class Engine:
         scored_above = None if self.config.attention == "dense" else self.oval.token_budget
         self.scheduler = Scheduler(self.pool, self.config.max_batch, self.config.max_queue, scored_above)
         self._lock = threading.RLock()
-        # JSON-schema grammars (grammar.py): the compiler is built on the first constrained request; a worker thread
-        # fills the token masks while a step's forward runs.
+        # JSON-schema grammars (grammar.py): compiler built on first use; a worker fills masks while a step runs.
         self.grammar = GrammarService(self.tokenizer, loaded.config.vocab_size, self.eos_ids)
 
     @classmethod
@@ -73,15 +74,7 @@ class Engine:
     # ---- admission -----------------------------------------------------------------------------------------
     def describe_decode_step(self) -> str:
         """Which decode step runs, for serve's startup report and bench's labels."""
-        if self.static is None:
-            return "eager forward (shapes follow the context)"
-        if not self.runner.hooks.empty():
-            return "eager forward (a decode hook is installed: reuse, the window module or an eval policy)"
-        if self.static.graphs is not None:
-            return f"static step replayed from {self.static.graphs.explain()}"
-        if self.config.decode_step == "compiled":
-            return "static step through torch.compile (inductor), compiled per batch bucket on first use"
-        return "static step, run eager" + (" (CUDA graphs off)" if self.loaded.device.type == "cuda" else "")
+        return describe_decode_step(self)
 
     def token_limit(self) -> int:
         """Longest prompt + max_tokens one request may ever have: the pool's and the model's limit."""
@@ -99,7 +92,7 @@ class Engine:
             self.stats.refused += 1
             raise RequestRejected(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {request.reserved_tokens} "
-                f"tokens exceeds this server's limit of {limit} tokens; shorten the prompt or lower max_tokens"
+                f"tokens exceeds this server's limit of {limit} tokens{self.pool.capacity_note()}; shorten the prompt or lower max_tokens"
             )
         with self._lock:
             try:
@@ -136,6 +129,9 @@ class Engine:
             self.scheduler.admit()
             plan = self.scheduler.schedule(self.config.step_tokens, self.config.prefill_chunk)
             self.stats.preemptions += len(plan.preempted)
+            for request, why in plan.failed:
+                self._end(request, "error", why)
+                self.stats.errors += 1
             finished = self._guarded(self._run, plan) if plan else []
             self.scheduler.sweep()
             self._refresh_stats()
@@ -148,13 +144,18 @@ class Engine:
         self.stats.pages_used = self.pool.num_used
 
     def _guarded(self, work, plan: StepPlan) -> list[Request]:
-        """Run a step; if it raises, fail just its requests (pages freed) and keep serving the rest."""
+        """Run a step; if it raises, fail just its requests (pages freed) and keep serving the rest. A page store
+        error fails only the request whose page it was: the step committed nothing, the others run it again."""
         try:
             return work(plan)
         except Exception as exc:  # noqa: BLE001 - one bad batch must not take the server down
             requests = plan.decode + [r for r, _ in plan.prefill]
+            message = f"{type(exc).__name__}: {exc}"
+            owner = [r for r in requests if r.request_id == getattr(exc, "seq_id", None)]
+            if isinstance(exc, StoreError) and owner:
+                requests, message = owner, f"the KV page store failed: {exc}"
             for request in requests:
-                self._end(request, "error", f"{type(exc).__name__}: {exc}")
+                self._end(request, "error", message)
             self.stats.errors += 1
             return requests
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from oval_edge.kv.store.page_file import StoreError
 from oval_edge.kv.pool import PagePool
 
 from .request import PREFILL, RUNNING, WAITING, QueueFull, Request
@@ -33,6 +34,7 @@ class StepPlan:
     decode: list[Request] = field(default_factory=list)
     prefill: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # sent back to the queue while planning this step
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # (request, why): a page store write failed
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -78,7 +80,7 @@ class Scheduler:
     def _room_for(self, context: list[int]) -> bool:
         """The prompt's pages fit with one page left per active request (headroom: every running row may open a
         page at the next step). Pages a prefix hit would map are counted as needed: a lower bound on the room."""
-        return self.pool.pages_needed(max(len(context), 1)) + len(self.active) <= self.pool.num_free
+        return self.pool.pages_needed(max(len(context), 1)) + len(self.active) <= self.pool.num_takeable
 
     def schedule(self, max_step_tokens: int, prefill_chunk: int) -> StepPlan:
         """Plan the next step: every running row that has (or can get) a page for its next token, then prompt
@@ -90,21 +92,35 @@ class Scheduler:
             if self._grow(request, plan):
                 plan.decode.append(request)
         budget = max_step_tokens - len(plan.decode)
-        for request in self.active:
+        for request in list(self.active):  # a page store error removes a request while we go
             if budget <= 0:
                 break
             if request.status != PREFILL:
                 continue
             chunk = min(len(request.prefill_ids) - request.prefilled, prefill_chunk, budget)
+            if not self._resident(request, request.prefilled + chunk, plan):
+                break  # no frame for the chunk now (page store): it waits for a later step
             plan.prefill.append((request, chunk))
             budget -= chunk
         return plan
+
+    def _resident(self, request: Request, end_tokens: int, plan: StepPlan) -> bool:
+        """The pages the request's next tokens go into are in memory (a page store may have to take older ones);
+        a store write error fails the request (in plan.failed) and its pages are freed by the engine."""
+        try:
+            return self.pool.make_resident(request.request_id, end_tokens)
+        except StoreError as exc:
+            plan.failed.append((request, f"the KV page store failed: {exc}"))
+            self.active.remove(request)
+            return False
 
     def _grow(self, request: Request, plan: StepPlan) -> bool:
         """Make room for one more token of a running row, preempting the newest requests while the pool is short.
         False if the row itself was the newest and went back to the queue."""
         need = self.pool.length(request.request_id) + 1
-        while not self.pool.grow(request.request_id, need):
+        while not (self.pool.grow(request.request_id, need) and self._resident(request, need, plan)):
+            if request not in self.active:  # failed by the page store
+                return False
             victim = next(r for r in reversed(self.active) if r.status in (PREFILL, RUNNING))
             self.preempt(victim)
             plan.preempted.append(victim)

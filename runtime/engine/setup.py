@@ -14,7 +14,9 @@ from oval_edge.geometry import (KVGeometry, decode_graph_bytes, kv_dims, prefill
                                 stage_pages_for)
 from oval_edge.pool_sizing import size_pool
 from oval_edge.kernels.cpu import describe_kernels
+from oval_edge.kv.store.page_file import PageStore, layer_bytes_for
 from oval_edge.kv.pool import PagePool
+from oval_edge.sparse.selection import window_slots
 from oval_edge.runtime.model.loader import LoadedModel
 from oval_edge.units import format_bytes
 
@@ -44,6 +46,14 @@ class EngineConfig:
                   False runs it eager (A/B measurements, debugging)
     prefix_cache  map a new prompt's longest run of full pages already in the pool (oval_edge/kv/prefix_cache.py)
                   and prefill only the rest; pages a request leaves stay cached until the room is needed
+    pool_tokens   cap the in-memory pool at this many tokens, below what the budget allows (memory left to other
+                  processes on the board; small pools to try the page store)
+    kv_store      a file (or folder) on the NVMe drive for sealed pages beyond the pool (oval_edge/kv/store/page_file.py):
+                  created at full size at startup, removed at exit; records stay in memory, selection recalls pages
+    kv_store_size its size in bytes (default 16 GiB)
+    recall_pages  frames per layer that stored pages are recalled into (default max_batch x KV heads x top_k: what
+                  one step's selection can name)
+    kv_store_checksums  crc32 every stored page and check it on every read (debug)
     """
 
     max_batch: int = 4
@@ -57,6 +67,11 @@ class EngineConfig:
     decode_step: str = "static"
     cuda_graphs: bool = True
     prefix_cache: bool = True
+    pool_tokens: int | None = None
+    kv_store: str | None = None
+    kv_store_size: int = 16 << 30
+    recall_pages: int | None = None
+    kv_store_checksums: bool = False
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_batch", 1, 1024), ("max_queue", 0, 1_000_000), ("prefill_chunk", 16, 65536)):
@@ -79,6 +94,19 @@ class EngineConfig:
             raise ValueError(f"num_pages={self.num_pages!r} must be a positive integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2")
+        for name in ("pool_tokens", "recall_pages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.kv_store is not None and (not isinstance(self.kv_store, str) or not self.kv_store):
+            raise ValueError(f"kv_store={self.kv_store!r} must be a path on the NVMe drive")
+        if isinstance(self.kv_store_size, bool) or not isinstance(self.kv_store_size, int) or self.kv_store_size < 1:
+            raise ValueError(f"kv_store_size={self.kv_store_size!r} must be a size in bytes, e.g. 16GiB")
+        if not isinstance(self.kv_store_checksums, bool):
+            raise ValueError(f"kv_store_checksums={self.kv_store_checksums!r} must be true or false")
+        if self.kv_store is not None and self.decode_step == "compiled":
+            raise ValueError("kv_store needs the eager decode (recalls are decided per layer on the host); use "
+                             "decode_step='static' (it falls back to eager) or 'eager', not 'compiled'")
 
 
     @property
@@ -100,6 +128,21 @@ def uses_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
     return device.type == "cuda" and config.decode_step == "static" and config.cuda_graphs
 
 
+def describe_decode_step(engine) -> str:
+    """Which decode step an Engine runs, for serve's startup report and bench's labels."""
+    if engine.pool.store is not None:
+        return "eager forward (a page store: each layer recalls the stored pages its selection names)"
+    if engine.static is None:
+        return "eager forward (shapes follow the context)"
+    if not engine.runner.hooks.empty():
+        return "eager forward (a decode hook is installed: reuse, the window module or an eval policy)"
+    if engine.static.graphs is not None:
+        return f"static step replayed from {engine.static.graphs.explain()}"
+    if engine.config.decode_step == "compiled":
+        return "static step through torch.compile (inductor), compiled per batch bucket on first use"
+    return "static step, run eager" + (" (CUDA graphs off)" if engine.loaded.device.type == "cuda" else "")
+
+
 def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_model_len: int) -> PagePool:
     c = loaded.config
     # Build (first run on this machine: a few seconds) and load the decode kernels now, not in the first request, and
@@ -119,10 +162,12 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         raise ValueError("decode_step='compiled' does not take kv_dtype='int8'; use decode_step='static' (the "
                          "default) or 'eager'")
     stage = stage_pages_for(geometry, config.max_batch, config.step_tokens)
+    store, tier = build_store(config, geometry, oval)
     if config.num_pages is not None:
-        pool = PagePool(geometry, config.num_pages, loaded.device, eta=oval.eta, prefix_salt=salt,
-                        ring_sequences=config.max_batch, stage_pages=stage)
-        log.info("KV pool: %d pages fixed by num_pages (%s)", config.num_pages, format_bytes(pool.nbytes()))
+        pages = check_resident(geometry, oval, config, store, config.num_pages)
+        pool = PagePool(geometry, pages, loaded.device, eta=oval.eta, prefix_salt=salt,
+                        ring_sequences=config.max_batch, stage_pages=stage, store=store, **tier)
+        log.info("KV pool: %d pages fixed by num_pages (%s)", pages, format_bytes(pool.nbytes()))
         return pool
     act_bytes = torch.finfo(loaded.dtype).bits // 8
     workspace = prefill_workspace_bytes(
@@ -130,6 +175,8 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         max_model_len, act_bytes, step_tokens=config.step_tokens,
     )
     workspace += geometry.stage_bytes(stage)  # int8: open pages' keys kept for sealing (0 otherwise)
+    if store is not None:  # recall frames, and every stored page's record (records stay in memory)
+        workspace += tier["recall_pages"] * geometry.bytes_per_page + store.blocks * geometry.summary_bytes_per_page
     if uses_cuda_graphs(config, loaded.device):  # the captured steps keep their blocks for the process's life
         workspace += decode_graph_bytes(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.vocab_size,
                                         geometry, config.max_batch, max_model_len, act_bytes)
@@ -147,8 +194,41 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         budget = min(wanted, held + int(0.8 * available_bytes(loaded.device)))
     sizing = size_pool(budget, loaded.weight_bytes, geometry, workspace, reserve, ring_sequences=config.max_batch)
     log.info("KV pool: %s", sizing.explain())
-    return PagePool(geometry, sizing.pages, loaded.device, eta=oval.eta, sizing=sizing, prefix_salt=salt,
-                    ring_sequences=config.max_batch, stage_pages=stage)
+    pages = sizing.pages
+    if config.pool_tokens is not None and config.pool_tokens < pages * oval.page_size:
+        pages = max(1, config.pool_tokens // oval.page_size)
+        log.info("KV pool: capped at %d pages by pool_tokens=%d", pages, config.pool_tokens)
+    pages = check_resident(geometry, oval, config, store, pages)
+    return PagePool(geometry, pages, loaded.device, eta=oval.eta, sizing=sizing, prefix_salt=salt,
+                    ring_sequences=config.max_batch, stage_pages=stage, store=store, **tier)
+
+
+def build_store(config: EngineConfig, geometry: KVGeometry, oval: OvalConfig) -> tuple[PageStore | None, dict]:
+    """The page store (created now, at full size) and the pool's arguments for it; (None, {}) without one."""
+    if config.kv_store is None:
+        return None, {}
+    g = geometry
+    layer_bytes = layer_bytes_for(g.kv_heads, g.page_size, g.head_dim, 1 if g.kv_int8 else g.dtype_bytes, g.kv_int8)
+    store = PageStore(config.kv_store, config.kv_store_size, layer_bytes, g.paged_layers,
+                      checksums=config.kv_store_checksums)
+    recall = config.recall_pages or config.max_batch * g.kv_heads * max(oval.top_k, 1)
+    keep_tail = -(-window_slots(oval) // oval.page_size) + 1  # the window's pages and the open one
+    log.info("page store: %s; read %s/s (%d-byte reads); %d recall frames per layer", store.describe(),
+             format_bytes(int(store.measure_read())), layer_bytes, recall)
+    return store, {"recall_pages": recall, "keep_pages": (oval.sink_pages, keep_tail)}
+
+
+def check_resident(geometry: KVGeometry, oval: OvalConfig, config: EngineConfig, store, pages: int) -> int:
+    """With a page store the frames must hold every row's kept pages (sink, window, open) and one prompt chunk."""
+    if store is None:
+        return pages
+    keep = oval.sink_pages + -(-window_slots(oval) // oval.page_size) + 2
+    need = config.max_batch * keep + -(-config.prefill_chunk // oval.page_size)
+    if pages < need:
+        raise ValueError(f"the in-memory pool holds {pages} pages, but with a page store it needs at least {need} "
+                         f"({config.max_batch} rows x {keep} kept pages + one prompt chunk of {config.prefill_chunk} "
+                         "tokens); raise memory_budget or pool_tokens, or lower max_batch or prefill_chunk")
+    return pages
 
 
 def prefix_salt(loaded: LoadedModel, oval: OvalConfig, geometry: KVGeometry) -> bytes:
