@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("oval_edge.tools.profile.command", "measure page_size / top-k on this device and pick one"),
     "bench": ("oval_edge.tools.bench.command", "decode/prefill speed and memory: OVAL vs dense and peers"),
     "eval": ("oval_edge.tools.eval.command", "fidelity (KL, top-1) and passkey retrieval of OVAL vs others"),
+    "store-check": ("oval_edge.tools.store_check.command", "the KV page store against the same runs in memory"),
     "calibrate": ("oval_edge.tools.calibrate.command", "fit the output-aware window module on dense attention"),
     "export-onnx": ("oval_edge.tools.export_onnx", "export the output-aware module to ONNX"),
 }

@@ -8,7 +8,9 @@ from collections import Counter
 
 def check_pool_invariants(pool) -> None:
     """AssertionError naming the first broken invariant of a PagePool."""
-    holders = Counter(p for t in pool._tables.values() for p in t)
+    tier = pool.store
+    resident = (lambda p: True) if tier is None else (lambda p: not tier.is_stored(p))
+    holders = Counter(p for t in pool._tables.values() for p in t if resident(p))
     ledger = pool.ledger
     assert dict(holders) == ledger.refs, "refcounts differ from the tables holding each page"
     assert all(n >= 1 for n in ledger.refs.values()), "a refcount below one"
@@ -29,3 +31,25 @@ def check_pool_invariants(pool) -> None:
         assert pool._sealed[sid] <= pool._lengths[sid] // pool.page_size, f"{sid}: sealed a page not full"
     if pool.rings is not None:
         pool.rings.check_invariants()
+    if tier is not None:
+        check_store_invariants(pool, tier)
+
+
+def check_store_invariants(pool, tier) -> None:
+    """Every block free or held by exactly one table; written blocks held; sealed pages never reservations; each
+    layer's recall frames hold distinct written pages, and frame_of points at them."""
+    held = [p - tier.base for t in pool._tables.values() for p in t if tier.is_stored(p)]
+    assert len(held) == len(set(held)), "a store block is held twice"
+    assert not set(held) & set(tier.free_blocks), "a store block is free and held"
+    assert len(held) + len(tier.free_blocks) == tier.blocks, "store blocks were lost"
+    assert tier.written <= set(held), "a written block no table holds"
+    for sid, table in pool._tables.items():
+        for page in table[: pool._sealed[sid]]:
+            assert not tier.is_stored(page) or page - tier.base in tier.written, f"{sid}: sealed page {page} unwritten"
+    for row, lru in enumerate(tier.lru):
+        assert len(set(lru.values())) == len(lru) <= tier.recall_pages, "a recall slot holds two pages"
+        assert not set(lru.values()) & set(tier.free_slots[row]), "a recall slot is free and used"
+        assert len(lru) + len(tier.free_slots[row]) == tier.recall_pages, "recall slots were lost"
+        for page, slot in lru.items():
+            assert page - tier.base in tier.written, "a recall of a block that holds nothing"
+            assert int(tier.frame_of[row, page]) == tier.first_recall + slot, "frame_of disagrees with the LRU"

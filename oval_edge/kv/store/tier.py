@@ -218,7 +218,11 @@ class StoreTier:
                 slot = lru.pop(old)
                 self.frame_of[row, old] = old
             frame = self.first_recall + slot
-            self.store.read_layer(page - self.base, row, self._buffers(row, frame))
+            try:
+                self.store.read_layer(page - self.base, row, self._buffers(row, frame))
+            except StoreError:
+                free.append(slot)  # the slot holds nothing readable now
+                raise
             lru[page] = slot
             self.frame_of[row, page] = frame
         self._count_reads(len(misses), time.perf_counter() - started)
