@@ -8,7 +8,9 @@
     [server]  memory_budget (bytes or "1.5GiB": what the process may use for weights + workspace + KV pool),
               the EngineConfig settings max_batch, max_queue, prefill_chunk, max_step_tokens, max_model_len (or its alias
               max_context, as runtime/server/options.py reads it), attention, decode_step, and device ("auto",
-              "cpu", "cuda", "cuda:N"), host, port
+              "cpu", "cuda", "cuda:N"), host, port; the page store's kv_store (a path on the NVMe drive, relative
+              to the config file's folder), kv_store_size (bytes or "16GiB"), pool_tokens, recall_pages,
+              kv_store_checksums
     [plan]    what the planner predicted (numbers and strings; informational, serve does not act on it)
 
 `oval_config(sections)` gives the OvalConfig with the budget merged in, `engine_kwargs(sections)` the
@@ -90,6 +92,9 @@ ENGINE_KEYS = {
     "max_step_tokens": _int(2, 1 << 20),
     "max_model_len": _int(2, 1 << 24), "attention": _attention, "decode_step": _decode_step,
     "cuda_graphs": _bool, "prefix_cache": _bool,
+    # The page store on disk (oval_edge/kv/store/): its path (on the NVMe), size, and the in-memory pool's cap.
+    "pool_tokens": _int(1, 1 << 30), "kv_store": _str, "kv_store_size": _size, "recall_pages": _int(1, 1 << 20),
+    "kv_store_checksums": _bool,
 }
 # runtime/server/options.py reads max_context (cap on prompt + max_tokens) and falls back to max_model_len.
 ENGINE_ALIASES = {"max_context": "max_model_len"}
@@ -172,6 +177,9 @@ def load_config_file(path: str) -> dict:
     module = sections["oval"].get("window_module")  # like the model path: relative to the config file's folder
     if module and not os.path.isabs(os.path.expanduser(module)):
         sections["oval"]["window_module"] = os.path.normpath(os.path.join(os.path.dirname(path), module))
+    store = sections["server"].get("kv_store")  # like the model path: relative to the config file's folder
+    if store and not os.path.isabs(os.path.expanduser(store)):
+        sections["server"]["kv_store"] = os.path.normpath(os.path.join(os.path.dirname(path), store))
     template = sections["model"].get("chat_template")  # a shipped template's name, or a file like the model path
     if template and template not in SHIPPED_TEMPLATES and not os.path.isabs(os.path.expanduser(template)):
         sections["model"]["chat_template"] = os.path.normpath(os.path.join(os.path.dirname(path), template))

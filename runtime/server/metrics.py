@@ -15,7 +15,10 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+from oval_edge.kv.store.stats import RECALL_BUCKETS, StoreStats
 
 PREFIX = "oval_edge"
 ROUTER_PREFIX = "vllm"  # the names routers expect by default (vLLM's), not ours
@@ -85,6 +88,7 @@ class _EngineCollector:
         yield _counter("sparse_layer_steps", "layer-steps decoded with OVAL page selection", stats.sparse_layer_steps)
         yield from _reuse_metrics(getattr(getattr(engine, "runner", None), "reuse", None))
         yield from _prefix_metrics(pool)
+        yield from _store_metrics(pool)
         yield from _router_metrics(stats, pool, total, free)
 
 
@@ -118,6 +122,43 @@ def _prefix_metrics(pool):
     yield _counter("prefix_cache_hit_tokens", "prompt tokens mapped from cached pages instead of prefilled",
                    stats.hit_tokens)
     yield _counter("prefix_cache_evictions", "cached pages reclaimed for new allocations", stats.evictions)
+
+
+def _store_metrics(pool):
+    """The page store on disk (oval_edge/kv/store/): always exported, zero without a store, so series never vanish."""
+    tier = pool.store
+    stats = tier.stats if tier is not None else StoreStats()
+    yield _gauge("kv_store_enabled", "1 when sealed pages beyond the in-memory pool go to a page store on disk",
+                 float(tier is not None))
+    yield _gauge("kv_pages_resident", "in-memory KV frames held by requests (a shared prefix page counts once)",
+                 pool.num_used)
+    yield _gauge("kv_pages_stored", "page store blocks in use: pages written there, or reserved for a request's next "
+                 "pages", tier.stored_pages() if tier is not None else 0)
+    yield _gauge("kv_store_pages_total", "pages the page store holds (its file, allocated at startup)",
+                 tier.blocks if tier is not None else 0)
+    yield _counter("kv_store_spills", "sealed pages written to the page store to free a frame", stats.spills)
+    yield _counter("kv_store_recall_hits", "stored page-layers a selection named that were still in the layer's "
+                   "recall frames", stats.recall_hits)
+    yield _counter("kv_store_recall_misses", "stored page-layers a selection named that were read from the drive "
+                   "into a recall frame", stats.recall_misses)
+    yield _counter("kv_store_transient_reads", "stored page-layers read for one dense read (dense layers, prefill "
+                   "over a long history), not kept", stats.transient_reads)
+    yield _counter("kv_store_read_bytes", "bytes read from the page store", stats.bytes_read)
+    yield _counter("kv_store_written_bytes", "bytes written to the page store", stats.bytes_written)
+    looked = stats.recall_hits + stats.recall_misses
+    yield _gauge("kv_store_recall_hit_ratio", "recall hits / (hits + misses) since startup (0 before any recall)",
+                 stats.recall_hits / looked if looked else 0.0)
+    recent = stats.reads_per_step
+    yield _gauge("kv_store_reads_per_step", "mean page-layers read from the store per step, over the last (at most "
+                 "256) steps that read from it", sum(recent) / len(recent) if recent else 0.0)
+    # latency: a count per bucket of RECALL_BUCKETS, the overflow, then the sum; Prometheus wants cumulative counts.
+    counts, cumulative, buckets = stats.latency[:-1], 0.0, []
+    for bound, count in zip((*RECALL_BUCKETS, float("inf")), counts):
+        cumulative += count
+        buckets.append((floatToGoString(bound), cumulative))
+    yield HistogramMetricFamily(f"{PREFIX}_kv_store_read_seconds", "time of one layer's reads from the page store "
+                                "(a recall's misses, or a dense read's stored pages)", buckets=buckets,
+                                sum_value=stats.latency[-1])
 
 
 def _reuse_metrics(reuse):

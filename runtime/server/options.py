@@ -6,12 +6,13 @@ second with a message naming it.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, KV_DTYPES, OvalConfig
 from oval_edge.runtime.model.source import QUANT_TYPES
 from oval_edge.runtime.model.tokenizer import read_chat_template
-
+from oval_edge.units import format_bytes, parse_bytes
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,11 @@ class EngineSpec:
     max_step_tokens: int | None = None
     chat_template: str | None = None  # --chat-template as given (a shipped name or a file), None = the model's
     chat_template_text: str | None = None  # its text, read and parsed when the spec is made
+    pool_tokens: int | None = None  # cap on the in-memory pool (tokens), below what the budget allows
+    kv_store: str | None = None  # the page store's file or folder (NVMe), None = no store
+    kv_store_size: int = 16 << 30  # bytes
+    recall_pages: int | None = None  # recall frames per layer (None: the engine's default)
+    kv_store_checksums: bool = False
 
     def engine_config(self):
         from oval_edge.runtime.engine.setup import EngineConfig
@@ -40,7 +46,9 @@ class EngineSpec:
         return EngineConfig(max_batch=self.max_batch, max_queue=self.max_queue, prefill_chunk=self.prefill_chunk,
                             attention=self.attention, max_model_len=self.max_context, decode_step=self.decode_step,
                             cuda_graphs=self.cuda_graphs, prefix_cache=self.prefix_cache,
-                            max_step_tokens=self.max_step_tokens)
+                            max_step_tokens=self.max_step_tokens, pool_tokens=self.pool_tokens,
+                            kv_store=self.kv_store, kv_store_size=self.kv_store_size, recall_pages=self.recall_pages,
+                            kv_store_checksums=self.kv_store_checksums)
 
     def load(self):
         """Load the model and build the engine (seconds to minutes; call it off the event loop)."""
@@ -107,6 +115,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "such as the bundled SmolLM2)")
     group.add_argument("--attention", choices=("oval", "dense"),
                        help="oval (sparse decode, the default) or dense (reads every cached token: the baseline)")
+    add_store_arguments(parser)
+
+
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KV page store on disk (flags override --config)")
+    group.add_argument("--kv-store", metavar="PATH",
+                       help="a file or folder on an NVMe drive for sealed KV pages beyond the in-memory pool: requests "
+                            "longer than the pool are served, nothing dropped (records stay in memory; selection "
+                            "reads back the pages it names). Use it on a Jetson with an NVMe drive, where CPU and GPU "
+                            "share one DRAM; not on eMMC/SD (too slow), zram or tmpfs (refused: they are RAM). "
+                            "Created at full size at startup, removed at exit (default: no store)")
+    group.add_argument("--kv-store-size", metavar="SIZE",
+                       help="bytes of the store file, e.g. 16GiB (default: 16GiB); the drive must have them free")
+    group.add_argument("--pool-tokens", type=int, metavar="N",
+                       help="cap the in-memory KV pool at N tokens, below what --memory-budget allows: memory left "
+                            "to other processes on the board, or a small pool to try --kv-store (default: no cap)")
+    group.add_argument("--kv-recall-pages", type=int, metavar="N",
+                       help="frames per layer that stored pages are read back into, kept across steps (LRU) "
+                            "(default: max_batch x KV heads x top_k, what one step's selection can name)")
+    group.add_argument("--kv-store-checksums", action=argparse.BooleanOptionalAction, default=None,
+                       help="crc32 every stored page and check it on every read (debugging a drive; default: off)")
 
 
 def _pick(flag, table: dict, key: str, default):
@@ -129,8 +158,6 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         torch.set_num_threads(threads)
     weight_cache = getattr(args, "weight_cache", None)
     if weight_cache is not None:  # read by load_model (process-wide, like --threads), so serve and chat share it
-        import os
-
         from oval_edge.runtime.model.weight_cache import DISABLE_ENV
 
         os.environ[DISABLE_ENV] = "1" if weight_cache else "0"
@@ -173,6 +200,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         max_step_tokens=_pick(getattr(args, "max_step_tokens", None), server_t, "max_step_tokens", None),
         chat_template=template,
         chat_template_text=None if template is None else read_chat_template(template),
+        **_store_values(args, server_t),
     )
     device = spec.device
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
@@ -182,7 +210,28 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     if spec.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={spec.dtype!r} is unknown; allowed: auto, float32, bfloat16, float16")
     spec.engine_config()  # validates max_batch, max_queue, prefill_chunk, max_context now, before any loading
+    if spec.kv_store is not None and spec.device.startswith("cuda"):  # store/tier.py reads into CPU memory
+        raise ValueError(f"kv_store is not built for device={spec.device!r} yet (the page store reads into CPU "
+                         "memory); use --device cpu or leave --kv-store unset")
+    if spec.kv_store is not None:  # tmpfs / zram, a missing or read-only folder, a short drive: refused now
+        from oval_edge.kv.store.page_file import check_store_path
+
+        check_store_path(spec.kv_store, spec.kv_store_size)
     return spec
+
+
+def _store_values(args: argparse.Namespace, server_t: dict) -> dict:
+    """The page store's EngineSpec fields: flags over [server] keys over the defaults (sizes as bytes)."""
+    size = getattr(args, "kv_store_size", None)
+    size = parse_bytes(size, "--kv-store-size") if size is not None else server_t.get("kv_store_size", 16 << 30)
+    store = _pick(getattr(args, "kv_store", None), server_t, "kv_store", None)
+    return dict(
+        pool_tokens=_pick(getattr(args, "pool_tokens", None), server_t, "pool_tokens", None),
+        kv_store=os.path.expanduser(store) if store else store,
+        kv_store_size=size,
+        recall_pages=_pick(getattr(args, "kv_recall_pages", None), server_t, "recall_pages", None),
+        kv_store_checksums=_pick(getattr(args, "kv_store_checksums", None), server_t, "kv_store_checksums", False),
+    )
 
 
 def describe_spec(spec: EngineSpec) -> str:
@@ -191,4 +240,6 @@ def describe_spec(spec: EngineSpec) -> str:
             f"dense_layers {o.dense_layers}, scorer {o.scorer}, attention {spec.attention}, decode step "
             f"{spec.decode_step}{' (CUDA graphs on CUDA)' if spec.cuda_graphs and spec.decode_step == 'static' else ''}, "
             f"dtype {spec.dtype}, {'chat template ' + spec.chat_template + ', ' if spec.chat_template else ''}max_batch "
-            f"{spec.max_batch}, max_queue {spec.max_queue}")
+            f"{spec.max_batch}, max_queue {spec.max_queue}"
+            + (f", pool_tokens {spec.pool_tokens}" if spec.pool_tokens is not None else "")
+            + (f", kv store {spec.kv_store} ({format_bytes(spec.kv_store_size)})" if spec.kv_store else ""))

@@ -87,6 +87,28 @@ def startup_timeline(marks: dict) -> str:
             f"until listening, model {model:.1f} s, engine (KV pool, decode step) {engine:.1f} s")
 
 
+def describe_capacity(pool) -> str:
+    """Pages and tokens the pool holds: in memory, and (with a page store) in the store as well."""
+    P = pool.page_size
+    resident = f"{pool.num_pages} pages x {P} tokens = {pool.resident_tokens} tokens"
+    if pool.store is None:
+        return resident
+    blocks = pool.store.blocks
+    return (f"{resident} in memory + {blocks} pages ({blocks * P} tokens) in the page store = "
+            f"{pool.capacity_tokens} tokens")
+
+
+def describe_store(pool) -> str:
+    """Where the page store is, what the drive read at startup, its recall frames, and what it adds."""
+    from oval_edge.units import format_bytes
+
+    tier = pool.store
+    speed = tier.store.read_throughput
+    read = "not measured" if speed is None or speed == float("inf") else f"{format_bytes(speed)}/s"
+    return (f"{tier.store.describe()}; read {read}; {tier.recall_pages} recall frames per layer; resident "
+            f"{pool.resident_tokens} tokens + stored up to {tier.blocks * pool.page_size} tokens")
+
+
 def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = None) -> str:
     from oval_edge.kernels.cpu import describe_kernels
 
@@ -99,10 +121,10 @@ def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = N
         f"  model     {describe(engine.loaded)}",
         f"  weights   {engine.loaded.weight_bytes} bytes",
         f"  KV pool   {sizing}",
-        f"  capacity  {pool.num_pages} pages x {pool.page_size} tokens = {pool.capacity_tokens} tokens; limit per "
-        f"request {engine.token_limit()} tokens (prompt + max_tokens)",
+        f"  capacity  {describe_capacity(pool)}; limit per request {engine.token_limit()} tokens (prompt + max_tokens)",
         f"  KV dtype  {pool.geometry.kv_label}: {pool.geometry.kv_bytes_per_token} bytes per token"
         + (f", {pool.int8.staging.slots} staging pages for sealing" if pool.int8 is not None else ""),
+        *([f"  KV store  {describe_store(pool)}"] if pool.store is not None else []),
         f"  engine    {describe_spec(spec)}",
         f"  kernels   {describe_kernels(engine.loaded.device)}",
         f"  decode    {engine.describe_decode_step()}",
