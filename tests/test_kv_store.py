@@ -16,6 +16,7 @@ import torch
 from oval_edge import OvalConfig
 from oval_edge.geometry import KVGeometry, kv_dims
 from oval_edge.kv.pool import PagePool
+from oval_edge.kv.store.layout import StoreLayout
 from oval_edge.kv.store.page_file import PageStore, StoreError, check_store_path, layer_bytes_for
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.runtime.engine.request import RequestRejected
@@ -54,8 +55,10 @@ def _teacher_forced(model, oval: OvalConfig, ids: torch.Tensor, prompt: int, poo
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("oval", [OVAL, INT8], ids=["fp32", "int8"])
-def test_logits_with_pages_on_disk_equal_those_fully_in_memory(tmp_path, oval):
+@pytest.mark.parametrize("oval,mirrored", [(OVAL, 0), (INT8, 0), (OVAL, 1), (INT8, 1)],
+                         ids=["fp32", "int8", "fp32-mirror", "int8-mirror"])
+def test_logits_with_pages_on_disk_equal_those_fully_in_memory(tmp_path, oval, mirrored):
+    """mirrored: the dense layer's stored rows also kept in memory (kv/store/mirror.py), as the engine does."""
     import transformers
 
     torch.manual_seed(0)
@@ -67,10 +70,11 @@ def test_logits_with_pages_on_disk_equal_those_fully_in_memory(tmp_path, oval):
     ids = torch.randint(0, 500, (900,), generator=torch.Generator().manual_seed(1))
     memory = _teacher_forced(model, oval, ids, 500, PagePool(geometry, 64))
     store = _store(tmp_path, geometry, 64, checksums=True)
-    pool = PagePool(geometry, 16, store=store, recall_pages=8, keep_pages=(1, 3))  # 256 tokens in memory
+    pool = PagePool(geometry, 16, store=store, store_layout=StoreLayout(8, 1, 3, mirrored))  # 256 tokens in memory
     disk = _teacher_forced(model, oval, ids, 500, pool)
     stats = pool.store.stats
     assert stats.spills > 30 and stats.recall_misses > 0 and stats.transient_reads > 0  # the store was really used
+    assert (stats.mirror_reads > 0) == bool(mirrored)
     assert torch.equal(memory, disk), (memory - disk).abs().max()
     assert pool.store.stored_pages() == 0 and not pool.store.written
 

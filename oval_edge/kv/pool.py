@@ -26,6 +26,7 @@ from .prefix_cache import PrefixLedger, page_hashes
 from .ring import SlidingRings
 from .page_record import allocate_records
 from .store.page_file import PageStore
+from .store.layout import StoreLayout
 from .store.tier import StoreTier
 from .pool_views import PoolViews
 from .step_index import StepIndex, build_step_index
@@ -47,11 +48,10 @@ class PagePool(PoolViews):
         ring_sequences: int | None = None,
         stage_pages: int | None = None,
         store: PageStore | None = None,
-        recall_pages: int = 0,
-        keep_pages: tuple[int, int] = (1, 3),
+        store_layout: StoreLayout = StoreLayout(),
     ) -> None:
-        """store: the page store (store/page_file.py) for pages beyond the num_pages frames; recall_pages frames per
-        layer to recall into; keep_pages: (sink, window) pages each sequence keeps resident (store/tier.py)."""
+        """store: the page store (store/page_file.py) for pages beyond the num_pages frames; store_layout: its recall
+        frames, the pages each sequence keeps resident and the mirrored dense layers (store/layout.py)."""
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages} must be >= 1")
         self.geometry = geometry
@@ -65,7 +65,7 @@ class PagePool(PoolViews):
             raise ValueError("the page store does not yet take two-level scoring (group_pages) or sliding-window "
                              "layers; set group_pages=0 or leave kv_store unset")
         dtype = TORCH_DTYPES[g.dtype]
-        frames = num_pages + (recall_pages if store is not None else 0)
+        frames = num_pages + (store_layout.recall_pages if store is not None else 0)
         records = frames + (store.blocks if store is not None else 0)  # every page's record, stored ones too
         shape = (g.paged_layers, frames, g.kv_heads, g.page_size, g.head_dim)
         # The only allocations the pool ever makes: everything below is written in place.
@@ -106,7 +106,7 @@ class PagePool(PoolViews):
         # summaries: built only if a scored sequence maps them from the prefix cache (allocate).
         self._unscored: set[Hashable] = set()
         self.unsummarized: set[int] = set()
-        self.store = None if store is None else StoreTier(self, store, recall_pages, *keep_pages)
+        self.store = None if store is None else StoreTier(self, store, store_layout)
 
     # ---- allocation --------------------------------------------------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
@@ -158,7 +158,7 @@ class PagePool(PoolViews):
 
     def _take(self) -> int:
         """One page: from the free list, else a store reservation (a frame comes when it is written:
-        make_resident), else the least recently used cached page. Callers checked num_free."""
+        make_resident), else the least recently used cached page. Callers checked num_takeable."""
         if not self._free and self.store is not None and self.store.free_blocks:
             return self.store.reserve()
         page = self._free.pop() if self._free else self.ledger.reclaim()
@@ -181,10 +181,8 @@ class PagePool(PoolViews):
         """Release every page of the sequence; returns how many it held. Unknown ids free nothing. A page goes back
         to the free list when no other sequence holds it, or to the cached LRU if it is named (prefix caching)."""
         pages = self._tables.pop(seq_id, None)
-        self._lengths.pop(seq_id, None)
-        self._sealed.pop(seq_id, None)
-        self._tail.pop(seq_id, None)
-        self._parent.pop(seq_id, None)
+        for per_sequence in (self._lengths, self._sealed, self._tail, self._parent):
+            per_sequence.pop(seq_id, None)
         self._unscored.discard(seq_id)
         if self.int8 is not None and pages:
             self.int8.staging.release(pages)
@@ -246,9 +244,12 @@ class PagePool(PoolViews):
         d = self.geometry.head_dim
         k, v = k.reshape(-1, d), v.reshape(-1, d)
         if self.scale_rows[layer] is not None:  # int8: codes + scales, and the keys staged for sealing
-            return self.int8.write(self.paged_index[layer], self.k_rows[layer], self.v_rows[layer], slots, k, v)
-        self.k_rows[layer].index_copy_(0, slots, k if k.dtype == self.k.dtype else k.to(self.k.dtype))
-        self.v_rows[layer].index_copy_(0, slots, v if v.dtype == self.v.dtype else v.to(self.v.dtype))
+            self.int8.write(self.paged_index[layer], self.k_rows[layer], self.v_rows[layer], slots, k, v)
+        else:
+            self.k_rows[layer].index_copy_(0, slots, k if k.dtype == self.k.dtype else k.to(self.k.dtype))
+            self.v_rows[layer].index_copy_(0, slots, v if v.dtype == self.v.dtype else v.to(self.v.dtype))
+        if self.store is not None:  # a dense layer's copy of every page id (store/mirror.py)
+            self.store.mirror.wrote(self, layer, self.paged_index[layer], slots)
 
     def commit(self, step: StepIndex) -> int:
         """Advance lengths after every layer wrote, then seal full pages. Returns pages sealed."""

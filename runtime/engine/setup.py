@@ -14,6 +14,8 @@ from oval_edge.geometry import (KVGeometry, decode_graph_bytes, kv_dims, prefill
                                 stage_pages_for)
 from oval_edge.pool_sizing import size_pool
 from oval_edge.kernels.cpu import describe_kernels
+from oval_edge.kv.store.layout import StoreLayout
+from oval_edge.kv.store.mirror import DenseMirror
 from oval_edge.kv.store.page_file import PageStore, layer_bytes_for
 from oval_edge.kv.pool import PagePool
 from oval_edge.sparse.selection import window_slots
@@ -50,7 +52,8 @@ class EngineConfig:
                   processes on the board; small pools to try the page store)
     kv_store      a file (or folder) on the NVMe drive for sealed pages beyond the pool (oval_edge/kv/store/page_file.py):
                   created at full size at startup, removed at exit; records stay in memory, selection recalls pages
-    kv_store_size its size in bytes (default 16 GiB)
+    kv_store_size its size in bytes (default None: room for max_batch requests of max_model_len tokens; records
+                  of every block stay in memory, so a store far larger than that only costs memory)
     recall_pages  frames per layer that stored pages are recalled into (default max_batch x KV heads x top_k: what
                   one step's selection can name)
     kv_store_checksums  crc32 every stored page and check it on every read (debug)
@@ -69,7 +72,7 @@ class EngineConfig:
     prefix_cache: bool = True
     pool_tokens: int | None = None
     kv_store: str | None = None
-    kv_store_size: int = 16 << 30
+    kv_store_size: int | None = None
     recall_pages: int | None = None
     kv_store_checksums: bool = False
 
@@ -100,8 +103,10 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.kv_store is not None and (not isinstance(self.kv_store, str) or not self.kv_store):
             raise ValueError(f"kv_store={self.kv_store!r} must be a path on the NVMe drive")
-        if isinstance(self.kv_store_size, bool) or not isinstance(self.kv_store_size, int) or self.kv_store_size < 1:
-            raise ValueError(f"kv_store_size={self.kv_store_size!r} must be a size in bytes, e.g. 16GiB")
+        size = self.kv_store_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"kv_store_size={size!r} must be a size in bytes, e.g. 16GiB (or unset: room for "
+                             "max_batch requests of max_model_len tokens)")
         if not isinstance(self.kv_store_checksums, bool):
             raise ValueError(f"kv_store_checksums={self.kv_store_checksums!r} must be true or false")
         if self.kv_store is not None and self.decode_step == "compiled":
@@ -162,7 +167,7 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         raise ValueError("decode_step='compiled' does not take kv_dtype='int8'; use decode_step='static' (the "
                          "default) or 'eager'")
     stage = stage_pages_for(geometry, config.max_batch, config.step_tokens)
-    store, tier = build_store(config, geometry, oval)
+    store, tier = build_store(config, geometry, oval, max_model_len)
     if config.num_pages is not None:
         pages = check_resident(geometry, oval, config, store, config.num_pages)
         pool = PagePool(geometry, pages, loaded.device, eta=oval.eta, prefix_salt=salt,
@@ -175,8 +180,10 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         max_model_len, act_bytes, step_tokens=config.step_tokens,
     )
     workspace += geometry.stage_bytes(stage)  # int8: open pages' keys kept for sealing (0 otherwise)
-    if store is not None:  # recall frames, and every stored page's record (records stay in memory)
-        workspace += tier["recall_pages"] * geometry.bytes_per_page + store.blocks * geometry.summary_bytes_per_page
+    if store is not None:  # recall frames, every stored page's record (records stay in memory), the dense mirror
+        layout = tier["store_layout"]
+        workspace += (layout.recall_pages * geometry.bytes_per_page + store.blocks * geometry.summary_bytes_per_page
+                      + DenseMirror.bytes_for(geometry, layout.mirrored_layers, layout.recall_pages + store.blocks))
     if uses_cuda_graphs(config, loaded.device):  # the captured steps keep their blocks for the process's life
         workspace += decode_graph_bytes(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.vocab_size,
                                         geometry, config.max_batch, max_model_len, act_bytes)
@@ -195,6 +202,10 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
     sizing = size_pool(budget, loaded.weight_bytes, geometry, workspace, reserve, ring_sequences=config.max_batch)
     log.info("KV pool: %s", sizing.explain())
     pages = sizing.pages
+    mirror_per_frame = DenseMirror.bytes_for(geometry, tier["store_layout"].mirrored_layers, 1) if store else 0
+    if mirror_per_frame:  # the dense mirror holds each frame's dense-layer rows too: fewer frames fit
+        pages = max(1, pages * geometry.bytes_per_page // (geometry.bytes_per_page + mirror_per_frame))
+        log.info("KV pool: %d pages once the dense layers' mirror of each frame is counted", pages)
     if config.pool_tokens is not None and config.pool_tokens < pages * oval.page_size:
         pages = max(1, config.pool_tokens // oval.page_size)
         log.info("KV pool: capped at %d pages by pool_tokens=%d", pages, config.pool_tokens)
@@ -203,19 +214,26 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
                     ring_sequences=config.max_batch, stage_pages=stage, store=store, **tier)
 
 
-def build_store(config: EngineConfig, geometry: KVGeometry, oval: OvalConfig) -> tuple[PageStore | None, dict]:
+def build_store(config: EngineConfig, geometry: KVGeometry, oval: OvalConfig,
+                max_model_len: int) -> tuple[PageStore | None, dict]:
     """The page store (created now, at full size) and the pool's arguments for it; (None, {}) without one."""
     if config.kv_store is None:
         return None, {}
     g = geometry
     layer_bytes = layer_bytes_for(g.kv_heads, g.page_size, g.head_dim, 1 if g.kv_int8 else g.dtype_bytes, g.kv_int8)
-    store = PageStore(config.kv_store, config.kv_store_size, layer_bytes, g.paged_layers,
+    size = config.kv_store_size  # unset: every row at full length could live on disk
+    if size is None:
+        size = config.max_batch * -(-max_model_len // oval.page_size) * layer_bytes * g.paged_layers
+    store = PageStore(config.kv_store, size, layer_bytes, g.paged_layers,
                       checksums=config.kv_store_checksums)
     recall = config.recall_pages or config.max_batch * g.kv_heads * max(oval.top_k, 1)
     keep_tail = -(-window_slots(oval) // oval.page_size) + 1  # the window's pages and the open one
-    log.info("page store: %s; read %s/s (%d-byte reads); %d recall frames per layer", store.describe(),
-             format_bytes(int(store.measure_read())), layer_bytes, recall)
-    return store, {"recall_pages": recall, "keep_pages": (oval.sink_pages, keep_tail)}
+    # Dense layers read every page every step: their rows of stored pages stay in memory (kv/store/mirror.py).
+    mirrored = min(oval.dense_layers, g.paged_layers) if config.attention == "oval" else 0
+    log.info("page store: %s; read %s/s (%d-byte reads); %d recall frames per layer; %d dense layers mirrored in "
+             "memory (%s)", store.describe(), format_bytes(int(store.measure_read())), layer_bytes, recall, mirrored,
+             format_bytes(DenseMirror.bytes_for(g, mirrored, store.blocks)))
+    return store, {"store_layout": StoreLayout(recall, oval.sink_pages, keep_tail, mirrored)}
 
 
 def check_resident(geometry: KVGeometry, oval: OvalConfig, config: EngineConfig, store, pages: int) -> int:

@@ -141,8 +141,10 @@ def _store_metrics(pool):
                    "recall frames", stats.recall_hits)
     yield _counter("kv_store_recall_misses", "stored page-layers a selection named that were read from the drive "
                    "into a recall frame", stats.recall_misses)
-    yield _counter("kv_store_transient_reads", "stored page-layers read for one dense read (dense layers, prefill "
-                   "over a long history), not kept", stats.transient_reads)
+    yield _counter("kv_store_transient_reads", "stored page-layers read for one wide read (a prompt chunk over a long "
+                   "history, a selection beyond the recall frames), not kept", stats.transient_reads)
+    yield _counter("kv_store_mirror_reads", "dense-layer reads served from the in-memory mirror of every page "
+                   "(no disk read)", stats.mirror_reads)
     yield _counter("kv_store_read_bytes", "bytes read from the page store", stats.bytes_read)
     yield _counter("kv_store_written_bytes", "bytes written to the page store", stats.bytes_written)
     looked = stats.recall_hits + stats.recall_misses

@@ -36,7 +36,7 @@ class EngineSpec:
     chat_template_text: str | None = None  # its text, read and parsed when the spec is made
     pool_tokens: int | None = None  # cap on the in-memory pool (tokens), below what the budget allows
     kv_store: str | None = None  # the page store's file or folder (NVMe), None = no store
-    kv_store_size: int = 16 << 30  # bytes
+    kv_store_size: int | None = None  # bytes (None: max_batch requests of the model's context)
     recall_pages: int | None = None  # recall frames per layer (None: the engine's default)
     kv_store_checksums: bool = False
 
@@ -127,7 +127,9 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
                             "share one DRAM; not on eMMC/SD (too slow), zram or tmpfs (refused: they are RAM). "
                             "Created at full size at startup, removed at exit (default: no store)")
     group.add_argument("--kv-store-size", metavar="SIZE",
-                       help="bytes of the store file, e.g. 16GiB (default: 16GiB); the drive must have them free")
+                       help="bytes of the store file, e.g. 16GiB; the drive must have them free (default: room for "
+                            "--max-batch requests at the model's full context; every stored page's record stays in "
+                            "memory, so a larger store costs memory too)")
     group.add_argument("--pool-tokens", type=int, metavar="N",
                        help="cap the in-memory KV pool at N tokens, below what --memory-budget allows: memory left "
                             "to other processes on the board, or a small pool to try --kv-store (default: no cap)")
@@ -216,14 +218,14 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     if spec.kv_store is not None:  # tmpfs / zram, a missing or read-only folder, a short drive: refused now
         from oval_edge.kv.store.page_file import check_store_path
 
-        check_store_path(spec.kv_store, spec.kv_store_size)
+        check_store_path(spec.kv_store, spec.kv_store_size or 0)  # an automatic size is checked once it is known
     return spec
 
 
 def _store_values(args: argparse.Namespace, server_t: dict) -> dict:
     """The page store's EngineSpec fields: flags over [server] keys over the defaults (sizes as bytes)."""
     size = getattr(args, "kv_store_size", None)
-    size = parse_bytes(size, "--kv-store-size") if size is not None else server_t.get("kv_store_size", 16 << 30)
+    size = parse_bytes(size, "--kv-store-size") if size is not None else server_t.get("kv_store_size")
     store = _pick(getattr(args, "kv_store", None), server_t, "kv_store", None)
     return dict(
         pool_tokens=_pick(getattr(args, "pool_tokens", None), server_t, "pool_tokens", None),
@@ -242,4 +244,6 @@ def describe_spec(spec: EngineSpec) -> str:
             f"dtype {spec.dtype}, {'chat template ' + spec.chat_template + ', ' if spec.chat_template else ''}max_batch "
             f"{spec.max_batch}, max_queue {spec.max_queue}"
             + (f", pool_tokens {spec.pool_tokens}" if spec.pool_tokens is not None else "")
-            + (f", kv store {spec.kv_store} ({format_bytes(spec.kv_store_size)})" if spec.kv_store else ""))
+            + (f", kv store {spec.kv_store} ("
+               f"{format_bytes(spec.kv_store_size) if spec.kv_store_size else 'size: max_batch x context'})"
+               if spec.kv_store else ""))

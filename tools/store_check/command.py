@@ -73,11 +73,11 @@ def run(args: argparse.Namespace) -> int:
     figures: dict = {"model": loaded.name, "quant": args.quant, "oval": oval.to_dict(),
                      "pool_tokens": store.pool.resident_tokens, "memory_pool_tokens": memory.pool.resident_tokens,
                      "store": tier.store.describe(), "store_read_bytes_per_s": tier.store.read_throughput,
-                     "recall_pages": tier.recall_pages}
+                     "recall_pages": tier.recall_pages, "mirror_bytes": tier.mirror.nbytes()}
     print(f"store-check: in memory {memory.pool.resident_tokens} tokens | with the store: {store.pool.resident_tokens} "
           f"tokens in memory + {tier.blocks * store.pool.page_size} in {tier.store.describe()}; drive read "
-          f"{format_bytes(int(tier.store.read_throughput or 0))}/s; {tier.recall_pages} recall frames per layer",
-          flush=True)
+          f"{format_bytes(int(tier.store.read_throughput or 0))}/s; {tier.recall_pages} recall frames per layer; "
+          f"dense layers' mirror {format_bytes(tier.mirror.nbytes())}", flush=True)
     ids = loaded.tokenizer(open(args.text, encoding="utf-8").read())["input_ids"][:limit]
     if len(ids) < limit:
         raise ValueError(f"{args.text} has {len(ids)} tokens, fewer than --length {limit}")
@@ -95,14 +95,15 @@ def run(args: argparse.Namespace) -> int:
         rows = {"memory (static step)": runs.served(static, prompt, args.served_tokens)}
         del static
         rows["memory (eager)"] = runs.served(memory, prompt, args.served_tokens)
-        before = (tier.stats.recall_hits, tier.stats.recall_misses, tier.stats.transient_reads)
+        counted = ("recall_hits", "recall_misses", "transient_reads", "mirror_reads")
+        before = [getattr(tier.stats, name) for name in counted]
         rows["store (eager)"] = runs.served(store, prompt, args.served_tokens)
-        hits, misses, transient = (now - then for now, then in zip(
-            (tier.stats.recall_hits, tier.stats.recall_misses, tier.stats.transient_reads), before))
+        hits, misses, transient, mirrored = (getattr(tier.stats, name) - then for name, then in zip(counted, before))
         same = rows["memory (eager)"].output_ids == rows["store (eager)"].output_ids
         figures["served"] = {name: r.__dict__ | {"tokens_per_second": r.tokens_per_second} for name, r in rows.items()}
         figures["served"]["identical"] = same
-        figures["served"]["store_recalls"] = {"hits": hits, "misses": misses, "transient": transient}
+        figures["served"]["store_recalls"] = {"hits": hits, "misses": misses, "transient": transient,
+                                             "mirror": mirrored}
         steps = rows["store (eager)"].decode_steps
         for name, r in rows.items():
             print(f"served   {name:<22} {r.tokens_per_second:6.2f} tok/s over {r.decode_steps} steps"
@@ -110,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         base = rows["memory (static step)"].tokens_per_second
         print(f"served   greedy tokens identical: {same}; store / in-memory static: "
               f"{rows['store (eager)'].tokens_per_second / base:.2f}x; recalls: {hits} hits, {misses} misses, "
-              f"{transient} page-layers read for dense layers", flush=True)
+              f"{transient} page-layers read from disk for wide reads (prompt chunks over the stored history), "
+              f"{mirrored} dense-layer reads served by the in-memory mirror", flush=True)
     if "passkey" in tasks:
         from oval_edge.tools.eval.passkey import ANSWER_TOKENS, build_cases
 

@@ -27,6 +27,8 @@ from collections import OrderedDict
 
 import torch
 
+from .layout import StoreLayout
+from .mirror import DenseMirror
 from .page_file import PageStore, StoreError
 from .stats import StoreStats
 
@@ -38,22 +40,23 @@ def _bytes(t: torch.Tensor) -> memoryview:
 class StoreTier:
     """The disk tier of one PagePool (built by it; owns the block free list and the recall frames' LRUs)."""
 
-    def __init__(self, pool, store: PageStore, recall_pages: int, keep_head: int, keep_tail: int) -> None:
+    def __init__(self, pool, store: PageStore, layout: StoreLayout) -> None:
         if pool.device.type != "cpu":
             raise ValueError("the page store reads into CPU memory; on CUDA (a Jetson's GPU shares the same DRAM) "
                              "it is not built yet: leave kv_store unset")
-        if recall_pages < 1:
-            raise ValueError(f"recall_pages={recall_pages} must be >= 1 (frames a layer recalls stored pages into)")
+        layers = pool.geometry.paged_layers
+        if layout.mirrored_layers > layers:
+            raise ValueError(f"mirrored_layers={layout.mirrored_layers} exceeds the {layers} paged layers")
         self.pool, self.store = pool, store
-        self.recall_pages = recall_pages
+        self.recall_pages = layout.recall_pages
         self.first_recall = pool.num_pages  # R
-        self.base = pool.num_pages + recall_pages  # R + C: the id of block 0
-        self.keep_head, self.keep_tail = keep_head, keep_tail  # sink pages, and the window's pages (kept resident)
+        self.base = pool.num_pages + layout.recall_pages  # R + C: the id of block 0
+        self.keep_head, self.keep_tail = layout.sink_pages, layout.window_pages  # kept resident
+        self.mirror = DenseMirror(pool, layout.mirrored_layers, self.base + store.blocks)
         self.free_blocks: list[int] = list(range(store.blocks - 1, -1, -1))
         self.written: set[int] = set()
-        layers = pool.geometry.paged_layers
         self.lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(layers)]  # id -> recall slot
-        self.free_slots: list[list[int]] = [list(range(recall_pages - 1, -1, -1)) for _ in range(layers)]
+        self.free_slots: list[list[int]] = [list(range(self.recall_pages - 1, -1, -1)) for _ in range(layers)]
         # id -> frame holding it, per layer (identity for resident ids; recalled stored ids point at their frame)
         self.frame_of = torch.arange(self.base + store.blocks).repeat(layers, 1)
         self.stats = StoreStats()
@@ -147,6 +150,7 @@ class StoreTier:
         pool = self.pool
         block = page - self.base
         self.store.write_block(block, [self._buffers(layer, frame) for layer in range(len(self.lru))])
+        self.mirror.spill(frame, page)
         self.written.add(block)
         self.forget_recalls(page)  # a recall of the block's previous contents is stale now
         for name, tensor in pool.summaries.items():
@@ -167,6 +171,9 @@ class StoreTier:
     def readable(self, layer: int, row: int, flat: torch.Tensor, valid: torch.Tensor | None):
         """(k_rows, v_rows, flat, scales) to read the slots `flat` [B, Hkv, T] of model layer `layer` (paged row
         `row`) with: the pool's own rows when no valid slot names a stored page, else see the module docstring."""
+        if self.mirror.holds(row):  # a dense layer: every page id's rows are in memory (mirror.py), no disk read
+            self.stats.mirror_reads += 1
+            return self.mirror.readable(row, flat)
         pool = self.pool
         g = pool.geometry
         span = g.kv_heads * g.page_size  # rows per page in a layer's view
@@ -235,7 +242,6 @@ class StoreTier:
             ids = torch.where(valid, ids, 0)
         pages = torch.unique(ids)
         frames = pool.k.shape[1]
-        d = pool.geometry.head_dim
         local = pages < frames
         k = torch.empty((len(pages),) + pool.k.shape[2:], dtype=pool.k.dtype)
         v = torch.empty_like(k)
@@ -258,10 +264,10 @@ class StoreTier:
             reads += 1
         self._count_reads(reads, time.perf_counter() - started)
         self.stats.transient_reads += reads
+        d = pool.geometry.head_dim
         index = torch.searchsorted(pages, ids).clamp(max=len(pages) - 1)
-        remapped = index * span + flat % span
         rows = (k.view(-1, d), v.view(-1, d))
-        return (*rows, remapped, None if scales is None else (scales[0].view(-1), scales[1].view(-1)))
+        return (*rows, index * span + flat % span, None if scales is None else (scales[0].view(-1), scales[1].view(-1)))
 
     def _count_reads(self, reads: int, seconds: float) -> None:
         self.stats.bytes_read += reads * self.store.layer_bytes
