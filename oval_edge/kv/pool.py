@@ -192,9 +192,7 @@ class PagePool(PoolViews):
             return 0
         held = len(pages)
         if self.store is not None:  # stored ids: their blocks go back (never shared: no refcount)
-            for page in [p for p in pages if self.store.is_stored(p)]:
-                self.store.release(page)
-            pages = [p for p in pages if not self.store.is_stored(p)]
+            pages = self.store.release_stored(pages)
         self._free.extend(p for p in reversed(pages) if self.ledger.release(p))
         return held
 

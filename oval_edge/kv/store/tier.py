@@ -81,6 +81,12 @@ class StoreTier:
         self.forget_recalls(page)
         self.free_blocks.append(block)
 
+    def release_stored(self, pages: list[int]) -> list[int]:
+        """Release the stored ids among a freed table's pages; the resident ones, for the pool to free."""
+        for page in [p for p in pages if self.is_stored(p)]:
+            self.release(page)
+        return [p for p in pages if not self.is_stored(p)]
+
     def forget_recalls(self, page: int) -> None:
         for layer, lru in enumerate(self.lru):
             slot = lru.pop(page, None)
