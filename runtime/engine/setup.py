@@ -232,7 +232,7 @@ def build_store(config: EngineConfig, geometry: KVGeometry, oval: OvalConfig,
     mirrored = min(oval.dense_layers, g.paged_layers) if config.attention == "oval" else 0
     log.info("page store: %s; read %s/s (%d-byte reads); %d recall frames per layer; %d dense layers mirrored in "
              "memory (%s)", store.describe(), format_bytes(int(store.measure_read())), layer_bytes, recall, mirrored,
-             format_bytes(DenseMirror.bytes_for(g, mirrored, store.blocks)))
+             format_bytes(DenseMirror.bytes_for(g, mirrored, recall + store.blocks)))  # frames' share: build_pool
     return store, {"store_layout": StoreLayout(recall, oval.sink_pages, keep_tail, mirrored)}
 
 

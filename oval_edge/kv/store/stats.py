@@ -14,7 +14,7 @@ class StoreStats:
     spills: int = 0  # pages written to the store
     recall_hits: int = 0  # stored pages a layer's selection named that were already in its recall frames
     recall_misses: int = 0  # ... that had to be read
-    transient_reads: int = 0  # stored page-layers read for a dense read (dense layers, prefill history)
+    transient_reads: int = 0  # stored page-layers read for one wide read (a prompt chunk over a long history)
     mirror_reads: int = 0  # dense-layer reads served by the in-memory mirror (mirror.py): no I/O, no copy
     bytes_read: int = 0
     bytes_written: int = 0

@@ -16,8 +16,9 @@ prefix cache (it is no longer a frame to share).
 
 Reads (`readable`): a step's flat slots [B, Hkv, T] that name stored pages are redirected. Up to C stored pages
 per layer (a sparse selection) are recalled into the layer's recall frames, kept in an LRU across steps; more (a
-dense layer or a prefill chunk over a long history) are read, with the resident pages they also need, into a
-transient buffer for that one read. Either way attention reads exactly the bytes the page held.
+prefill chunk over a long history) are read, with the resident pages they also need, into a transient buffer for
+that one read. Dense layers read their in-memory mirror of every page id (mirror.py) instead. Either way attention
+reads exactly the bytes the page held.
 """
 
 from __future__ import annotations
