@@ -340,3 +340,21 @@ def test_written_config_is_what_serve_reads(tmp_path, capsys):
     assert (spec.max_batch, spec.max_context, spec.prefill_chunk) == (2, 4096, DEFAULT_PREFILL_CHUNK)
     assert spec.oval.page_size == sections["oval"]["page_size"]
 
+
+
+def test_int8_records_are_planned_and_written_for_serve(capsys, tmp_path):
+    """--record int8 with --kv-dtype int8: smaller records, more pages in the same budget, and serve gets both."""
+    pages = {}
+    for kv, record in (("bfloat16", "float"), ("int8", "float"), ("int8", "int8")):
+        toml_path, json_path = tmp_path / f"{kv}-{record}.toml", tmp_path / f"{kv}-{record}.json"
+        rc, out, _ = plan(capsys, "--device", "cpu", "--memory-budget", "1GiB", "--page-size", "32", "--kv-dtype", kv,
+                          "--record", record, "--write-config", str(toml_path), "--json", str(json_path))
+        assert rc == 0, out
+        pages[kv, record] = json.loads(json_path.read_text())["devices"][0]["recommended"]["pages"]
+        written = oval_config(load_config_file(str(toml_path)))
+        assert (written.kv_dtype, written.record) == (kv, record)
+    assert pages["int8", "int8"] > pages["int8", "float"] > 1.6 * pages["bfloat16", "float"]
+    assert pages["int8", "int8"] > 1.8 * pages["bfloat16", "float"]
+    with pytest.raises(SystemExit):
+        main(["plan", "--device", "cpu", "--record", "int2"])
+    assert "int2" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import json
 import os
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, KV_DTYPES, OvalConfig
+from oval_edge.geometry import RECORD_FORMATS
 from oval_edge.jetson.modules import ORIN_MODULES, ModuleSpec, get_module, module_names
 from oval_edge.runtime.model.source import quant_choices
 from oval_edge.units import parse_bytes
@@ -36,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", default=OvalConfig.kv_dtype, choices=KV_DTYPES,
                         help="K/V page storage: auto (bfloat16 on CPU, the activations' dtype on CUDA), float32, "
                              "bfloat16, float16, or int8 (codes + an fp32 scale per token and KV head)")
+    parser.add_argument("--record", default=OvalConfig.record, choices=RECORD_FORMATS,
+                        help="how oval page records (the per-page summaries) are stored: float (the KV dtype), int8 "
+                             "or int4 codes with per-page scales; with --kv-dtype int8, int8 records keep the "
+                             "pages' capacity gain (default float)")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help=f"prefill chunk in tokens (default {DEFAULT_PREFILL_CHUNK})")
     parser.add_argument("--desktop", action="store_true", help="reserve memory for the desktop (default: headless)")
@@ -62,7 +67,7 @@ def _page_sizes(text: str) -> tuple[int, ...]:
 
 
 def build_request(args: argparse.Namespace) -> PlanRequest:
-    oval = OvalConfig(top_k=args.top_k, kv_dtype=args.kv_dtype)
+    oval = OvalConfig(top_k=args.top_k, kv_dtype=args.kv_dtype, record=args.record)
     return PlanRequest(
         quant=args.quant, context=args.context, batch=args.batch, page_sizes=_page_sizes(args.page_size),
         oval=oval,
