@@ -120,6 +120,28 @@ def test_library_is_built_once_into_the_cache_and_reused(monkeypatch, tmp_path):
     assert cpu_check.main([first]) == 0  # the build's check, as its child process runs it
 
 
+def test_a_compiler_without_openmp_builds_the_pthread_head(monkeypatch, tmp_path):
+    """-fopenmp is asked for (the head runs on torch's OpenMP team); a compiler that refuses it still gets a checked
+    library, whose head splits its columns over pthreads instead."""
+    import shutil
+    import subprocess
+
+    real = shutil.which("cc") or shutil.which("gcc")
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "unsupported -fopenmp" >&2; '
+                       f'exit 1; }}; done\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    built = cpu_build.built_library()
+    assert cpu_check.main([built]) == 0
+    symbols = subprocess.run(["nm", "-D", built], capture_output=True, text=True).stdout
+    assert "GOMP_parallel" not in symbols and "pthread_create" in symbols
+    monkeypatch.delenv("CC")
+    assert "GOMP_parallel" in subprocess.run(["nm", "-D", cpu_build.built_library()], capture_output=True,
+                                             text=True).stdout
+
+
 def test_missing_compiler_means_torch_ops_with_a_warning(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))

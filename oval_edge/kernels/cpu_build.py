@@ -38,10 +38,13 @@ def built_library() -> str:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
-    flags = [*OPTIMISE_FLAGS, "-fPIC", "-shared", "-pthread", *_arch_flags()]  # pthread: the head's two threads
+    # -fopenmp: the head runs on torch's OpenMP team (head_kernels.c says why); a compiler without it builds the
+    # pthread version instead (retried without the flag).
+    flags = [*OPTIMISE_FLAGS, "-fPIC", "-shared", "-pthread", "-fopenmp", *_arch_flags()]
     source = b"\0".join(path.read_bytes() for path in SOURCES)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"|".join([source, version.encode(), " ".join(flags).encode(), _cpu_features().encode()]))
+    key = hashlib.sha256(b"|".join([source, compiler.encode(), version.encode(), " ".join(flags).encode(),
+                                   _cpu_features().encode()]))
     folder = os.path.join(cache_root(), "kernels", key.hexdigest()[:24])
     path = os.path.join(folder, LIBRARY_NAME)
     if os.path.isfile(path):
@@ -52,6 +55,10 @@ def built_library() -> str:
         built = os.path.join(staging, LIBRARY_NAME)
         done = subprocess.run([compiler, *flags, "-o", built, *map(str, SOURCES), "-lm"], capture_output=True,
                               text=True, timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0 and "-fopenmp" in flags:  # no OpenMP in this compiler: the pthread build
+            flags.remove("-fopenmp")
+            done = subprocess.run([compiler, *flags, "-o", built, *map(str, SOURCES), "-lm"], capture_output=True,
+                                  text=True, timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {(done.stderr or done.stdout).strip()[-500:]}")
         # Checked in a child process: the torch reference touches code (einsum, softmax, ...) that decoding with the
