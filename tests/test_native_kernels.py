@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -123,9 +125,6 @@ def test_library_is_built_once_into_the_cache_and_reused(monkeypatch, tmp_path):
 def test_a_compiler_without_openmp_builds_the_pthread_head(monkeypatch, tmp_path):
     """-fopenmp is asked for (the head runs on torch's OpenMP team); a compiler that refuses it still gets a checked
     library, whose head splits its columns over pthreads instead."""
-    import shutil
-    import subprocess
-
     real = shutil.which("cc") or shutil.which("gcc")
     wrapper = tmp_path / "cc-without-openmp"
     wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "unsupported -fopenmp" >&2; '

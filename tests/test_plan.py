@@ -341,7 +341,6 @@ def test_written_config_is_what_serve_reads(tmp_path, capsys):
     assert spec.oval.page_size == sections["oval"]["page_size"]
 
 
-
 def test_int8_records_are_planned_and_written_for_serve(capsys, tmp_path):
     """--record int8 with --kv-dtype int8: smaller records, more pages in the same budget, and serve gets both."""
     pages = {}

@@ -53,12 +53,9 @@ def built_library() -> str:
     staging = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(folder))
     try:
         built = os.path.join(staging, LIBRARY_NAME)
-        done = subprocess.run([compiler, *flags, "-o", built, *map(str, SOURCES), "-lm"], capture_output=True,
-                              text=True, timeout=COMPILE_TIMEOUT_S)
-        if done.returncode != 0 and "-fopenmp" in flags:  # no OpenMP in this compiler: the pthread build
-            flags.remove("-fopenmp")
-            done = subprocess.run([compiler, *flags, "-o", built, *map(str, SOURCES), "-lm"], capture_output=True,
-                                  text=True, timeout=COMPILE_TIMEOUT_S)
+        done = _compile(compiler, flags, built)
+        if done.returncode != 0:  # no OpenMP in this compiler: the pthread build
+            done = _compile(compiler, [f for f in flags if f != "-fopenmp"], built)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {(done.stderr or done.stdout).strip()[-500:]}")
         # Checked in a child process: the torch reference touches code (einsum, softmax, ...) that decoding with the
@@ -76,6 +73,11 @@ def built_library() -> str:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def _compile(compiler: str, flags: list[str], built: str) -> subprocess.CompletedProcess:
+    return subprocess.run([compiler, *flags, "-o", built, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+                          timeout=COMPILE_TIMEOUT_S)
 
 
 def _arch_flags() -> list[str]:

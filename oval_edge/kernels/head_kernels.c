@@ -109,8 +109,7 @@ int int8_head_f32(const float *x, int64_t rows, const int8_t *w, const float *sc
         HeadWork job = {x, w, scales, out, rows, k, panels * PANEL, panels * t / threads, panels * (t + 1) / threads};
         head_worker(&job);
     }
-    return 0;
-#endif
+#else
     HeadWork jobs[MAX_THREADS];
     pthread_t workers[MAX_THREADS];
     int started[MAX_THREADS] = {0};
@@ -125,6 +124,7 @@ int int8_head_f32(const float *x, int64_t rows, const int8_t *w, const float *sc
         if (started[t]) pthread_join(workers[t], NULL);
         else head_worker(&jobs[t]);
     }
+#endif
     return 0;
 }
 
