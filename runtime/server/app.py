@@ -28,6 +28,7 @@ from .errors import ApiError, ApiKeyGuard, BodyGuard, error_body, install_error_
 from .body_params import response_grammar, sampling_params
 from .generate import Job, chat_prompt_ids, completion_prompt_ids, respond, stream, submit
 from .metrics import ServerMetrics
+from .probes import FastProbes
 from .protocol import request_models
 from .tokenize_routes import install_token_routes
 from .tool_calls import ToolPlan, ToolStream, check_messages, tool_grammar, tool_message, tool_plan
@@ -181,7 +182,9 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
                   description="OpenAI-compatible API over a KV page pool with OVAL sparse decode.")
     app.state.server = state
     install_error_handlers(app)
-    # Outermost first: the key is checked before any byte of the body is read.
+    probes: dict = {}  # path -> handler, filled where the routes are declared below
+    app.add_middleware(FastProbes, probes=probes)
+    # Each middleware added wraps those before it: the key (outermost) is checked before any body byte is read.
     app.add_middleware(BodyGuard, limit=settings.max_body_bytes)
     if settings.api_key:
         open_paths = ("/health", "/metrics") if settings.metrics_public else ("/health",)
@@ -195,6 +198,8 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
         if state.load_error:
             body["message"] = state.load_error
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(settings.retry_after_s)})
+
+    probes["/health"] = health
 
     @app.get("/v1/models", summary="the served model", responses={401: ERROR_RESPONSES[401]})
     async def models() -> dict:
@@ -260,5 +265,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
     async def metrics() -> Response:
         payload, content_type = state.metrics.render()
         return Response(payload, media_type=content_type)
+
+    probes["/metrics"] = metrics
 
     return app

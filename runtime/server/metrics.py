@@ -41,28 +41,12 @@ class _EngineCollector:
             return
         pool, stats = engine.pool, engine.stats
         total, free = pool.num_pages, pool.num_free  # read the pool itself: a cancel frees pages between steps
-        yield _gauge("kv_pages_total", "KV pages in the pool (allocated once at startup)", total)
         yield _gauge("kv_pages_used", "KV pages held by requests", total - free)
         yield _gauge("kv_pages_free", "KV pages a request can take: the free list and the cached pages (below)", free)
         yield _gauge("kv_usage_ratio", "used / total KV pages", (total - free) / total if total else 0.0)
-        yield _gauge("kv_page_size_tokens", "tokens per KV page", pool.page_size)
-        yield _gauge("kv_pool_bytes", "bytes of the KV pool (K, V and page summaries; the rings below included)",
-                     pool.nbytes())
-        g, rings = pool.geometry, pool.rings
-        yield _gauge("kv_paged_layers", "layers whose K/V live in pages (OVAL-scored)", g.paged_layers)
-        yield _gauge("kv_sliding_layers", "sliding-window layers whose K/V live in per-sequence rings",
-                     len(g.ring_layers))
+        rings = pool.rings
         if rings is not None:
-            yield _gauge("kv_rings_total", "per-sequence rings of the sliding layers (allocated once)", rings.sequences)
             yield _gauge("kv_rings_used", "rings held by requests", rings.sequences - rings.num_free)
-            yield _gauge("kv_ring_pages_per_sequence", "pages one ring holds per sliding layer", g.ring_pages)
-            yield _gauge("kv_ring_bytes", "bytes of all rings", rings.nbytes())
-        yield _gauge("token_limit", "longest prompt + max_tokens one request may have", engine.token_limit())
-        sizing = pool.sizing
-        if sizing is not None:
-            yield _gauge("memory_budget_bytes", "the budget the pool was sized from", sizing.budget_bytes)
-        yield _gauge("weight_bytes", "bytes of model weights as loaded (4-bit codes + scales + the rest)",
-                     engine.loaded.weight_bytes)
         yield _gauge("requests_running", "requests in prefill or decode", stats.running)
         yield _gauge("requests_waiting", "requests queued for pages or a batch slot", stats.waiting)
         yield _counter("requests_refused", "requests the engine refused (too long, or the queue was full)",
@@ -89,10 +73,55 @@ class _EngineCollector:
         yield from _reuse_metrics(getattr(getattr(engine, "runner", None), "reuse", None))
         yield from _prefix_metrics(pool)
         yield from _store_metrics(pool)
-        yield from _router_metrics(stats, pool, total, free)
+        yield from _router_metrics(stats, total, free)
 
 
-def _router_metrics(stats, pool, total: int, free: int):
+def _engine_facts(engine):
+    """What cannot change once the engine is loaded (the pool is allocated once): rendered once per engine."""
+    pool = engine.pool
+    yield _gauge("kv_pages_total", "KV pages in the pool (allocated once at startup)", pool.num_pages)
+    yield _gauge("kv_page_size_tokens", "tokens per KV page", pool.page_size)
+    yield _gauge("kv_pool_bytes", "bytes of the KV pool (K, V and page summaries; the rings below included)",
+                 pool.nbytes())
+    g, rings = pool.geometry, pool.rings
+    yield _gauge("kv_paged_layers", "layers whose K/V live in pages (OVAL-scored)", g.paged_layers)
+    yield _gauge("kv_sliding_layers", "sliding-window layers whose K/V live in per-sequence rings", len(g.ring_layers))
+    if rings is not None:
+        yield _gauge("kv_rings_total", "per-sequence rings of the sliding layers (allocated once)", rings.sequences)
+        yield _gauge("kv_ring_pages_per_sequence", "pages one ring holds per sliding layer", g.ring_pages)
+        yield _gauge("kv_ring_bytes", "bytes of all rings", rings.nbytes())
+    yield _gauge("token_limit", "longest prompt + max_tokens one request may have", engine.token_limit())
+    if pool.sizing is not None:
+        yield _gauge("memory_budget_bytes", "the budget the pool was sized from", pool.sizing.budget_bytes)
+    yield _gauge("weight_bytes", "bytes of model weights as loaded (4-bit codes + scales + the rest)",
+                 engine.loaded.weight_bytes)
+    yield _gauge("prefix_cache_enabled", "1 when full pages are shared between requests by prefix",
+                 float(pool.ledger.enabled))
+    tier = pool.store
+    yield _gauge("kv_store_enabled", "1 when sealed pages beyond the in-memory pool go to a page store on disk",
+                 float(tier is not None))
+    yield _gauge("kv_store_pages_total", "pages the page store holds (its file, allocated at startup)",
+                 tier.blocks if tier is not None else 0)
+    reuse = getattr(getattr(engine, "runner", None), "reuse", None)
+    yield _gauge("selection_reuse_tau", "query cosine needed to reuse a recent page selection (0: reuse is off)",
+                 reuse.tau if reuse is not None else 0.0)
+    # Info-style: value 1, the facts in labels. block_size is tokens per page, num_gpu_blocks the pool's page count
+    # (allocated once, so it never changes); the router's prefix model hashes prompts in blocks of this size.
+    info = GaugeMetricFamily(f"{ROUTER_PREFIX}:cache_config_info", "KV cache geometry: tokens per page, pages",
+                             labels=["block_size", "num_gpu_blocks"])
+    info.add_metric([str(pool.page_size), str(pool.num_pages)], 1.0)
+    yield info
+
+
+class _Facts:
+    def __init__(self, engine):
+        self._engine = engine
+
+    def collect(self):
+        return _engine_facts(self._engine)
+
+
+def _router_metrics(stats, total: int, free: int):
     """vLLM-named gauges for routers, from the figures above (read once per scrape, so both names agree)."""
     yield GaugeMetricFamily(f"{ROUTER_PREFIX}:num_requests_waiting", "requests queued (oval_edge_requests_waiting)",
                             value=float(stats.waiting))
@@ -102,19 +131,12 @@ def _router_metrics(stats, pool, total: int, free: int):
     # because an allocation may reclaim them (the same figure as oval_edge_kv_usage_ratio).
     yield GaugeMetricFamily(f"{ROUTER_PREFIX}:kv_cache_usage_perc", "KV pages held by requests / all KV pages (0..1)",
                             value=(total - free) / total if total else 0.0)
-    # Info-style: value 1, the facts in labels. block_size is tokens per page, num_gpu_blocks the pool's page count
-    # (allocated once, so it never changes); the router's prefix model hashes prompts in blocks of this size.
-    info = GaugeMetricFamily(f"{ROUTER_PREFIX}:cache_config_info", "KV cache geometry: tokens per page, pages",
-                             labels=["block_size", "num_gpu_blocks"])
-    info.add_metric([str(pool.page_size), str(total)], 1.0)
-    yield info
 
 
 def _prefix_metrics(pool):
     """Prefix caching (oval_edge/kv/prefix_cache.py): always exported, zero when it is off."""
     ledger = pool.ledger
     stats = ledger.stats
-    yield _gauge("prefix_cache_enabled", "1 when full pages are shared between requests by prefix", float(ledger.enabled))
     yield _gauge("kv_pages_cached", "pages no request holds, kept for prefix hits (reclaimed when needed)",
                  pool.num_cached)
     yield _counter("prefix_cache_queries", "prompts looked up in the prefix cache", stats.queries)
@@ -128,14 +150,10 @@ def _store_metrics(pool):
     """The page store on disk (oval_edge/kv/store/): always exported, zero without a store, so series never vanish."""
     tier = pool.store
     stats = tier.stats if tier is not None else StoreStats()
-    yield _gauge("kv_store_enabled", "1 when sealed pages beyond the in-memory pool go to a page store on disk",
-                 float(tier is not None))
     yield _gauge("kv_pages_resident", "in-memory KV frames held by requests (a shared prefix page counts once)",
                  pool.num_used)
     yield _gauge("kv_pages_stored", "page store blocks in use: pages written there, or reserved for a request's next "
                  "pages", tier.stored_pages() if tier is not None else 0)
-    yield _gauge("kv_store_pages_total", "pages the page store holds (its file, allocated at startup)",
-                 tier.blocks if tier is not None else 0)
     yield _counter("kv_store_spills", "sealed pages written to the page store to free a frame", stats.spills)
     yield _counter("kv_store_recall_hits", "stored page-layers a selection named that were still in the layer's "
                    "recall frames", stats.recall_hits)
@@ -166,8 +184,6 @@ def _store_metrics(pool):
 def _reuse_metrics(reuse):
     """Selection reuse (oval_edge/sparse/reuse.py): always exported, zero when reuse is off, so series never vanish."""
     counts = reuse.counts if reuse is not None else None
-    yield _gauge("selection_reuse_tau", "query cosine needed to reuse a recent page selection (0: reuse is off)",
-                 reuse.tau if reuse is not None else 0.0)
     yield _counter("selection_reuse_lookups", "sparse row-layer decode steps that looked for a reusable selection",
                    counts.lookups if counts else 0)
     yield _counter("selection_reuse_hits", "row-layer decode steps that reused a recent selection (not scored)",
@@ -190,6 +206,8 @@ class ServerMetrics:
     """One app's metrics. `status` returns (status, engine-or-None) each scrape."""
 
     def __init__(self, status: Callable[[], tuple[str, object]]):
+        self._status = status
+        self._facts: tuple[object, bytes] | None = None  # (engine, its facts rendered)
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(status))
         self.time_to_first_token = Histogram(
@@ -214,4 +232,13 @@ class ServerMetrics:
             self.request_duration.observe(total_s)
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The exposition text: the engine's fixed facts (rendered once per engine: a router scrapes every 50 ms
+        and each scrape holds the GIL the engine thread needs), then everything that moves."""
+        engine = self._status()[1]
+        if engine is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if self._facts is None or self._facts[0] is not engine:
+            facts = CollectorRegistry(auto_describe=False)
+            facts.register(_Facts(engine))
+            self._facts = (engine, generate_latest(facts))
+        return self._facts[1] + generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -8,22 +8,29 @@ Rounds alternate (off, on, off, on, ...) so drift on a shared machine hits both 
 request's decode rate is its content chunks after the first over the time they took. Prints the median per side
 and their ratio. With --serve auto it also reads the server's own CPU time (/proc/PID/stat) over a stretch of
 scraping with no request running: the server's cost per scrape, which other load on the machine does not blur.
-The scraper runs in this process, on the same machine as the server: on a board the router scrapes from another
-host, so this is an upper bound on what the server itself pays.
+The scraper runs on the same machine as the server: on a board the router scrapes from another host. With the
+default `--scraper httpx` it is an httpx task in this process, whose own ~1 ms of Python per scrape competes for
+the cores too, so that is an upper bound on what the server itself pays; `--scraper socket` scrapes from a child
+process with raw kept-alive GETs (socket_scraper.py), costing the machine about what a router's Go or Rust scraper
+would, so the difference is what the server pays.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 
+from urllib.parse import urlsplit
+
 from .client import stream_chat
 from .server import AutoServer
+from .socket_scraper import SocketScraper
 
 SCRAPE_PERIOD_S = 0.05
 SERVE_ARGS = "--device cpu --max-batch 4 --threads 1"  # one model thread: the 2-core CI machine is shared
@@ -42,23 +49,52 @@ async def _scraper(http, url: str, stop: asyncio.Event, latencies: list[float]) 
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
 
 
-async def _round(http, url: str, model: str, streams: int, max_tokens: int, scrape: str | None) -> dict:
+class _HttpxScraping:
+    """Stretches of 20 Hz scraping by an httpx task in this process (the load generator's own event loop)."""
+
+    def __init__(self, http, url: str, path: str):
+        self._http, self._url = http, url + path
+        self._task = self._stop = self._latencies = None
+
+    def begin(self) -> None:
+        self._stop, self._latencies = asyncio.Event(), []
+        self._task = asyncio.create_task(_scraper(self._http, self._url, self._stop, self._latencies))
+
+    async def end(self) -> list[float]:
+        self._stop.set()
+        await self._task
+        return self._latencies
+
+
+class _SocketScraping:
+    """Stretches of 20 Hz scraping by the socket scraper's child process (socket_scraper.py)."""
+
+    def __init__(self, scraper: SocketScraper):
+        self._scraper = scraper
+
+    def begin(self) -> None:
+        self._scraper.scrape()
+
+    async def end(self) -> list[float]:
+        return [seconds for _, seconds in await asyncio.to_thread(self._scraper.pause)]
+
+
+async def _round(http, url: str, model: str, streams: int, max_tokens: int, scraping=None) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, "stream": True}
-    stop, latencies = asyncio.Event(), []
     began = time.perf_counter()
-    scraper = asyncio.create_task(_scraper(http, url + scrape, stop, latencies)) if scrape else None
+    if scraping is not None:
+        scraping.begin()
     results = await asyncio.gather(*(stream_chat(http, url, body, {}, i, 0) for i in range(streams)))
     wall = time.perf_counter() - began
-    stop.set()
-    if scraper is not None:
-        await scraper
+    latencies = await scraping.end() if scraping is not None else []
     rates = []
     for result in results:
         if result.outcome != "completed" or not result.itl_s:
             raise RuntimeError(f"a request failed: {result.error or result.problem}")
         rates.append(len(result.itl_s) / sum(result.itl_s))
-    return {"scrape": scrape is not None, "decode_tok_s_per_stream": rates, "wall_s": wall, "scrapes": len(latencies),
+    return {"scrape": scraping is not None, "decode_tok_s_per_stream": rates, "wall_s": wall,
+            "scrapes": len(latencies),
             "scrape_latency_ms_p50": 1000 * statistics.median(latencies) if latencies else None}
 
 
@@ -68,33 +104,37 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime (fields 14, 15)
 
 
-async def _idle_cpu_cost(http, url: str, path: str, pid: int, seconds: float) -> dict:
+async def _idle_cpu_cost(scraping, pid: int, seconds: float) -> dict:
     """Server CPU seconds over `seconds` idle, then over `seconds` of 20 Hz scraping; the difference per scrape."""
     start = _cpu_seconds(pid)
     await asyncio.sleep(seconds)
     idle = _cpu_seconds(pid) - start
-    stop, latencies = asyncio.Event(), []
     start = _cpu_seconds(pid)
-    scraper = asyncio.create_task(_scraper(http, url + path, stop, latencies))
+    scraping.begin()
     await asyncio.sleep(seconds)
-    stop.set()
-    await scraper
-    scraping = _cpu_seconds(pid) - start
-    per_scrape_ms = 1000 * (scraping - idle) / len(latencies)
-    return {"seconds": seconds, "server_cpu_s_idle": idle, "server_cpu_s_scraping": scraping,
-            "scrapes": len(latencies), "server_cpu_ms_per_scrape": per_scrape_ms,
+    scrapes = len(await scraping.end())
+    scraping_s = _cpu_seconds(pid) - start
+    per_scrape_ms = 1000 * (scraping_s - idle) / scrapes
+    return {"seconds": seconds, "server_cpu_s_idle": idle, "server_cpu_s_scraping": scraping_s,
+            "scrapes": scrapes, "server_cpu_ms_per_scrape": per_scrape_ms,
             "share_of_one_core_at_20hz": per_scrape_ms * 20 / 1000}
 
 
 async def measure(url: str, rounds: int, streams: int, max_tokens: int, pid: int | None = None,
-                  path: str = "/metrics") -> dict:
+                  path: str = "/metrics", scraper: str = "httpx") -> dict:
     import httpx
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as http:
-        idle_cost = await _idle_cpu_cost(http, url, path, pid, 20.0) if pid is not None else None
+    async with contextlib.AsyncExitStack() as stack:
+        http = await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(300.0)))
+        if scraper == "socket":
+            where = urlsplit(url)
+            scraping = _SocketScraping(stack.enter_context(SocketScraper(where.hostname, where.port, path)))
+        else:
+            scraping = _HttpxScraping(http, url, path)
+        idle_cost = await _idle_cpu_cost(scraping, pid, 20.0) if pid is not None else None
         model = (await http.get(url + "/v1/models")).json()["data"][0]["id"]
-        await _round(http, url, model, streams, 8, scrape=None)  # warm-up: first-step costs stay out
-        rows = [await _round(http, url, model, streams, max_tokens, scrape=path if i % 2 else None)
+        await _round(http, url, model, streams, 8)  # warm-up: first-step costs stay out
+        rows = [await _round(http, url, model, streams, max_tokens, scraping if i % 2 else None)
                 for i in range(2 * rounds)]
     side = {flag: [r for row in rows if row["scrape"] == flag for r in row["decode_tok_s_per_stream"]]
             for flag in (False, True)}
@@ -102,8 +142,8 @@ async def measure(url: str, rounds: int, streams: int, max_tokens: int, pid: int
     scraped = [row for row in rows if row["scrape"]]
     without = [statistics.median(r["decode_tok_s_per_stream"]) for r in rows if not r["scrape"]]
     with_ = [statistics.median(r["decode_tok_s_per_stream"]) for r in scraped]
-    return {"scrape_path": path, "idle_cpu_cost": idle_cost, "rounds_per_side": rounds, "streams": streams,
-            "max_tokens": max_tokens,
+    return {"scrape_path": path, "scraper": scraper, "idle_cpu_cost": idle_cost, "rounds_per_side": rounds,
+            "streams": streams, "max_tokens": max_tokens,
             "median_decode_tok_s_per_stream_without": off, "median_decode_tok_s_per_stream_with": on,
             "ratio_with_to_without": on / off, "change_percent": 100.0 * (on - off) / off,
             "round_medians_without": without, "round_medians_with": with_,
@@ -126,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens per request (default 96)")
     parser.add_argument("--scrape-path", default="/metrics",
                         help="what the scraper GETs (default /metrics; /health as a control: the HTTP cost alone)")
+    parser.add_argument("--scraper", choices=("httpx", "socket"), default="httpx",
+                        help="httpx: an httpx client in this process (default); socket: raw kept-alive HTTP/1.1 GETs "
+                             "from a child process, as light on the CPU as a router on another host")
     parser.add_argument("--json", dest="json_path", help="write the figures here")
     args = parser.parse_args(argv)
     server = None
@@ -137,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pid = server.process.pid if server is not None else None
         report = asyncio.run(measure(url.rstrip("/"), args.rounds, args.streams, args.max_tokens, pid,
-                                     args.scrape_path))
+                                     args.scrape_path, args.scraper))
     finally:
         if server is not None:
             server.stop()

@@ -7,6 +7,7 @@ arithmetic on the same bytes; only where pages live differs. It reports
     served   one greedy request of --length tokens through the engines' own steps: identical tokens, decode tok/s
              of each (and of the default in-memory static step), and bytes read from disk per decode step
     passkey  passkeys hidden at --depths in --length tokens (tools/eval/passkey.py's prompts): answers per case
+    io       preadv against mmap + madvise for a recall's reads, on a second file in the same folder (io_compare.py)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 
 from oval_edge.units import format_bytes, parse_bytes
 
-TASKS = ("logits", "served", "passkey")
+TASKS = ("logits", "served", "passkey", "io")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +127,13 @@ def run(args: argparse.Namespace) -> int:
                   + ", ".join(f"{d}:{'ok' if ok else repr(text)}" for d, _, text, ok in rows), flush=True)
         print(f"passkey  answers identical case for case: "
               f"{[r[2] for r in answers['memory']] == [r[2] for r in answers['store']]}", flush=True)
+    if "io" in tasks:
+        from .io_compare import compare, report
+
+        blocks = max(1, (256 << 20) // tier.store.block_bytes)  # 256 MiB: far more blocks than one pass touches
+        figures["io"] = compare(folder, tier.store.layer_bytes, tier.store.layers, blocks, batches=400,
+                                pages_per_batch=4)
+        print(report(figures["io"]), flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(figures, f, indent=2, default=str)

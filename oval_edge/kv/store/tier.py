@@ -224,6 +224,7 @@ class StoreTier:
             return
         keep = set(wanted)
         started = time.perf_counter()
+        taken = []  # (page, slot): every miss gets a slot first, so all its reads can be asked for at once
         for page in misses:
             if free:
                 slot = free.pop()
@@ -231,14 +232,16 @@ class StoreTier:
                 old = next(p for p in lru if p not in keep)
                 slot = lru.pop(old)
                 self.frame_of[row, old] = old
-            frame = self.first_recall + slot
-            try:
-                self.store.read_layer(page - self.base, row, self._buffers(row, frame))
-            except StoreError:
-                free.append(slot)  # the slot holds nothing readable now
-                raise
+            taken.append((page, slot))
+        try:
+            self.store.read_layers([(page - self.base, row, self._buffers(row, self.first_recall + slot))
+                                    for page, slot in taken])
+        except StoreError:
+            free.extend(slot for _, slot in taken)  # none of them holds a page it can be trusted with now
+            raise
+        for page, slot in taken:
             lru[page] = slot
-            self.frame_of[row, page] = frame
+            self.frame_of[row, page] = self.first_recall + slot
         self._count_reads(len(misses), time.perf_counter() - started)
         self.stats.recall_misses += len(misses)
 
@@ -261,16 +264,16 @@ class StoreTier:
             scales[0][local] = pool.int8.k_scale[row].index_select(0, resident)
             scales[1][local] = pool.int8.v_scale[row].index_select(0, resident)
         started = time.perf_counter()
-        reads = 0
+        reads = []
         for i in torch.nonzero(~local).flatten().tolist():
             page = int(pages[i])
             if page < self.base:  # a recall frame never appears in a table
                 raise RuntimeError(f"page id {page} is a recall frame")
             buffers = [_bytes(k[i]), _bytes(v[i])] + ([_bytes(scales[0][i]), _bytes(scales[1][i])] if scales else [])
-            self.store.read_layer(page - self.base, row, buffers)
-            reads += 1
-        self._count_reads(reads, time.perf_counter() - started)
-        self.stats.transient_reads += reads
+            reads.append((page - self.base, row, buffers))
+        self.store.read_layers(reads)
+        self._count_reads(len(reads), time.perf_counter() - started)
+        self.stats.transient_reads += len(reads)
         d = pool.geometry.head_dim
         index = torch.searchsorted(pages, ids).clamp(max=len(pages) - 1)
         rows = (k.view(-1, d), v.view(-1, d))
