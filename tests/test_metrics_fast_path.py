@@ -1,5 +1,5 @@
 """The scrape path routers poll every 50 ms: GET /health and /metrics are dispatched in front of FastAPI's routing
-(runtime/server/probes.py), and the engine's fixed facts are rendered once per engine (runtime/server/metrics.py)."""
+(FastProbes in runtime/server/errors.py), and the engine's fixed facts are rendered once per engine (runtime/server/metrics.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from starlette.responses import PlainTextResponse
 
 from oval_edge.runtime.server import metrics as metrics_module
 from oval_edge.runtime.server.metrics import ServerMetrics
-from oval_edge.runtime.server.probes import FastProbes
+from oval_edge.runtime.server.errors import FastProbes
 from test_server_support import make_engine
 
 

@@ -24,11 +24,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .engine_loop import EngineLoop
-from .errors import ApiError, ApiKeyGuard, BodyGuard, error_body, install_error_handlers
+from .errors import ApiError, ApiKeyGuard, BodyGuard, FastProbes, error_body, install_error_handlers
 from .body_params import response_grammar, sampling_params
 from .generate import Job, chat_prompt_ids, completion_prompt_ids, respond, stream, submit
 from .metrics import ServerMetrics
-from .probes import FastProbes
 from .protocol import request_models
 from .tokenize_routes import install_token_routes
 from .tool_calls import ToolPlan, ToolStream, check_messages, tool_grammar, tool_message, tool_plan

@@ -1,9 +1,10 @@
-"""OpenAI-style errors for every failure the server answers, and the two guards that run before any route.
+"""OpenAI-style errors for every failure the server answers, and the middleware that runs before any route.
 
 An error body is always `{"error": {"message", "type", "param", "code"}}` and its message says what to change.
-The guards are plain ASGI middleware (not BaseHTTPMiddleware, which would break streaming disconnects):
-`ApiKeyGuard` answers 401 before a body is read; `BodyGuard` answers 413 for a body over the limit and 400 for
-one that is not UTF-8, then replays the body it read so the route parses it as usual.
+The middleware is plain ASGI (not BaseHTTPMiddleware, which would break streaming disconnects): `ApiKeyGuard`
+answers 401 before a body is read; `BodyGuard` answers 413 for a body over the limit and 400 for one that is not
+UTF-8, then replays the body it read so the route parses it as usual; `FastProbes` answers GET /health and
+/metrics before FastAPI's routing.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -193,3 +195,26 @@ class BodyGuard:
             return await receive()  # later calls wait for the disconnect, as the app expects
 
         await self.app(scope, replay, send)
+
+
+class FastProbes:
+    """Answers GET requests for the paths in `probes` with their handler's Response; passes everything else on.
+
+    Why: routers poll both all the time (the llm-d endpoint picker scrapes /metrics every 50 ms; Kubernetes probes
+    /health), and a request's Python runs on the event loop holding the GIL the engine thread needs for its step.
+    FastAPI's path (exception and exit-stack middleware, routing, the endpoint wrapper) was about a fifth of a
+    scrape's server CPU (py-spy, docs/fleet.md). The handlers stay FastAPI routes too, so the OpenAPI schema lists
+    them; this only dispatches to the same functions sooner. It sits inside the guards, so /metrics still needs the
+    key unless --metrics-public.
+    """
+
+    def __init__(self, app, probes: dict[str, Callable[[], Awaitable[Response]]]):
+        self.app, self.probes = app, probes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "GET":
+            probe = self.probes.get(scope["path"])
+            if probe is not None:
+                response = await probe()
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
