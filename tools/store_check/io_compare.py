@@ -1,4 +1,4 @@
-"""`oval-edge store-check --io-compare`: how the page store should read a recall: preadv (what tier.py does) or an
+"""`oval-edge store-check --tasks io`: how the page store should read a recall: preadv (what tier.py does) or an
 mmap of the store file with madvise, measured on the same file, the same drive and the same page-layers.
 
 A step's recall of one layer reads the pages its selection named that are not in the layer's recall frames: a few
