@@ -61,6 +61,9 @@ class NativeKernels:
         self._head.argtypes, self._head.restype = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64], ctypes.c_int
         self._rows = library.int8_rows_f32
         self._rows.argtypes, self._rows.restype = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr], ctypes.c_int
+        self._gemv_4bit = library.gemv_4bit_f32
+        self._gemv_4bit.argtypes, self._gemv_4bit.restype = [_ptr, _i64, _i64] + [_ptr] * 4 + [_i64] * 3 + [
+            _ptr, _i64, _i64], ctypes.c_int
 
     def oval_scores(self, q: torch.Tensor, records, page_table: torch.Tensor, scale: float,
                     counts: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -144,6 +147,25 @@ class NativeKernels:
         out = torch.empty((x.shape[0], codes.shape[0] * 32), dtype=torch.float32)
         code = self._head(x.data_ptr(), x.shape[0], codes.data_ptr(), scales.data_ptr(), codes.shape[0],
                           codes.shape[1], out.data_ptr(), max(1, min(64, torch.get_num_threads())))
+        return out if code == 0 else None
+
+    def gemv_4bit(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
+                  bias: torch.Tensor | None, out_features: int, blocksize: int) -> torch.Tensor | None:
+        """x [n, K] fp32 @ W^T (+ bias) for W a bitsandbytes 4-bit weight [out_features, K] in its own layout (codes
+        uint8, absmax [out * K / blocksize] fp32 un-nested, table [16] fp32; quant_kernels.c) -> [n, out] fp32
+        rounded to bf16 as Linear4bit's bf16 compute rounds it, on torch's intra-op thread count. None for inputs it
+        does not take (the caller runs the module)."""
+        tensors = (x, codes, absmax, table) + (() if bias is None else (bias,))
+        if (x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or codes.dtype != torch.uint8
+                or absmax.dtype != torch.float32 or table.dtype != torch.float32 or table.numel() != 16
+                or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features))
+                or codes.numel() * 2 != out_features * x.shape[1] or not _on_cpu(*tensors)
+                or not all(t.is_contiguous() for t in tensors[1:])):
+            return None
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        code = self._gemv_4bit(x.data_ptr(), x.shape[0], x.stride(0), codes.data_ptr(), absmax.data_ptr(),
+                               table.data_ptr(), None if bias is None else bias.data_ptr(), out_features, x.shape[1],
+                               blocksize, out.data_ptr(), out.stride(0), max(1, min(64, torch.get_num_threads())))
         return out if code == 0 else None
 
     def int8_rows(self, codes: torch.Tensor, scales: torch.Tensor, vocab: int, ids: torch.Tensor) -> torch.Tensor | None:

@@ -1,4 +1,4 @@
-"""Build the CPU kernels once per machine: oval_kernels.c and step_kernels.c compiled for this CPU, checked, cached.
+"""Build the CPU kernels once per machine: the C files below compiled for this CPU, checked, cached.
 
 The library is built with the system C compiler (`$CC`, else cc) for this CPU (-march=native, -mcpu=native on
 Arm) into <cache>/kernels/<key>/ (see oval_edge/cache_dir.py), keyed by the source, the compiler, the flags and the
@@ -20,8 +20,9 @@ from pathlib import Path
 from oval_edge.cache_dir import cache_root
 
 # The C files built into the one library: page scoring and decode attention; the static step's small fused ops; the
-# 8-bit output head.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("oval_kernels.c", "step_kernels.c", "head_kernels.c"))
+# 8-bit output head; the 4-bit projections where bitsandbytes has no fused CPU kernel.
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("oval_kernels.c", "step_kernels.c", "head_kernels.c", "quant_kernels.c"))
 LIBRARY_NAME = "oval_kernels.so"
 CHECK_MODULE = "oval_edge.kernels.cpu_check"  # run as `python -m`: exits 0 when the library agrees with torch
 COMPILE_TIMEOUT_S = 120

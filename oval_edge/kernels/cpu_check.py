@@ -77,7 +77,7 @@ def self_check(kernels: NativeKernels) -> str | None:
     if got is None or not torch.allclose(got, torch.nn.functional.rms_norm(x, (96,), weight, 1e-5), rtol=1e-5,
                                          atol=1e-6):
         return "rms_norm"
-    return _check_head(kernels, gen)
+    return _check_head(kernels, gen) or _check_4bit(kernels, gen)
 
 
 def _kv_rows(gen: torch.Generator, rows: int, dim: int, dtype: torch.dtype):
@@ -104,6 +104,22 @@ def _check_head(kernels: NativeKernels, gen: torch.Generator) -> str | None:
     rows = kernels.int8_rows(codes, scales, panels * 32, ids)
     if rows is None or not torch.allclose(rows, weight[ids // 32, :, ids % 32], rtol=0, atol=1e-7):
         return "int8_rows"
+    return None
+
+
+def _check_4bit(kernels: NativeKernels, gen: torch.Generator) -> str | None:
+    """gemv_4bit against the dequantized matmul in bitsandbytes' layout: 5 rows (a tile of 4 and one), with a bias;
+    both round to bf16, so they may differ by one bf16 step where the fp32 sums round to either side."""
+    out_features, k, blocksize = 24, 128, 64
+    codes = torch.randint(0, 256, (out_features * k // 2,), generator=gen, dtype=torch.uint8)
+    absmax, table = torch.rand(out_features * k // blocksize, generator=gen), torch.randn(16, generator=gen)
+    nibbles = torch.stack([codes >> 4, codes & 15], -1).reshape(-1).long()  # element 2i: the high nibble of byte i
+    weight = (table[nibbles].view(-1, blocksize) * absmax[:, None]).view(out_features, k)
+    x, bias = torch.randn(5, k, generator=gen), torch.randn(out_features, generator=gen).bfloat16().float()
+    want = (x.bfloat16().float() @ weight.T).bfloat16().float() + bias
+    got = kernels.gemv_4bit(x, codes, absmax, table, bias, out_features, blocksize)
+    if got is None or not torch.allclose(got, want, rtol=2 ** -7, atol=1e-6):
+        return "gemv_4bit"
     return None
 
 

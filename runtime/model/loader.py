@@ -142,14 +142,19 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
 
 def build_layout(config: DecoderConfig, quant: str, device: torch.device) -> dict:
     """How build_decoder lays out the bytes on this host, beyond the load's settings: whether bitsandbytes repacks
-    4-bit weights for its AVX512-BF16 kernel, and whether the embedding/head become an int8 table (native kernels
+    4-bit weights for its AVX512-BF16 kernel or, without it, their absmax is un-nested for our own GEMV (native
+    kernels present; quantize.pack_for_cpu), and whether the embedding/head become an int8 table (native kernels
     present). A cached tree is only used where a fresh build would lay them out the same."""
     if quant == "none":
         return {"cpu_packed_4bit": False, "int8_table": False}
     import_bitsandbytes()  # lean, before anything imports it (quantize.py says why)
     from bitsandbytes.functional import has_avx512bf16
 
-    return {"cpu_packed_4bit": device.type == "cpu" and bool(has_avx512bf16()),
+    from oval_edge.kernels.cpu import cpu_kernels
+
+    packed = device.type == "cpu" and bool(has_avx512bf16())
+    return {"cpu_packed_4bit": packed,
+            "cpu_unnested_4bit": device.type == "cpu" and not packed and cpu_kernels() is not None,
             "int8_table": int8_table_applies(config.hidden_size, device)}
 
 

@@ -175,9 +175,49 @@ def _has_fused_gemm() -> bool:
     return hasattr(torch.ops.bitsandbytes, "gemm_4bit")
 
 
+class Unfused4bit:
+    """A bitsandbytes Linear4bit on a CPU where bitsandbytes has no fused kernel (no AVX512-BF16): decode-sized
+    inputs (<= DECODE_ROWS rows, fp32) through our own 4-bit GEMV (quant_kernels.c), larger ones (prefill, where
+    dequantizing once per call is amortised over the rows) and traced ones through the module. x [n, in] -> [n, out].
+
+    The module's arithmetic but for one rounding: the weight code * absmax stays fp32 where bitsandbytes rounds it to
+    bf16 (tests/test_projections.py bounds the difference). The absmax is the fp32 one the loader un-nested
+    (quantize.unnest_absmax).
+    """
+
+    def __init__(self, module: torch.nn.Module, kernels) -> None:
+        state = module.weight.quant_state
+        self.module, self.kernels = module, kernels
+        self.codes = module.weight.data.view(torch.uint8).reshape(-1)
+        self.absmax, self.table = state.absmax, state.code.float().contiguous()
+        self.bias = None if module.bias is None else module.bias.data.to(torch.bfloat16).float()
+        self.out_features, self.blocksize = int(state.shape[0]), int(state.blocksize)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= DECODE_ROWS and not torch.compiler.is_compiling():
+            out = self.kernels.gemv_4bit(x, self.codes, self.absmax, self.table, self.bias, self.out_features,
+                                         self.blocksize)
+            if out is not None:
+                return out
+        return self.module(x)
+
+
+def unfused_4bit_applies(module: torch.nn.Module):
+    """The CPU kernels when `module` is a CPU Linear4bit that bitsandbytes did not repack for its fused kernel, with
+    the absmax un-nested to fp32 and the bf16 compute dtype ours computes like, else None. Shapes the kernel refuses
+    fall back to the module per call."""
+    state = getattr(getattr(module, "weight", None), "quant_state", None)
+    if (state is None or module.weight.device.type != "cpu" or module.training
+            or getattr(state, "packing_format_for_cpu", False) or getattr(state, "nested", True)
+            or getattr(state, "absmax", None) is None or state.absmax.dtype != torch.float32
+            or not state.absmax.is_contiguous() or getattr(module, "compute_dtype", None) != torch.bfloat16):
+        return None
+    return cpu_kernels()
+
+
 def bind_projection(module: torch.nn.Module) -> Projection:
-    """The fastest exact way to call `module`: the packed 4-bit kernel when it applies, row chunks of the module on a
-    GPU (Chunked4bit), else the module itself."""
+    """The fastest exact way to call `module`: the packed 4-bit kernel when it applies, our own 4-bit GEMV where
+    bitsandbytes has none (Unfused4bit), row chunks of the module on a GPU (Chunked4bit), else the module itself."""
     state = getattr(getattr(module, "weight", None), "quant_state", None)
     packed = (
         state is not None
@@ -190,6 +230,9 @@ def bind_projection(module: torch.nn.Module) -> Projection:
     )
     if packed:
         return PackedCpu4bit(module)
+    kernels = unfused_4bit_applies(module)
+    if kernels is not None:
+        return Unfused4bit(module, kernels)
     if state is not None and module.weight.device.type == "cuda" and not module.training:
         return Chunked4bit(module)
     return module

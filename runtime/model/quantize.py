@@ -60,16 +60,33 @@ def linear4bit(weight: torch.Tensor, bias: torch.Tensor | None, quant: str, comp
 
 @torch.no_grad()  # not inference_mode: bitsandbytes then fails on layers with a bias (Qwen2's q/k/v)
 def pack_for_cpu(model: nn.Module) -> None:
-    """Let bitsandbytes convert each 4-bit weight to its fused CPU layout now, not in the first request.
+    """Put each 4-bit weight in the layout its CPU decode kernel reads, now rather than in the first request.
 
-    On CPUs with AVX512-BF16 its first inference call repacks the weight (and un-nests absmax to bf16) for the
-    fused 4-bit GEMV kernel; doing it at load makes the reported weight bytes the bytes really held.
+    On CPUs with AVX512-BF16 bitsandbytes' first inference call repacks the weight (and un-nests absmax to bf16) for
+    its fused 4-bit GEMV. Elsewhere our own GEMV (runtime/model/projections.Unfused4bit) reads bitsandbytes' layout
+    as it is with the absmax un-nested to fp32 (unnest_absmax). Doing either at load makes the reported weight bytes
+    the bytes really held.
     """
+    from oval_edge.kernels.cpu import cpu_kernels
+
     bnb = import_bitsandbytes()
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.eval()
             module(torch.zeros(1, module.in_features))
+            state = module.weight.quant_state
+            if not getattr(state, "packing_format_for_cpu", False) and cpu_kernels() is not None:
+                unnest_absmax(state)
+
+
+def unnest_absmax(state) -> None:
+    """Replace a double-quantized absmax (uint8 codes + their own blockwise state) by the fp32 values bitsandbytes'
+    dequantize_4bit computes from it at every call: identical dequantized weights, +3/64 byte per weight."""
+    if not state.nested:
+        return
+    functional = import_bitsandbytes().functional
+    state.absmax = (functional.dequantize_blockwise(state.absmax, state.state2) + state.offset).float()
+    state.nested, state.state2, state.offset = False, None, None
 
 
 def weight_bytes(model: nn.Module) -> int:

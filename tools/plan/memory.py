@@ -134,9 +134,9 @@ def workspace_bytes(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, t
         mlp = 3 * tokens * i * a  # gate, up, act(gate) * up
         # bitsandbytes on CUDA dequantizes the whole weight for many rows (a prefill chunk); a decode step's rows go in
         # calls of <= 4 through its fused 4-bit GEMM up to CHUNKED_ROWS (runtime/model/projections.Chunked4bit);
-        # the packed CPU kernel never dequantizes.
+        # the packed CPU kernel never dequantizes; without it a CPU prefill dequantizes as bitsandbytes does.
         dequant = max(n * k for _, n, k in shape.projections()) * 2 \
-            if layout == "nested" and tokens > CHUNKED_ROWS else 0
+            if layout in ("nested", "cpu-unnested") and tokens > CHUNKED_ROWS else 0
         logits = rows * shape.vocab * 4
         return resid + max(attention, mlp) + dequant + logits
 

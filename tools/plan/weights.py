@@ -15,6 +15,11 @@ compress_statistics=True). For a weight W [N out, K in], n = N*K, blocks = ceil(
       codes       uint8 [N, K/2]                  re-tiled for the fused kernel, same byte count
       absmax      bf16  [K/64, N]                 un-nested: state2 is dropped, absmax back to 16 bits
       code        fp32 [16]
+  unnested CPU layout (CPUs without AVX512-BF16, native kernels on: our own GEMV reads bitsandbytes' layout,
+  runtime/model/projections.Unfused4bit; quantize.unnest_absmax at load):
+      codes       uint8 [ceil(n/2), 1]            as nested
+      absmax      fp32 [blocks]                   un-nested: state2 and offset dropped
+      code        fp32 [16]
 The counting matches runtime.model.quantize.weight_bytes (each storage once; offset only while nested).
 
 In 4-bit modes the embedding (and an untied head) is an int8 table (runtime/model/embeddings.py) when hidden is a
@@ -29,6 +34,7 @@ embedding tensor and is counted once. quant 'none' keeps every projection dense 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from oval_edge.runtime.model.source import QUANT_TYPES
@@ -47,7 +53,8 @@ INT8_BLOCK = INT8_PANEL = 32  # runtime/model/embeddings.py: weights per fp32 sc
 # changes, tests/test_plan.py::test_weight_bytes_match_loaded_model fails and points here.
 ACTIVATION_BYTES = {"cpu": 4, "cuda": 2}  # embedding, untied head, norms, 'none' projections
 LINEAR4_COMPUTE_BYTES = {"cpu": 2, "cuda": 2}  # bf16 on CPU, fp16 on CUDA: Qwen2 biases of 4-bit layers
-LAYOUTS = ("nested", "cpu-packed")
+LAYOUTS = ("nested", "cpu-packed", "cpu-unnested")
+NATIVE_ENV = "OVAL_EDGE_NATIVE"  # oval_edge/kernels/cpu.py: "0" turns the native kernels (and so un-nesting) off
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -63,20 +70,28 @@ def linear4bit_bytes(n_out: int, n_in: int, layout: str) -> tuple[int, int]:
     if layout == "cpu-packed":
         return codes, (n_in // BLOCKSIZE) * n_out * 2 + CODE_BOOK_BYTES
     blocks = ceil_div(n, BLOCKSIZE)
+    if layout == "cpu-unnested":
+        return codes, blocks * 4 + CODE_BOOK_BYTES
     nested = blocks + 4 * ceil_div(blocks, NESTED_BLOCKSIZE) + DYNAMIC_MAP_BYTES + OFFSET_BYTES
     return codes, nested + CODE_BOOK_BYTES
 
 
-def cpu_layout(shape: ModelShape, cpu_flags: frozenset[str]) -> str:
-    """Which 4-bit layout a CPU run ends up with: packed when bitsandbytes' AVX512-BF16 kernel applies."""
+def cpu_layout(shape: ModelShape, cpu_flags: frozenset[str], native: bool | None = None) -> str:
+    """Which 4-bit layout a CPU run ends up with: packed when bitsandbytes' AVX512-BF16 kernel applies, else unnested
+    when the native kernels are on (native None: unless $OVAL_EDGE_NATIVE is "0"; they build wherever a C compiler
+    is), else nested."""
     packable = all(n % CPU_PACK_BLOCK_N == 0 and k % BLOCKSIZE == 0 for _, n, k in shape.projections())
-    return "cpu-packed" if "avx512_bf16" in cpu_flags and packable else "nested"
+    if "avx512_bf16" in cpu_flags and packable:
+        return "cpu-packed"
+    if native is None:
+        native = os.environ.get(NATIVE_ENV, "1").strip() != "0"
+    return "cpu-unnested" if native else "nested"
 
 
 @dataclass(frozen=True)
 class WeightBreakdown:
     quant: str
-    layout: str  # "nested" | "cpu-packed" | "dense"
+    layout: str  # "nested" | "cpu-packed" | "cpu-unnested" | "dense"
     target: str  # "cpu" | "cuda"
     linear_codes: int  # 4-bit codes of all projections (0 for quant 'none')
     quant_state: int  # absmax / code books / nested state of all projections
