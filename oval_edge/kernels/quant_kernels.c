@@ -21,7 +21,7 @@
 #include <immintrin.h>
 #endif
 
-#define CHUNK 16       /* elements per 8 bytes of codes: the kernel's unit along k */
+#define CHUNK 32       /* elements per 16 bytes of codes: the kernel's unit along k */
 #define ROW_TILE 4     /* rows of x multiplied per pass over a weight row (a decode batch reads the codes once) */
 #define MAX_THREADS 64
 
@@ -33,71 +33,101 @@ static inline float round_bf16(float v) { /* round to nearest even at bf16's pre
     return v;
 }
 
-/* x rows [rows, k] (row stride x_stride) -> xs [rows, k], bf16-rounded, each CHUNK reordered as its 8 even elements
- * then its 8 odd ones: the high nibbles of 8 code bytes then meet their inputs in one vector, and the low ones too. */
+/* Where element e (0..31) of a CHUNK sits in the reordered inputs. Code byte i (0..15) holds elements 2i (high
+ * nibble) and 2i+1 (low); the vector lookup below yields byte quad j = i / 4 as one 8-lane vector: the high nibbles
+ * of bytes 4j..4j+3, then their low nibbles. So element 2i goes to 8j + i % 4, element 2i+1 to 8j + 4 + i % 4. */
+static inline int chunk_slot(int e) {
+    const int i = e / 2;
+    return 8 * (i / 4) + 4 * (e % 2) + i % 4;
+}
+
+/* x rows [rows, k] (row stride x_stride) -> xs [rows, k], bf16-rounded, each CHUNK in chunk_slot order: the weights
+ * of one lookup vector then meet their inputs in one load. */
 static void split_inputs(const float *x, int64_t rows, int64_t x_stride, int64_t k, float *xs) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < k; c += CHUNK)
-            for (int j = 0; j < CHUNK / 2; j++) {
-                xs[r * k + c + j] = round_bf16(x[r * x_stride + c + 2 * j]);
-                xs[r * k + c + CHUNK / 2 + j] = round_bf16(x[r * x_stride + c + 2 * j + 1]);
-            }
+            for (int e = 0; e < CHUNK; e++) xs[r * k + c + chunk_slot(e)] = round_bf16(x[r * x_stride + c + e]);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* The 16-entry table at 8 indices (0..15 in int32 lanes): two 8-wide permutes, chosen by the index's bit 3. */
-static inline __m256 lookup16(__m256i index, __m256 low8, __m256 high8) {
-    const __m256 low = _mm256_permutevar8x32_ps(low8, index), high = _mm256_permutevar8x32_ps(high8, index);
-    return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
-}
-
 static inline float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* dots[r] = row `codes` of the weight . xs row r, for `tile` rows (the compiler unrolls a constant tile). */
+/* The table's fp32 values as four byte planes (plane b: byte b of each of the 16 floats), in both 128-bit lanes:
+ * vpshufb then looks up 32 codes per instruction and per plane, where an fp32 permute looks up 8. */
+static inline void table_planes(const float *table, __m256i planes[4]) {
+    uint8_t bytes[4][16];
+    for (int t = 0; t < 16; t++) {
+        uint32_t u;
+        memcpy(&u, &table[t], 4);
+        for (int b = 0; b < 4; b++) bytes[b][t] = (uint8_t)(u >> (8 * b));
+    }
+    for (int b = 0; b < 4; b++) planes[b] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)bytes[b]));
+}
+
+/* 16 code bytes -> their 32 weights (table values, exact) as 4 vectors in chunk_slot order. */
+static inline void lookup32(const uint8_t *codes, const __m256i planes[4], __m256 w[4]) {
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)codes));
+    /* lane 0: the high nibbles of the 16 bytes, lane 1: the low ones */
+    const __m256i index = _mm256_and_si256(_mm256_blend_epi32(_mm256_srli_epi16(both, 4), both, 0xF0),
+                                           _mm256_set1_epi8(0x0F));
+    const __m256i b0 = _mm256_shuffle_epi8(planes[0], index), b1 = _mm256_shuffle_epi8(planes[1], index);
+    const __m256i b2 = _mm256_shuffle_epi8(planes[2], index), b3 = _mm256_shuffle_epi8(planes[3], index);
+    const __m256i low01 = _mm256_unpacklo_epi8(b0, b1), high01 = _mm256_unpackhi_epi8(b0, b1);
+    const __m256i low23 = _mm256_unpacklo_epi8(b2, b3), high23 = _mm256_unpackhi_epi8(b2, b3);
+    w[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(low01, low23));   /* bytes 0..3 */
+    w[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(low01, low23));   /* bytes 4..7 */
+    w[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(high01, high23)); /* bytes 8..11 */
+    w[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(high01, high23)); /* bytes 12..15 */
+}
+
+/* dots[r] = row `codes` of the weight . xs row r, for `tile` rows (the compiler unrolls a constant tile). Each weight
+ * is code * absmax in fp32, as bitsandbytes' dequantize forms it, then multiplied into 4 / tile (at least 2)
+ * independent sums per row: one sum per row would wait on the FMA latency, 4 per row of a tile of 4 spill. */
 static inline __attribute__((always_inline)) void weight_row(const uint8_t *codes, const float *absmax,
                                                              const float *xs, int tile, int64_t k,
-                                                             int64_t blocksize, const float *table, float *dots) {
-    const __m256 low8 = _mm256_loadu_ps(table), high8 = _mm256_loadu_ps(table + 8);
-    const __m256i nibble = _mm256_set1_epi32(0xF);
-    __m256 total[ROW_TILE];
-    for (int r = 0; r < ROW_TILE; r++) total[r] = _mm256_setzero_ps();
+                                                             int64_t blocksize, const __m256i planes[4],
+                                                             float *dots) {
+    const int chains = tile == 1 ? 4 : 2;
+    __m256 sums[ROW_TILE][4];
+    for (int r = 0; r < ROW_TILE; r++)
+        for (int j = 0; j < 4; j++) sums[r][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / blocksize; b++) {
-        __m256 even[ROW_TILE], odd[ROW_TILE];  /* two chains per row: FMA latency, not throughput, would bind one */
-        for (int r = 0; r < ROW_TILE; r++) even[r] = odd[r] = _mm256_setzero_ps();
+        const __m256 scale = _mm256_set1_ps(absmax[b]);
         for (int64_t c = b * blocksize; c < (b + 1) * blocksize; c += CHUNK) {
-            const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + c / 2)));
-            const __m256 w_even = lookup16(_mm256_srli_epi32(bytes, 4), low8, high8);
-            const __m256 w_odd = lookup16(_mm256_and_si256(bytes, nibble), low8, high8);
-            for (int r = 0; r < tile; r++) {
-                even[r] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(xs + r * k + c), even[r]);
-                odd[r] = _mm256_fmadd_ps(w_odd, _mm256_loadu_ps(xs + r * k + c + CHUNK / 2), odd[r]);
+            __m256 w[4];
+            lookup32(codes + c / 2, planes, w);
+            for (int j = 0; j < 4; j++) {
+                const __m256 weight = _mm256_mul_ps(w[j], scale);
+                for (int r = 0; r < tile; r++)
+                    sums[r][j % chains] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(xs + r * k + c + 8 * j),
+                                                          sums[r][j % chains]);
             }
         }
-        const __m256 scale = _mm256_set1_ps(absmax[b]);
-        for (int r = 0; r < tile; r++) total[r] = _mm256_fmadd_ps(_mm256_add_ps(even[r], odd[r]), scale, total[r]);
     }
-    for (int r = 0; r < tile; r++) dots[r] = sum8(total[r]);
+    for (int r = 0; r < tile; r++) {
+        __m256 total = sums[r][0];
+        for (int j = 1; j < chains; j++) total = _mm256_add_ps(total, sums[r][j]);
+        dots[r] = sum8(total);
+    }
 }
 #else
-/* The portable form (Arm boards, older x86): the same sums, in the same order of blocks. */
+/* The portable form (Arm boards, older x86): the same products, weight = code * absmax in fp32. */
 static inline __attribute__((always_inline)) void weight_row(const uint8_t *codes, const float *absmax,
                                                              const float *xs, int tile, int64_t k,
                                                              int64_t blocksize, const float *table, float *dots) {
     float total[ROW_TILE] = {0};
-    for (int64_t b = 0; b < k / blocksize; b++) {
-        float acc[ROW_TILE] = {0};
-        for (int64_t c = b * blocksize; c < (b + 1) * blocksize; c += CHUNK)
-            for (int j = 0; j < CHUNK / 2; j++) {
-                const uint8_t byte = codes[c / 2 + j];
-                const float w_even = table[byte >> 4], w_odd = table[byte & 0xF];
-                for (int r = 0; r < tile; r++)
-                    acc[r] += w_even * xs[r * k + c + j] + w_odd * xs[r * k + c + CHUNK / 2 + j];
-            }
-        for (int r = 0; r < tile; r++) total[r] += acc[r] * absmax[b];
+    for (int64_t c = 0; c < k; c += CHUNK) {
+        const float scale = absmax[c / blocksize];
+        for (int i = 0; i < CHUNK / 2; i++) {
+            const uint8_t byte = codes[c / 2 + i];
+            const float w_even = table[byte >> 4] * scale, w_odd = table[byte & 0xF] * scale;
+            const int64_t slot = c + 8 * (i / 4) + i % 4;
+            for (int r = 0; r < tile; r++) total[r] += w_even * xs[r * k + slot] + w_odd * xs[r * k + slot + 4];
+        }
     }
     for (int r = 0; r < tile; r++) dots[r] = total[r];
 }
@@ -106,7 +136,7 @@ static inline __attribute__((always_inline)) void weight_row(const uint8_t *code
 /* out [rows, n_out] fp32 (row stride out_stride) = x [rows, k] fp32 (row stride x_stride) @ W^T (+ bias [n_out]
  * fp32, or NULL), W the 4-bit codes [n_out * k / 2] with absmax [n_out * k / blocksize] fp32 and the code table
  * [16] fp32, output columns split over `threads` threads of torch's OpenMP team (head_kernels.c says why the team).
- * Returns 0, or 1 (refused: k or blocksize not a multiple of 16, k not a multiple of blocksize, threads outside
+ * Returns 0, or 1 (refused: k or blocksize not a multiple of 32, k not a multiple of blocksize, threads outside
  * 1..MAX_THREADS, no memory for the split inputs) so the caller runs bitsandbytes' own path. */
 int gemv_4bit_f32(const float *x, int64_t rows, int64_t x_stride, const uint8_t *codes, const float *absmax,
                   const float *table, const float *bias, int64_t n_out, int64_t k, int64_t blocksize, float *out,
@@ -119,6 +149,13 @@ int gemv_4bit_f32(const float *x, int64_t rows, int64_t x_stride, const uint8_t 
     if (xs == NULL) return 1;
     split_inputs(x, rows, x_stride, k, xs);
     if (threads > n_out) threads = n_out;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256i planes[4];
+    table_planes(table, planes);
+#define LOOKUP planes
+#else
+#define LOOKUP table
+#endif
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
@@ -128,9 +165,9 @@ int gemv_4bit_f32(const float *x, int64_t rows, int64_t x_stride, const uint8_t 
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int64_t tile = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
             float dots[ROW_TILE];
-            if (tile == ROW_TILE) weight_row(row_codes, row_absmax, xs + r0 * k, ROW_TILE, k, blocksize, table, dots);
-            else if (tile == 1) weight_row(row_codes, row_absmax, xs + r0 * k, 1, k, blocksize, table, dots);
-            else weight_row(row_codes, row_absmax, xs + r0 * k, (int)tile, k, blocksize, table, dots);
+            if (tile == ROW_TILE) weight_row(row_codes, row_absmax, xs + r0 * k, ROW_TILE, k, blocksize, LOOKUP, dots);
+            else if (tile == 1) weight_row(row_codes, row_absmax, xs + r0 * k, 1, k, blocksize, LOOKUP, dots);
+            else weight_row(row_codes, row_absmax, xs + r0 * k, (int)tile, k, blocksize, LOOKUP, dots);
             for (int64_t r = 0; r < tile; r++) {
                 float v = round_bf16(dots[r]);
                 if (bias != NULL) v = round_bf16(v + bias[o]);
