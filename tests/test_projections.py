@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from oval_edge.kernels.cpu import cpu_kernels
-from oval_edge.runtime.model.projections import PackedCpu4bit, Unfused4bit, bind_norm, bind_projection
+from oval_edge.runtime.model.projections import (PackedCpu4bit, Unfused4bit, bind_norm, bind_projection,
+                                                 describe_4bit_path)
 from oval_edge.runtime.model.quantize import unnest_absmax
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -99,6 +100,12 @@ def test_modules_without_a_packed_kernel_are_called_as_they_are():
     assert bind_projection(plain) is plain
     training = _packed_linear(64, 64, False, "nf4").train()
     assert bind_projection(training) is training  # training mode keeps bitsandbytes' own (autograd) path
+
+
+def test_startup_report_names_the_4bit_path_the_projections_are_bound_to():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _packed_linear(576, 960, False, "nf4"))
+    assert describe_4bit_path(model) == bind_projection(model[1]).path
+    assert describe_4bit_path(torch.nn.Sequential(torch.nn.Linear(8, 8))) is None
 
 
 def test_fused_rms_norm_matches_transformers():

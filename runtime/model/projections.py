@@ -38,6 +38,8 @@ class PackedCpu4bit:
     decode step of a 30-layer model. Without that entry point the public op is used.
     """
 
+    path = "bitsandbytes' fused 4-bit CPU GEMV (AVX512-BF16), weights repacked at load"
+
     def __init__(self, module: torch.nn.Module) -> None:
         state = module.weight.quant_state
         self.weight = module.weight.data  # packed [out, in / 2] uint8
@@ -156,6 +158,8 @@ class Chunked4bit:
     output row depends only on its input row. Under a CUDA graph the extra calls cost no host time.
     """
 
+    path = "bitsandbytes' 4-bit kernels, batches in the row chunks that move the fewest bytes"
+
     def __init__(self, module: torch.nn.Module, fused_gemm: bool | None = None) -> None:
         self.module = module
         self.fused_gemm = _has_fused_gemm() if fused_gemm is None else fused_gemm
@@ -184,6 +188,8 @@ class Unfused4bit:
     bf16 (tests/test_projections.py bounds the difference). The absmax is the fp32 one the loader un-nested
     (quantize.unnest_absmax).
     """
+
+    path = "our 4-bit GEMV (quant_kernels.c) for decode, bitsandbytes' dequantize + matmul for prefill"
 
     def __init__(self, module: torch.nn.Module, kernels) -> None:
         state = module.weight.quant_state
@@ -236,6 +242,15 @@ def bind_projection(module: torch.nn.Module) -> Projection:
     if state is not None and module.weight.device.type == "cuda" and not module.training:
         return Chunked4bit(module)
     return module
+
+
+def describe_4bit_path(model: torch.nn.Module) -> str | None:
+    """Which path the 4-bit projections of `model` run (the first one's binding stands for all: one device, one
+    layout), for serve's startup report; None for a model without 4-bit layers."""
+    for module in model.modules():
+        if getattr(getattr(module, "weight", None), "quant_state", None) is not None:
+            return getattr(bind_projection(module), "path", "bitsandbytes' Linear4bit as is (dequantize + matmul)")
+    return None
 
 
 def bind_norm(module: torch.nn.Module) -> Projection:

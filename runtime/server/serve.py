@@ -113,7 +113,9 @@ def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = N
     from oval_edge.kernels.cpu import describe_kernels
 
     from oval_edge.runtime.model.loader import describe
+    from oval_edge.runtime.model.projections import describe_4bit_path
 
+    four_bit = describe_4bit_path(engine.loaded.model)
     pool = engine.pool
     sizing = pool.sizing.explain() if pool.sizing is not None else f"{pool.num_pages} pages fixed by num_pages"
     lines = [
@@ -127,6 +129,7 @@ def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = N
         *([f"  KV store  {describe_store(pool)}"] if pool.store is not None else []),
         f"  engine    {describe_spec(spec)}",
         f"  kernels   {describe_kernels(engine.loaded.device)}",
+        *([f"  4-bit     {four_bit}"] if four_bit is not None else []),
         f"  decode    {engine.describe_decode_step()}",
         f"  serving   {url}/v1 (OpenAI API), {url}/health, {url}/metrics, {url}/docs"
         + ("; API key required" if api_key else ""),
