@@ -91,32 +91,39 @@ def test_batched_decode_of_different_lengths_equals_one_at_a_time(fp32_engine):
     assert [r.output_ids for r in requests] == alone
 
 
-class OutputRows(torch.nn.Module):
-    """One of transformers' q/k/v (or gate/up) projections, computed by the runtime's fused 4-bit layer."""
+class RuntimeProjection(torch.nn.Module):
+    """A transformers projection computed the way the runtime computes it: `bind_projection` of the runtime's own
+    4-bit layer (our GEMV for decode rows where bitsandbytes has no fused kernel), output rows [start, end) of it.
+    x [..., in] -> [..., end - start]."""
 
-    def __init__(self, fused: torch.nn.Module, start: int, end: int):
+    def __init__(self, layer: torch.nn.Module, start: int = 0, end: int | None = None):
         super().__init__()
-        self.fused, self.start, self.end = fused, start, end
+        from oval_edge.runtime.model.projections import bind_projection
+
+        self.layer, self.bound = layer, bind_projection(layer)
+        self.start, self.end = start, layer.out_features if end is None else end
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x)[..., self.start : self.end]
+        rows = self.bound(x.reshape(-1, x.shape[-1]))  # the runtime calls its projections on [tokens, in]
+        return rows.reshape(*x.shape[:-1], -1)[..., self.start : self.end]
 
 
 def give_hugging_face_the_runtime_weights(model, runtime_model) -> None:
     """Hugging Face's own forward (norms, RoPE, attention, MLP) over the runtime's very bnb 4-bit layers and
-    16-bit embedding/head: the projections it calls are rows of the runtime's fused layers."""
+    16-bit embedding/head, each called through the kernel the runtime binds to it: what is compared is the forward
+    around the projections; the kernels' own error against bitsandbytes is bounded in tests/test_projections.py."""
     for hf_layer, ours in zip(model.model.layers, runtime_model.model.layers):
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         start = 0
         for name in ("q_proj", "k_proj", "v_proj"):
             end = start + getattr(attn, name).out_features
-            setattr(attn, name, OutputRows(ours.self_attn.qkv_proj, start, end))
+            setattr(attn, name, RuntimeProjection(ours.self_attn.qkv_proj, start, end))
             start = end
-        attn.o_proj = ours.self_attn.o_proj
+        attn.o_proj = RuntimeProjection(ours.self_attn.o_proj)
         half = mlp.gate_proj.out_features
-        mlp.gate_proj = OutputRows(ours.mlp.gate_up_proj, 0, half)
-        mlp.up_proj = OutputRows(ours.mlp.gate_up_proj, half, 2 * half)
-        mlp.down_proj = ours.mlp.down_proj
+        mlp.gate_proj = RuntimeProjection(ours.mlp.gate_up_proj, 0, half)
+        mlp.up_proj = RuntimeProjection(ours.mlp.gate_up_proj, half, 2 * half)
+        mlp.down_proj = RuntimeProjection(ours.mlp.down_proj)
     model.model.embed_tokens = runtime_model.model.embed_tokens
     model.lm_head = runtime_model.lm_head
 
