@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
-_SCORE_ARGS = [_ptr] * 7 + [_i64] * 8 + [ctypes.c_float, _ptr]
+_SCORE_ARGS = [_ptr] * 7 + [_i64] * 8 + [ctypes.c_float, _ptr, _i64]
 _ATTEND_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
-                _ptr, _ptr]
+                _ptr, _ptr, _i64]
 # attend_slots by K/V row storage: fp32, bf16, int8 codes with an fp32 scale per row (kv_dtype='int8').
 ATTEND_SUFFIX = {**ELEMENT_SUFFIX, torch.int8: "int8"}
 
@@ -90,7 +90,7 @@ class NativeKernels:
         out = torch.empty((b, hkv, table.shape[1]), dtype=torch.float32)
         code = kernel(q.data_ptr(), mean.data_ptr(), basis.data_ptr(), coords.data_ptr(),
                       scales.data_ptr() if quantized else None, table.data_ptr(), _row_bounds(counts), b, hkv, group,
-                      dim, rank, page_size, table.shape[1], pages_total, float(scale), out.data_ptr())
+                      dim, rank, page_size, table.shape[1], pages_total, float(scale), out.data_ptr(), _team())
         return _result(code, out, "oval_scores", "page table holds a page outside 0..{}", pages_total - 1)
 
     def attend_slots(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
@@ -112,12 +112,12 @@ class NativeKernels:
         q = q.contiguous()
         idx = _as(flat, torch.int64).contiguous()
         ok = _as(valid, torch.bool).contiguous()
-        weights = torch.empty(hq // hkv * slots, dtype=torch.float32)  # scratch: one row of logits per query head
+        weights = torch.empty(b * hq * slots, dtype=torch.float32)  # scratch: a row of logits per (b, query head)
         out = torch.empty_like(q)
         code = kernel(q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), k_rows.shape[0], idx.data_ptr(),
                       ok.data_ptr(), _row_bounds(limits), b, hkv, hq // hkv, dim, slots, float(scale),
                       weights.data_ptr(), out.data_ptr(),
-                      *((s.data_ptr() for s in scales) if quantized else (None, None)))
+                      *((s.data_ptr() for s in scales) if quantized else (None, None)), _team())
         return _result(code, out, "attend_slots", "a valid slot lies outside the layer's 0..{} rows",
                        k_rows.shape[0] - 1)
 
@@ -146,7 +146,7 @@ class NativeKernels:
             return None
         out = torch.empty((x.shape[0], codes.shape[0] * 32), dtype=torch.float32)
         code = self._head(x.data_ptr(), x.shape[0], codes.data_ptr(), scales.data_ptr(), codes.shape[0],
-                          codes.shape[1], out.data_ptr(), max(1, min(64, torch.get_num_threads())))
+                          codes.shape[1], out.data_ptr(), _team())
         return out if code == 0 else None
 
     def gemv_4bit(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
@@ -165,7 +165,7 @@ class NativeKernels:
         out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
         code = self._gemv_4bit(x.data_ptr(), x.shape[0], x.stride(0), codes.data_ptr(), absmax.data_ptr(),
                                table.data_ptr(), None if bias is None else bias.data_ptr(), out_features, x.shape[1],
-                               blocksize, out.data_ptr(), out.stride(0), max(1, min(64, torch.get_num_threads())))
+                               blocksize, out.data_ptr(), out.stride(0), _team())
         return out if code == 0 else None
 
     def int8_rows(self, codes: torch.Tensor, scales: torch.Tensor, vocab: int, ids: torch.Tensor) -> torch.Tensor | None:
@@ -201,6 +201,12 @@ class NativeKernels:
                             start.data_ptr(), start.shape[-1], b, hkv, pages, page_size, sink_pages, top_k,
                             window_slots, window_min, slots, flat.data_ptr(), valid.data_ptr())
         return (flat, valid) if code == 0 else None
+
+
+def _team() -> int:
+    """The thread count a kernel splits its work over: torch's intra-op setting (its OpenMP team; head_kernels.c
+    says why the team), within the C files' MAX_THREADS."""
+    return max(1, min(64, torch.get_num_threads()))
 
 
 def describe_kernels(device: torch.device) -> str:

@@ -18,6 +18,7 @@
 #define MAX_GROUP 32     /* query heads per KV head */
 #define MAX_RANK 256     /* oval basis rank */
 #define MAX_PAGE 256     /* tokens per page */
+#define MIN_PAGES_PER_THREAD 32 /* a thread forks for no fewer pages to score: a fork costs about as much as 32 */
 
 static inline float widen_bf16(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -127,12 +128,13 @@ static inline __attribute__((always_inline)) float load_record(const void *base,
  * counts [B] (or NULL: all Np): how many leading pages of each row to score. Why: the static decode step pads every
  * page table to the longest allowed sequence; pages past a row's count are not read and get UNSCORED (callers mask
  * them: they are not candidates), so the work follows the row's length while the shapes stay fixed.
+ * threads: the OpenMP team's size to split the pages over (1 without OpenMP; short tables stay on one thread).
  * Returns 1 for shapes above the fixed limits, 2 for a page index outside the pool. */
 static inline __attribute__((always_inline)) int oval_scores(
     const float *restrict q, const void *restrict mean, const void *restrict basis, const void *restrict coords,
     const float *restrict scales, const int64_t *restrict page_table, const int64_t *restrict counts, int64_t batch,
     int64_t kv_heads, int64_t group, int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages,
-    int64_t pages_total, float scale, float *restrict out, int fmt) {
+    int64_t pages_total, float scale, float *restrict out, int64_t threads, int fmt) {
     if (dim > MAX_DIM || group > MAX_GROUP || rank > MAX_RANK || page_size > MAX_PAGE) return 1;
     if (fmt >= FMT_INT8 && !scales) return 1;
     for (int64_t b = 0; b < batch; b++)
@@ -140,47 +142,50 @@ static inline __attribute__((always_inline)) int oval_scores(
             if (page_table[b * num_pages + n] < 0 || page_table[b * num_pages + n] >= pages_total) return 2;
     const float log2e = 1.4426950408889634f, ln2 = 0.6931471805599453f;
     const int mean_fmt = fmt >= FMT_INT8 ? FMT_INT8 : fmt; /* the int4 record keeps an int8 mean */
-    float row[MAX_DIM > MAX_PAGE ? MAX_DIM : MAX_PAGE];
-    float projected[MAX_GROUP * MAX_RANK]; /* [G, r]: the group's queries in the page's basis, log2 units */
-    float offset[MAX_GROUP];               /* [G]: mu . q_g, log2 units */
-    float logits[MAX_GROUP * MAX_PAGE];    /* [G, P] */
-    for (int64_t b = 0; b < batch; b++) {
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const float *qh = q + (b * kv_heads + h) * group * dim;
-            int64_t scored = row_count(counts, b, num_pages);
-            for (int64_t n = scored; n < num_pages; n++) out[(b * kv_heads + h) * num_pages + n] = UNSCORED;
-            for (int64_t n = 0; n < scored; n++) {
-                int64_t record = h * pages_total + page_table[b * num_pages + n];
-                int64_t u = record * rank * dim, c = record * rank * page_size;
-                const float *sc = fmt >= FMT_INT8 ? scales + record * (1 + 2 * rank) : NULL;
-                float unit = scale * log2e;
-                for (int64_t d = 0; d < dim; d++) row[d] = load_record(mean, record * dim + d, mean_fmt);
-                for (int64_t g = 0; g < group; g++)
-                    offset[g] = unit * (sc ? sc[0] : 1.0f) * dot(qh + g * dim, row, dim);
-                for (int64_t i = 0; i < rank; i++) {
-                    for (int64_t d = 0; d < dim; d++) row[d] = load_record(basis, u + i * dim + d, fmt);
-                    float folded = sc ? unit * sc[1 + i] * sc[1 + rank + i] : unit;
-                    for (int64_t g = 0; g < group; g++)
-                        projected[g * rank + i] = folded * dot(qh + g * dim, row, dim);
+    const int64_t items = batch * kv_heads * num_pages;
+    if (threads < 1) threads = 1;
+    /* Pages are independent and cost the same: one flat loop over (b, h, n), split evenly over the team. */
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && items >= MIN_PAGES_PER_THREAD * 2)
+#endif
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t n = item % num_pages, bh = item / num_pages, b = bh / kv_heads, h = bh % kv_heads;
+        if (n >= row_count(counts, b, num_pages)) {
+            out[item] = UNSCORED;
+            continue;
+        }
+        float row[MAX_DIM > MAX_PAGE ? MAX_DIM : MAX_PAGE];
+        float projected[MAX_GROUP * MAX_RANK]; /* [G, r]: the group's queries in the page's basis, log2 units */
+        float offset[MAX_GROUP];               /* [G]: mu . q_g, log2 units */
+        float logits[MAX_GROUP * MAX_PAGE];    /* [G, P] */
+        const float *qh = q + bh * group * dim;
+        int64_t record = h * pages_total + page_table[b * num_pages + n];
+        int64_t u = record * rank * dim, c = record * rank * page_size;
+        const float *sc = fmt >= FMT_INT8 ? scales + record * (1 + 2 * rank) : NULL;
+        float unit = scale * log2e;
+        for (int64_t d = 0; d < dim; d++) row[d] = load_record(mean, record * dim + d, mean_fmt);
+        for (int64_t g = 0; g < group; g++) offset[g] = unit * (sc ? sc[0] : 1.0f) * dot(qh + g * dim, row, dim);
+        for (int64_t i = 0; i < rank; i++) {
+            for (int64_t d = 0; d < dim; d++) row[d] = load_record(basis, u + i * dim + d, fmt);
+            float folded = sc ? unit * sc[1 + i] * sc[1 + rank + i] : unit;
+            for (int64_t g = 0; g < group; g++) projected[g * rank + i] = folded * dot(qh + g * dim, row, dim);
+        }
+        float peak = -3.0e38f;
+        for (int64_t i = 0; i < rank; i++) { /* logits [G, P] = offset [G] + projected [G, r] x R^T [r, P] */
+            for (int64_t p = 0; p < page_size; p++) row[p] = load_record(coords, c + i * page_size + p, fmt);
+            for (int64_t g = 0; g < group; g++) {
+                float z = projected[g * rank + i], *lg = logits + g * page_size;
+                if (i == 0) {
+                    for (int64_t p = 0; p < page_size; p++) lg[p] = offset[g] + z * row[p];
+                } else {
+                    for (int64_t p = 0; p < page_size; p++) lg[p] += z * row[p];
                 }
-                float peak = -3.0e38f;
-                for (int64_t i = 0; i < rank; i++) { /* logits [G, P] = offset [G] + projected [G, r] x R^T [r, P] */
-                    for (int64_t p = 0; p < page_size; p++) row[p] = load_record(coords, c + i * page_size + p, fmt);
-                    for (int64_t g = 0; g < group; g++) {
-                        float z = projected[g * rank + i], *lg = logits + g * page_size;
-                        if (i == 0) {
-                            for (int64_t p = 0; p < page_size; p++) lg[p] = offset[g] + z * row[p];
-                        } else {
-                            for (int64_t p = 0; p < page_size; p++) lg[p] += z * row[p];
-                        }
-                    }
-                }
-                for (int64_t j = 0; j < group * page_size; j++) peak = logits[j] > peak ? logits[j] : peak;
-                float total = 0.0f;
-                for (int64_t j = 0; j < group * page_size; j++) total += exp2_nonpositive(logits[j] - peak);
-                out[(b * kv_heads + h) * num_pages + n] = (log2f(total) + peak) * ln2;
             }
         }
+        for (int64_t j = 0; j < group * page_size; j++) peak = logits[j] > peak ? logits[j] : peak;
+        float total = 0.0f;
+        for (int64_t j = 0; j < group * page_size; j++) total += exp2_nonpositive(logits[j] - peak);
+        out[item] = (log2f(total) + peak) * ln2;
     }
     return 0;
 }
@@ -188,7 +193,8 @@ static inline __attribute__((always_inline)) int oval_scores(
 /* Exact attention of one new token per row over the slots a selection names (attention.attend_selection):
  *   out[b, h*G + g] = sum_t softmax_t(scale * q_g . k_t) v_t  over the valid slots t of (b, h)
  * q [B, Hkv, G, D] fp32; k_rows, v_rows [rows_total, D] (one layer of the pool); flat [B, Hkv, T] row indices;
- * valid [B, Hkv, T] (bytes, 0 or 1); weights: scratch of G * T floats; out [B, Hkv, G, D] fp32.
+ * valid [B, Hkv, T] (bytes, 0 or 1); scratch: B * Hkv * G * T floats; out [B, Hkv, G, D] fp32.
+ * threads: the OpenMP team's size to split the (b, h) pairs over (1 without OpenMP).
  * K and V rows are read in place: nothing is gathered. A (b, h) with no valid slot gets zeros.
  * limits [B] (or NULL: all T): slots at or past limits[b] count as invalid and are not visited (the static step's
  * dense layers list every slot of the padded page table; a row's length bounds what it reads).
@@ -196,66 +202,71 @@ static inline __attribute__((always_inline)) int oval_scores(
 static inline __attribute__((always_inline)) int attend_slots(
     const float *restrict q, const void *restrict k_rows, const void *restrict v_rows, int64_t rows_total,
     const int64_t *restrict flat, const uint8_t *restrict valid, const int64_t *restrict limits, int64_t batch,
-    int64_t kv_heads, int64_t group, int64_t dim, int64_t slots, float scale, float *restrict weights,
-    float *restrict out, const float *restrict k_scales, const float *restrict v_scales, int kv) {
+    int64_t kv_heads, int64_t group, int64_t dim, int64_t slots, float scale, float *restrict scratch,
+    float *restrict out, const float *restrict k_scales, const float *restrict v_scales, int64_t threads, int kv) {
     if (dim > MAX_DIM || group > MAX_GROUP) return 1;
     for (int64_t b = 0; b < batch; b++)
         for (int64_t h = 0; h < kv_heads; h++)
             for (int64_t t = 0, i = (b * kv_heads + h) * slots; t < row_count(limits, b, slots); t++)
                 if (valid[i + t] && (flat[i + t] < 0 || flat[i + t] >= rows_total)) return 2;
     const float log2e = 1.4426950408889634f;
-    float row[MAX_DIM];
-    float acc[MAX_GROUP * MAX_DIM];
-    float peak[MAX_GROUP], total[MAX_GROUP];
-    for (int64_t b = 0; b < batch; b++) {
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const float *qh = q + (b * kv_heads + h) * group * dim;
-            const int64_t *idx = flat + (b * kv_heads + h) * slots;
-            const uint8_t *ok = valid + (b * kv_heads + h) * slots;
-            float *oh = out + (b * kv_heads + h) * group * dim;
-            int64_t used = row_count(limits, b, slots); /* slots [0, used) are visited; weights keep stride slots */
-            for (int64_t g = 0; g < group; g++) peak[g] = -3.0e38f;
-            int64_t seen = 0;
-            /* Logits in log2 units. Unread slots get -3e38: weight ~1e-38, and their values are never read. */
-            for (int64_t t = 0; t < used; t++) {
-                if (!ok[t]) {
-                    for (int64_t g = 0; g < group; g++) weights[g * slots + t] = -3.0e38f;
-                    continue;
-                }
-                if (t + PREFETCH_SLOTS < used) prefetch_row(k_rows, idx[t + PREFETCH_SLOTS], dim, kv);
-                load_kv_row(row, k_rows, k_scales, idx[t], dim, kv);
-                for (int64_t g = 0; g < group; g++) {
-                    float s = scale * log2e * dot(qh + g * dim, row, dim);
-                    weights[g * slots + t] = s;
-                    peak[g] = s > peak[g] ? s : peak[g];
-                }
-                seen++;
-            }
-            if (seen == 0) {
-                memset(oh, 0, (size_t)(group * dim) * sizeof(float));
+    const int64_t pairs = batch * kv_heads;
+    if (threads < 1) threads = 1;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1 && pairs > 1)
+#endif
+    for (int64_t bh = 0; bh < pairs; bh++) {
+        const int64_t b = bh / kv_heads, h = bh % kv_heads;
+        float row[MAX_DIM];
+        float acc[MAX_GROUP * MAX_DIM];
+        float peak[MAX_GROUP], total[MAX_GROUP];
+        float *weights = scratch + bh * group * slots; /* [G, T] logits, then weights, of this (b, h) */
+        const float *qh = q + (b * kv_heads + h) * group * dim;
+        const int64_t *idx = flat + (b * kv_heads + h) * slots;
+        const uint8_t *ok = valid + (b * kv_heads + h) * slots;
+        float *oh = out + (b * kv_heads + h) * group * dim;
+        int64_t used = row_count(limits, b, slots); /* slots [0, used) are visited; weights keep stride slots */
+        for (int64_t g = 0; g < group; g++) peak[g] = -3.0e38f;
+        int64_t seen = 0;
+        /* Logits in log2 units. Unread slots get -3e38: weight ~1e-38, and their values are never read. */
+        for (int64_t t = 0; t < used; t++) {
+            if (!ok[t]) {
+                for (int64_t g = 0; g < group; g++) weights[g * slots + t] = -3.0e38f;
                 continue;
             }
-            for (int64_t g = 0; g < group; g++) { /* one vectorised pass: logits -> unnormalised weights */
-                float *w = weights + g * slots, sum = 0.0f;
-                for (int64_t t = 0; t < used; t++) {
-                    w[t] = exp2_nonpositive(w[t] - peak[g]);
-                    sum += w[t];
-                }
-                total[g] = sum;
+            if (t + PREFETCH_SLOTS < used) prefetch_row(k_rows, idx[t + PREFETCH_SLOTS], dim, kv);
+            load_kv_row(row, k_rows, k_scales, idx[t], dim, kv);
+            for (int64_t g = 0; g < group; g++) {
+                float s = scale * log2e * dot(qh + g * dim, row, dim);
+                weights[g * slots + t] = s;
+                peak[g] = s > peak[g] ? s : peak[g];
             }
-            for (int64_t j = 0; j < group * dim; j++) acc[j] = 0.0f;
-            for (int64_t t = 0; t < used; t++) {
-                if (!ok[t]) continue;
-                if (t + PREFETCH_SLOTS < used) prefetch_row(v_rows, idx[t + PREFETCH_SLOTS], dim, kv);
-                load_kv_row(row, v_rows, v_scales, idx[t], dim, kv);
-                for (int64_t g = 0; g < group; g++) {
-                    float w = weights[g * slots + t], *a = acc + g * dim;
-                    for (int64_t d = 0; d < dim; d++) a[d] += w * row[d];
-                }
-            }
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t d = 0; d < dim; d++) oh[g * dim + d] = acc[g * dim + d] / total[g];
+            seen++;
         }
+        if (seen == 0) {
+            memset(oh, 0, (size_t)(group * dim) * sizeof(float));
+            continue;
+        }
+        for (int64_t g = 0; g < group; g++) { /* one vectorised pass: logits -> unnormalised weights */
+            float *w = weights + g * slots, sum = 0.0f;
+            for (int64_t t = 0; t < used; t++) {
+                w[t] = exp2_nonpositive(w[t] - peak[g]);
+                sum += w[t];
+            }
+            total[g] = sum;
+        }
+        for (int64_t j = 0; j < group * dim; j++) acc[j] = 0.0f;
+        for (int64_t t = 0; t < used; t++) {
+            if (!ok[t]) continue;
+            if (t + PREFETCH_SLOTS < used) prefetch_row(v_rows, idx[t + PREFETCH_SLOTS], dim, kv);
+            load_kv_row(row, v_rows, v_scales, idx[t], dim, kv);
+            for (int64_t g = 0; g < group; g++) {
+                float w = weights[g * slots + t], *a = acc + g * dim;
+                for (int64_t d = 0; d < dim; d++) a[d] += w * row[d];
+            }
+        }
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t d = 0; d < dim; d++) oh[g * dim + d] = acc[g * dim + d] / total[g];
     }
     return 0;
 }
@@ -267,10 +278,10 @@ static inline __attribute__((always_inline)) int attend_slots(
     const float *q, const void *mean, const void *basis, const void *coords, const float *scales,            \
         const int64_t *page_table, const int64_t *counts, int64_t batch, int64_t kv_heads, int64_t group,     \
         int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages, int64_t pages_total, float scale,    \
-        float *out
+        float *out, int64_t threads
 #define SCORE_WITH(DIM, PAGE, FMT)                                                                            \
     oval_scores(q, mean, basis, coords, scales, page_table, counts, batch, kv_heads, group, DIM, rank, PAGE,  \
-                num_pages, pages_total, scale, out, FMT)
+                num_pages, pages_total, scale, out, threads, FMT)
 #define SCORE_DISPATCH(FMT)                                                                                   \
     if (dim == 64 && page_size == 16) return SCORE_WITH(64, 16, FMT);                                         \
     if (dim == 64 && page_size == 32) return SCORE_WITH(64, 32, FMT);                                         \
@@ -288,10 +299,10 @@ int oval_scores_int4(SCORE_ARGS) { SCORE_DISPATCH(FMT_INT4) }
     const float *q, const void *k_rows, const void *v_rows, int64_t rows_total, const int64_t *flat,          \
         const uint8_t *valid, const int64_t *limits, int64_t batch, int64_t kv_heads, int64_t group,           \
         int64_t dim, int64_t slots, float scale, float *weights, float *out, const float *k_scales,             \
-        const float *v_scales
+        const float *v_scales, int64_t threads
 #define ATTEND_WITH(DIM, KV)                                                                                  \
     attend_slots(q, k_rows, v_rows, rows_total, flat, valid, limits, batch, kv_heads, group, DIM, slots, scale, \
-                 weights, out, k_scales, v_scales, KV)
+                 weights, out, k_scales, v_scales, threads, KV)
 #define ATTEND_DISPATCH(KV)                                                                                   \
     if (dim == 64) return ATTEND_WITH(64, KV);                                                                \
     if (dim == 128) return ATTEND_WITH(128, KV);                                                              \
