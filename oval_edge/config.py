@@ -37,12 +37,15 @@ class OvalConfig:
     dense_layers  the first layers attend densely (their attention is broad; selection there costs quality).
     scorer        'oval' (output-aware local basis, DESIGN §4.3) or 'quest' (per-channel key min/max).
     rank, eta     the oval basis rank r (at most page_size - 1) and the output-aware mix eta (0 = key-only
-                  spectral basis; > 0 mixes in the output projection's metric, DESIGN §4.3).
+                  spectral basis; > 0 mixes in the output projection's metric, DESIGN §4.3). Defaults r = 8, eta = 0:
+                  what `oval-edge calibrate` froze on held-out text (docs/oval-index.md).
     group_pages,  two-level scoring (oval_edge/sparse/grouped.py): 0 = flat (every sealed page's record is scored
     top_groups    each step); G > 0 = one coarse record per G pages scored first, then the fine records of the
                   top_groups best groups' pages (and of the unfinished group) only.
     record        how oval page records are stored: 'float' (the pool's dtype), 'int8' or 'int4' (quantized with
-                  per-page scales, read in place by the kernels; oval_edge/kv/page_record.py).
+                  per-page scales, read in place by the kernels; oval_edge/kv/page_record.py). Default 'int4': 0.31x
+                  the bytes of a bf16 record at the same rank, the most compact format calibrate keeps within 2% of
+                  the float record's attention-output error.
     kv_dtype      dtype of the page pool's K/V: 'auto' = the activations' 16-bit dtype on CUDA, bfloat16 on CPU;
                   'int8' = symmetric absmax int8 with one fp32 scale per token and KV head (oval_edge/kv/int8.py),
                   dequantized inside the attention kernels; summaries and records stay in the 'auto' dtype.
@@ -62,9 +65,9 @@ class OvalConfig:
     window_max: int = 64
     dense_layers: int = 2
     scorer: str = "oval"
-    rank: int = 4
+    rank: int = 8
     eta: float = 0.0
-    record: str = "float"
+    record: str = "int4"
     group_pages: int = 0
     top_groups: int = 8
     kv_dtype: str = "auto"

@@ -170,19 +170,26 @@ def test_calibrate_writes_a_loadable_module_and_eta_rank_into_a_config(tmp_path)
     assert card.calibrated and card.first_layer == 1 and card.window_range == (4, 32)
     assert (card.eta, card.rank) == (result.scorer.eta, result.scorer.rank)
     assert result.scorer.eta in (0.0, 0.5, 1.0) and result.scorer.rank in (2, 4)
-    assert len(result.scorer.table) == 6 + 1  # every (eta, rank) and the oracle
+    assert len(result.scorer.table) == 6 * 3 + 1  # every (eta, rank, record) and the oracle
     oracle = result.scorer.table[-1]["error_calibration"]
     assert all(0 <= oracle <= row["error_calibration"] for row in result.scorer.table)  # top-k by mass: the floor
+    error = {(row["eta"], row["rank"], row["record"]): row["error_calibration"] for row in result.scorer.table}
+    chosen, reference = result.scorer.record, error[(card.eta, card.rank, "float")]
+    assert error[(card.eta, card.rank, chosen)] <= 1.02 * reference  # the frozen record is within tolerance ...
+    compact = ("int4", "int8", "float")
+    assert all(error[(card.eta, card.rank, fmt)] > 1.02 * reference  # ... and none more compact is
+               for fmt in compact[: compact.index(chosen)])
     assert result.report["heldout"]["positions"] > 0 and result.report["calibration"]["positions"] > 0
     path = save_module(result.module, str(tmp_path / "window.safetensors"))
     back = load_module(path, model_config=loaded.config, model_name="tiny")
     assert back.card == card
     config_path = str(tmp_path / "oval-edge.toml")
     (tmp_path / "oval-edge.toml").write_text('[model]\nquant = "nf4"\n\n[oval]\ntop_k = 6\n')
-    update_config(config_path, card.eta, card.rank)
+    update_config(config_path, card.eta, card.rank, record=result.scorer.record)
     sections = load_config_file(config_path)
     oval = oval_config(sections)
     assert (oval.eta, oval.rank, oval.top_k, oval.window_module) == (card.eta, card.rank, 6, None)
+    assert oval.record == result.scorer.record
     assert sections["model"]["quant"] == "nf4"  # the rest of the file is kept
     update_config(config_path, card.eta, card.rank, (path, 8, 48))
     oval = oval_config(load_config_file(config_path))

@@ -10,7 +10,8 @@ from oval_edge.sparse.selection import slots_per_step
 
 def test_defaults_are_valid_and_round_trip():
     config = OvalConfig()
-    assert (config.page_size, config.top_k, config.sink_pages, config.scorer, config.rank) == (32, 4, 1, "oval", 4)
+    assert (config.page_size, config.top_k, config.sink_pages, config.scorer, config.rank, config.record) == (
+        32, 4, 1, "oval", 8, "int4")
     assert OvalConfig.from_dict(config.to_dict()) == config
     assert config.token_budget == slots_per_step(config) == (1 + 4) * 32 + 64
     # The window slots also hold the open page, so a window shorter than a page still costs a page of slots.

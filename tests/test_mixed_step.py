@@ -139,8 +139,8 @@ def test_requests_within_the_token_budget_skip_summaries_until_a_scored_one_maps
     assert short.output_ids and not any(pool.owns(s) for s in pool.sequences())
     deferred = set(pool.unsummarized)
     assert len(deferred) == (budget - 1) // 16  # every page it filled (prompt and output), none summarised
-    assert {name: torch.count_nonzero(t[:, :, sorted(deferred)]).item()
-            for name, t in pool.summaries.items()} == {"mean": 0, "basis": 0, "coords": 0}  # never built
+    assert {name: torch.count_nonzero(t[:, :, sorted(deferred)]).item()  # never built
+            for name, t in pool.summaries.items()} == {"mean": 0, "basis": 0, "coords": 0, "scales": 0}
     prompt_pages = sorted(pool.ledger.page_of[n] for n in page_hashes(prompt, 16, pool.ledger.salt))  # 4 pages
     follow_up = prompt + _ids(300, 5)  # past the budget: its decode steps score pages, the mapped ones included
     long = engine.generate(follow_up, SamplingParams(max_tokens=12, ignore_eos=True))

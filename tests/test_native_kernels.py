@@ -1,4 +1,4 @@
-"""The native CPU kernels (oval_edge/kernels/oval_kernels.c) against the torch code they replace, and how they
+"""The native CPU kernels (oval_edge/kernels/score_kernels.c, attend_kernels.c) against the torch code they replace, and how they
 are built, cached and turned off.
 
 Shapes cover the instantiations the C file specialises (head dim 64 and 128, page sizes 16..64) and the generic
@@ -38,7 +38,8 @@ FORMATS = [("float", torch.bfloat16), ("float", torch.float32), ("int8", None), 
 @pytest.mark.parametrize("fmt,dtype", FORMATS, ids=["bf16", "fp32", "int8", "int4"])
 @pytest.mark.parametrize(
     "dim,page_size,group,rank",
-    [(64, 32, 3, 4), (64, 16, 1, 1), (64, 64, 7, 8), (128, 32, 4, 4), (128, 32, 2, 16), (48, 128, 5, 3)],
+    [(64, 32, 3, 4), (64, 16, 1, 1), (64, 64, 7, 8), (128, 32, 4, 4), (128, 32, 2, 16), (48, 128, 5, 3),
+     (40, 32, 3, 4), (64, 32, 3, 20), (64, 8, 2, 2)],  # the last three: shapes only the plain C body takes
 )
 def test_page_scores_equal_the_torch_scorer(kernels, fmt, dtype, dim, page_size, group, rank):
     """Every record format, read in place by the kernel, scores as the torch scorer over the decoded records."""
@@ -71,6 +72,34 @@ def test_attention_over_slots_equals_gather_then_attend(kernels, dtype, dim, gro
     expected = attend(q, k, v, valid, dim**-0.5)
     actual = kernels.attend_slots(q, k_rows, v_rows, flat, valid, dim**-0.5)
     _near(actual, expected)
+
+
+@pytest.mark.parametrize("team,batch,kv_heads", [(2, 1, 3), (4, 1, 3), (3, 2, 2), (2, 2, 3)])
+def test_attention_split_over_the_team_equals_gather_then_attend(kernels, monkeypatch, team, batch, kv_heads):
+    """Fewer (row, KV head) pairs than a multiple of the team: each pair's slots are split into pieces merged by
+    their log-sum-exp; per-row limits end the pieces early, and a piece with no valid slot adds nothing."""
+    monkeypatch.setattr(native_kernels, "_team", lambda: team)
+    gen = torch.Generator().manual_seed(team * 10 + batch)
+    rows, slots, group, dim = 20000, 9000, 3, 64
+    k_rows = (2 * torch.randn(rows, dim, generator=gen)).bfloat16()
+    v_rows = torch.randn(rows, dim, generator=gen).bfloat16()
+    flat = torch.randint(0, rows, (batch, kv_heads, slots), generator=gen)
+    valid = torch.rand(batch, kv_heads, slots, generator=gen) < 0.9
+    valid[..., 2000:4600] = False  # a whole piece without a valid slot
+    valid[..., 0] = True
+    limits = torch.tensor([7000, 9000][:batch])
+    q = torch.randn(batch, kv_heads * group, dim, generator=gen)
+    shape = (batch, kv_heads, slots, dim)
+    k, v = k_rows[flat.reshape(-1)].view(shape), v_rows[flat.reshape(-1)].view(shape)
+    bounded = valid & (torch.arange(slots) < limits[:, None, None])
+    _near(kernels.attend_slots(q, k_rows, v_rows, flat, valid, dim**-0.5, limits=limits),
+          attend(q, k, v, bounded, dim**-0.5))
+
+
+def test_scoring_runs_the_avx2_body_where_the_cpu_has_avx2(kernels):
+    with open("/proc/cpuinfo", encoding="utf-8") as info:
+        flags = next((line.split() for line in info if line.startswith("flags")), [])
+    assert kernels.scoring_body == ("avx2" if {"avx2", "fma"} <= set(flags) else "plain")
 
 
 def test_a_head_with_no_valid_slot_gets_zeros_and_invalid_slots_are_never_read(kernels):
@@ -165,10 +194,11 @@ def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp
 
 
 def test_a_library_that_disagrees_with_torch_is_not_published(monkeypatch, tmp_path):
-    source = cpu_build.SOURCES[0].read_text()  # oval_kernels.c
-    assert "return p * scale;" in source
+    source = cpu_build.SOURCES[0].read_text()  # score_kernels.c
+    final = "return (log2f(total) + peak) * LN_2;"  # where both scoring bodies end
+    assert final in source
     skewed = tmp_path / "skewed.c"
-    skewed.write_text(source.replace("return p * scale;", "return p * scale * 1.01f;"))  # 1% off in every 2^x
+    skewed.write_text(source.replace(final, "return (log2f(total) + peak) * LN_2 * 1.01f;"))  # every score 1% off
     monkeypatch.setattr(cpu_build, "SOURCES", (skewed, *cpu_build.SOURCES[1:]))
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match=r"disagrees with torch: oval_scores"):

@@ -42,11 +42,14 @@ def test_record_bytes_are_what_the_pool_allocates(pools, fmt):
     assert allocated == g.paged_layers * g.kv_heads * pool.num_pages * g.oval_record_bytes()
 
 
-def test_quantized_records_are_3x_smaller_than_bf16_ones():
-    """D = 64, P = 32, r = 4 (SmolLM2): bf16 record 896 bytes per page and head; int8 484; int4 292 (3.07x)."""
-    sizes = {fmt: KVGeometry.for_oval(30, 3, 64, OvalConfig(record=fmt), "bfloat16").oval_record_bytes()
+@pytest.mark.parametrize("rank,expected", [(8, {"float": 1664, "int8": 900, "int4": 516}),
+                                           (4, {"float": 896, "int8": 484, "int4": 292})])
+def test_quantized_records_are_3x_smaller_than_bf16_ones(rank, expected):
+    """D = 64, P = 32 (SmolLM2), per page and KV head: mean D + basis r*D + coordinates r*P values, in bf16 or in
+    int8 / int4 codes (the mean int8) plus 1 + 2r fp32 scales. r = 8 (the default): 1664, 900 and 516 bytes."""
+    sizes = {fmt: KVGeometry.for_oval(30, 3, 64, OvalConfig(record=fmt, rank=rank), "bfloat16").oval_record_bytes()
              for fmt in ("float", "int8", "int4")}
-    assert sizes == {"float": 896, "int8": 484, "int4": 292}
+    assert sizes == expected
     assert sizes["float"] / sizes["int4"] >= 3.0
 
 
@@ -54,6 +57,9 @@ def test_quantized_records_are_3x_smaller_than_bf16_ones():
 def test_quantized_records_decode_close_to_the_float_record(pools, fmt, tolerance):
     exact, packed = pools["float"].summaries, pools[fmt].summaries
     mean, basis, coords = page_record.decode(packed["mean"], packed["basis"], packed["coords"], packed["scales"])
+    if fmt == "int4":  # its basis rows are quantized as b H (H: the Hadamard rotation): bound them in that frame
+        turn = page_record.rotation(DIM)
+        basis, exact = basis @ turn, {**exact, "basis": exact["basis"].float() @ turn}
     for got, want in ((mean, exact["mean"]), (basis, exact["basis"]), (coords, exact["coords"])):
         # per row, the error is at most half a quantization step of that row's largest magnitude
         levels = page_record.INT8_LEVELS if (fmt == "int8" or got is mean) else page_record.INT4_LEVELS
@@ -61,6 +67,16 @@ def test_quantized_records_decode_close_to_the_float_record(pools, fmt, toleranc
         assert bool(((got - want).abs() <= bound).all())
         rel = float((got - want).norm() / want.norm().clamp_min(1e-12))
         assert rel < tolerance
+
+
+def test_the_rotation_is_orthonormal_symmetric_and_blockwise_for_any_head_dim():
+    for dim, blocks in ((64, [64]), (96, [64, 32]), (80, [64, 16]), (48, [32, 16])):
+        turn = page_record.rotation(dim)
+        assert page_record.rotation_blocks(dim) == blocks
+        torch.testing.assert_close(turn @ turn, torch.eye(dim), atol=1e-6, rtol=0)  # its own inverse
+        assert torch.equal(turn, turn.T)
+        first = blocks[0]
+        assert not turn[:first, first:].any() and not turn[first:, :first].any()  # block diagonal
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -16,7 +16,8 @@ def test_readme_config_example_loads(tmp_path):
     path.write_text(example)
     sections = load_config_file(str(path))
     oval = oval_config(sections)
-    assert (oval.page_size, oval.top_k, oval.scorer, oval.eta, oval.record) == (32, 4, "oval", 0.0, "float")
+    assert (oval.page_size, oval.top_k, oval.scorer, oval.eta, oval.rank, oval.record) == (32, 4, "oval", 0.0, 8,
+                                                                                           "int4")
     assert oval.memory_budget == int(1.5 * 2**30)
     assert engine_kwargs(sections)["max_batch"] == 4
     assert sections["model"]["quant"] == "nf4"

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (oval_kernels.c, step_kernels.c), loaded with ctypes: typed entry points and their switch.
+"""The fused CPU kernels (score_kernels.c, attend_kernels.c, step_kernels.c, ...), loaded with ctypes: typed entry points and their switch.
 
 Why: on a CPU, eager torch spends most of a long-context decode step on many small passes over the page summaries
 (scoring) and on copying selected K/V rows out of the pool (attention). The kernels do each in one pass, reading the
@@ -22,7 +22,8 @@ from .cpu_build import built_library
 from .gpu import TritonKernels, describe_gpu_kernels, gpu_kernels
 
 NATIVE_ENV = "OVAL_EDGE_NATIVE"  # "0": never use the kernels (A/B measurements, debugging)
-REFUSED, OUT_OF_RANGE = 1, 2  # the C kernels' return codes: shapes above their fixed limits, an index outside the pool
+# The C kernels' return codes: shapes above their fixed limits, an index outside the pool, no memory for scratch.
+REFUSED, OUT_OF_RANGE, NO_MEMORY = 1, 2, 3
 ELEMENT_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Oval record formats by the basis dtype (page_record.py): the pool's float dtypes, int8, int4 packed in uint8.
 RECORD_SUFFIX = {**ELEMENT_SUFFIX, torch.int8: "int8", torch.uint8: "int4"}
@@ -53,6 +54,9 @@ class NativeKernels:
             attend = getattr(library, f"attend_slots_{suffix}")
             attend.argtypes, attend.restype = _ATTEND_ARGS, ctypes.c_int
             self._attend[dtype] = attend
+        vectorised = library.oval_scores_vectorised
+        vectorised.argtypes, vectorised.restype = [], ctypes.c_int
+        self.scoring_body = "avx2" if vectorised() else "plain"  # which body scores pages (score_kernels.c)
         self._rms_norm = library.rms_norm_f32
         self._rms_norm.argtypes, self._rms_norm.restype = [_ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr], ctypes.c_int
         self._select = library.select_slots
@@ -215,7 +219,7 @@ def describe_kernels(device: torch.device) -> str:
         return describe_gpu_kernels(device)  # the Triton kernels on CUDA, or why the torch ops run
     kernels = cpu_kernels()
     if kernels is not None:
-        return f"native CPU scoring + attention ({kernels.path})"
+        return f"native CPU scoring ({kernels.scoring_body}) + attention ({kernels.path})"
     if os.environ.get(NATIVE_ENV, "").strip() == "0":
         return f"torch ops ({NATIVE_ENV}=0)"
     return "torch ops (native kernels unavailable: the log says why)"
@@ -276,7 +280,7 @@ def _result(code: int, out: torch.Tensor, kernel: str, out_of_range: str, last: 
     message is formatted only on error: this runs for every layer of every decode step."""
     if code == 0:
         return out
-    if code == REFUSED:
+    if code in (REFUSED, NO_MEMORY):  # the torch code runs instead
         return None
     if code == OUT_OF_RANGE:
         raise ValueError(f"{kernel}: {out_of_range.format(last)}")

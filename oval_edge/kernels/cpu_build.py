@@ -19,10 +19,12 @@ from pathlib import Path
 
 from oval_edge.cache_dir import cache_root
 
-# The C files built into the one library: page scoring and decode attention; the static step's small fused ops; the
-# 8-bit output head; the 4-bit projections where bitsandbytes has no fused CPU kernel.
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("oval_kernels.c", "step_kernels.c", "head_kernels.c", "quant_kernels.c"))
+# The C files built into the one library: page scoring; decode attention; the static step's small fused ops; the
+# 8-bit output head; the 4-bit projections where bitsandbytes has no fused CPU kernel. HEADERS: what they include
+# (hashed into the cache key with them).
+SOURCES = tuple(Path(__file__).with_name(name) for name in
+                ("score_kernels.c", "attend_kernels.c", "step_kernels.c", "head_kernels.c", "quant_kernels.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernel_math.h", "score_avx2.h"))
 LIBRARY_NAME = "oval_kernels.so"
 CHECK_MODULE = "oval_edge.kernels.cpu_check"  # run as `python -m`: exits 0 when the library agrees with torch
 COMPILE_TIMEOUT_S = 120
@@ -42,7 +44,7 @@ def built_library() -> str:
     # -fopenmp: the head runs on torch's OpenMP team (head_kernels.c says why); a compiler without it builds the
     # pthread version instead (retried without the flag).
     flags = [*OPTIMISE_FLAGS, "-fPIC", "-shared", "-pthread", "-fopenmp", *_arch_flags()]
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"|".join([source, compiler.encode(), version.encode(), " ".join(flags).encode(),
                                    _cpu_features().encode()]))
@@ -77,8 +79,9 @@ def built_library() -> str:
 
 
 def _compile(compiler: str, flags: list[str], built: str) -> subprocess.CompletedProcess:
-    return subprocess.run([compiler, *flags, "-o", built, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
-                          timeout=COMPILE_TIMEOUT_S)
+    include = f"-I{Path(__file__).parent}"  # the headers, for sources compiled from elsewhere too (the tests' copies)
+    return subprocess.run([compiler, *flags, include, "-o", built, *map(str, SOURCES), "-lm"], capture_output=True,
+                          text=True, timeout=COMPILE_TIMEOUT_S)
 
 
 def _arch_flags() -> list[str]:

@@ -3,7 +3,7 @@
 Why: the torch scorers (oval_edge/sparse/scoring.py) first gather every listed page's record into a new buffer
 ([B, Hkv, Np, r, D + P] for oval), widen it to fp32, then run a matmul, r multiply-adds and a log-sum-exp, each a
 pass over memory. Here each listed page's record is read once, straight from the pool through the page table, and
-the logits live in registers. Same arithmetic as the C kernel (oval_kernels.c): fp32 accumulation, logits in log2
+the logits live in registers. Same arithmetic as the C kernel (score_kernels.c): fp32 accumulation, logits in log2
 units, the page's log-sum-exp over its P tokens and the group's G query heads, returned in natural-log units.
 
 No host synchronisation and no data-dependent shapes (the static step is captured into a CUDA graph): the output
@@ -19,6 +19,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from oval_edge.kv.page_record import rotation
 
 from .triton_ops import MAX, SUM
 
@@ -40,13 +42,14 @@ def _record_values(ptr, offsets, mask, FMT: tl.constexpr):
 
 
 @triton.jit
-def _oval_kernel(q_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, table_ptr, counts_ptr, out_ptr,
+def _oval_kernel(q_ptr, qb_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, table_ptr, counts_ptr, out_ptr,
                  kv_heads, group, dim, rank, num_pages, pages_total, scale_log2,
                  HAS_COUNTS: tl.constexpr, FMT: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program: row b, KV head h (axis 0 = b * Hkv + h), BLOCK_N listed pages (axis 1).
 
-    q [B, Hkv, G, D]; one layer's records (page_record.py): mean [Hkv, pages_total, D], basis B^T [Hkv,
+    q [B, Hkv, G, D]; qb: the queries the basis rows are dotted with (q, or H q for the int4 record, whose rows
+    are stored rotated: page_record.py); one layer's records (page_record.py): mean [Hkv, pages_total, D], basis B^T [Hkv,
     pages_total, r, D], coords R^T [Hkv, pages_total, r, P], scales [Hkv, pages_total, 1 + 2r] (FMT > 0);
     table [B, Np] int64; counts [B] int64 (HAS_COUNTS); out [B, Hkv, Np] fp32.
     logits[n, g, p] = mu[n] . q_g + sum_i (q_g . B^T[n, i]) * R^T[n, i, p] in log2 units, accumulated over the rank
@@ -63,6 +66,8 @@ def _oval_kernel(q_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, table_ptr, 
     g_ok, d_ok = g < group, d < dim
     q = tl.load(q_ptr + (bh * group + g[:, None]) * dim + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     q = q.to(tl.float32) * scale_log2  # [G, D], log2 units
+    qb = tl.load(qb_ptr + (bh * group + g[:, None]) * dim + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    qb = qb.to(tl.float32) * scale_log2
     listed = n < num_pages
     if HAS_COUNTS:
         listed = listed & (n < tl.load(counts_ptr + b))
@@ -79,7 +84,7 @@ def _oval_kernel(q_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, table_ptr, 
     for i in range(rank):
         u = _record_values(basis_ptr, (record + i)[:, None] * dim + d[None, :], inside[:, None] & d_ok[None, :],
                            FMT)  # [N, D]
-        proj = tl.reduce(u[:, None, :] * q[None, :, :], 2, SUM)  # [N, G]: the group's queries on basis vector i
+        proj = tl.reduce(u[:, None, :] * qb[None, :, :], 2, SUM)  # [N, G]: the group's queries on basis vector i
         if FMT > 0:
             folded = tl.load(scales_ptr + entry * (1 + 2 * rank) + 1 + i, mask=inside, other=0.0) * tl.load(
                 scales_ptr + entry * (1 + 2 * rank) + 1 + rank + i, mask=inside, other=0.0)
@@ -170,7 +175,9 @@ def oval_scores(q: torch.Tensor, records, page_table: torch.Tensor, scale: float
     block_d = triton.next_power_of_2(dim)
     block_n = _pages_per_program(group, max(block_d, page), num_pages)
     grid = (b * hkv, triton.cdiv(num_pages, block_n))
-    _oval_kernel[grid](q.contiguous(), mean, basis, coords, scales if scales is not None else mean, table,
+    q = q.contiguous()
+    qb = q.float() @ rotation(dim, q.device) if fmt == 2 else q  # H is symmetric: q H = H q per row
+    _oval_kernel[grid](q, qb.contiguous(), mean, basis, coords, scales if scales is not None else mean, table,
                        _counts_arg(counts, table), out, hkv, group, dim, rank, num_pages, pages_total,
                        float(scale) * LOG2_E, HAS_COUNTS=counts is not None, FMT=fmt, PAGE=page, BLOCK_N=block_n,
                        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d)

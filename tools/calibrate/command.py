@@ -7,10 +7,10 @@ on the model's own dense attention over a calibration text.
 1. Prefill the text densely through the runtime, recording every layer's normed hidden state (calibrate_capture).
 2. Per sparse layer and sample position: the window target (smallest recent window holding --share of the mass
    the largest window would hold).
-3. Freeze (eta, r): on every --scorer-stride-th sample, the attention output error of sink + the scorer's top-k
-   pages + the window against dense attention (calibrate_scorer).
+3. Freeze (eta, r) and the record format: on every --scorer-stride-th sample, the attention output error of sink +
+   the scorer's top-k pages + the window against dense attention (calibrate_scorer).
 4. Fit the module to the window targets on the calibration split; report the held-out fit (calibrate_fit).
-5. Write the module (safetensors, marked calibrated) and, with --write-config, eta and rank into the TOML
+5. Write the module (safetensors, marked calibrated) and, with --write-config, eta, rank and record into the TOML
    `serve --config` reads (the module itself too with --enable-module).
 """
 
@@ -25,6 +25,7 @@ import time
 import torch
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
+from oval_edge.geometry import RECORD_FORMATS
 from oval_edge.runtime.model.source import quant_choices
 from oval_edge.tools.eval.policies import parse_float_list, parse_int_list
 
@@ -67,11 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sco.add_argument("--ranks", default="2,4,8", help="ranks r tried (the smallest within --rank-tolerance wins)")
     sco.add_argument("--rank-tolerance", type=float, default=0.02,
                      help="relative output error a smaller rank may add over the best")
+    sco.add_argument("--records", default="float,int8,int4",
+                     help="record formats each (eta, rank) is scored through, as the pool stores them")
+    sco.add_argument("--record-tolerance", type=float, default=0.02,
+                     help="relative output error a more compact record may add over the float record")
     sco.add_argument("--scorer-stride", type=int, default=8, help="score pages for every N-th sample position")
     out = parser.add_argument_group("output")
     out.add_argument("--out", required=True, help="the module file to write (.safetensors)")
     out.add_argument("--write-config", metavar="FILE.toml", default=None,
-                     help="write eta and rank into this config's [oval] table (created if missing)")
+                     help="write eta, rank and record into this config's [oval] table (created if missing)")
     out.add_argument("--enable-module", action="store_true",
                      help="with --write-config: also turn the module on there (window_module, window_min/max)")
     out.add_argument("--json", dest="json_path", default=None, help="write the full report as JSON here")
@@ -102,8 +107,13 @@ def _settings(args: argparse.Namespace):
         raise ValueError(f"--start={args.start} must be in [0, --length - 2 = {args.length - 2}]")
     if not 0.0 < args.share <= 1.0:
         raise ValueError(f"--share={args.share} is out of range: allowed (0, 1]")
-    if not 0.0 <= args.rank_tolerance < 1.0:
-        raise ValueError(f"--rank-tolerance={args.rank_tolerance} is out of range: allowed [0, 1)")
+    for name, value in (("--rank-tolerance", args.rank_tolerance), ("--record-tolerance", args.record_tolerance)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name}={value} is out of range: allowed [0, 1)")
+    records = tuple(r.strip() for r in args.records.split(",") if r.strip())
+    if "float" not in records or any(r not in RECORD_FORMATS for r in records):
+        raise ValueError(f"--records={args.records!r}: a comma-separated list of {', '.join(RECORD_FORMATS)} that "
+                         "includes float (the reference)")
     if not args.noise >= 0.0:
         raise ValueError(f"--noise={args.noise} must be >= 0")
     if args.text != "generated" and not os.path.isfile(args.text):
@@ -118,6 +128,7 @@ def _settings(args: argparse.Namespace):
         stride=args.stride, scorer_stride=args.scorer_stride,
         etas=tuple(parse_float_list(args.etas, "--etas", 0.0, 1.0)),
         ranks=tuple(parse_int_list(args.ranks, "--ranks", 1, 256)), rank_tolerance=args.rank_tolerance,
+        records=records, record_tolerance=args.record_tolerance,
         width=args.width, bins=args.bins, fit=FitSettings(steps=args.steps, noise=args.noise, seed=args.seed),
         prefill_chunk=args.prefill_chunk)
 
@@ -155,14 +166,14 @@ def run(args: argparse.Namespace) -> int:
     print(fit_table(report))
     print(f"\noval scorer at top-{settings.config.top_k}, window {args.window} (lower error is better):")
     print(scorer_table(scorer.table))
-    print(f"frozen: eta={scorer.eta:g}, rank={scorer.rank}")
+    print(f"frozen: eta={scorer.eta:g}, rank={scorer.rank}, record={scorer.record}")
     print(f"wrote {path} (mean reach {report['mean_reach']:.3f} on the calibration split: mean window "
           f"{lo + report['mean_reach'] * (hi - lo):.1f} tokens in [{lo}, {hi}])")
     if args.write_config:
         written = update_config(args.write_config, scorer.eta, scorer.rank,
-                                (path, lo, hi) if args.enable_module else None)
-        print(f"wrote eta={scorer.eta:g}, rank={scorer.rank}" + (", the window module" if args.enable_module
-                                                                  else "") + f" to {written}")
+                                (path, lo, hi) if args.enable_module else None, scorer.record)
+        print(f"wrote eta={scorer.eta:g}, rank={scorer.rank}, record={scorer.record}"
+              + (", the window module" if args.enable_module else "") + f" to {written}")
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as handle:
             json.dump({"card": dataclasses.asdict(result.module.card), "scorer": scorer.table}, handle, indent=2)

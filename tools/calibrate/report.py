@@ -22,21 +22,24 @@ def fit_table(report: dict) -> str:
 
 
 def scorer_table(rows: list[dict]) -> str:
-    head = f"{'eta':>7}{'rank':>6}{'output error cal.':>19}{'held-out':>10}{'mass recall cal.':>18}{'held-out':>10}"
+    head = f"{'eta':>7}{'rank':>6}{'record':>8}{'output error cal.':>19}{'held-out':>10}{'mass recall cal.':>18}" \
+           f"{'held-out':>10}"
     lines = [head, "-" * len(head)]
     for r in rows:
         eta = "oracle" if r["eta"] is None else format(r["eta"], "g")
         rank = "-" if r["rank"] is None else str(r["rank"])
-        lines.append(f"{eta:>7}{rank:>6}{r['error_calibration']:>19.4f}{r['error_heldout']:>10.4f}"
+        record = r.get("record") or "-"
+        lines.append(f"{eta:>7}{rank:>6}{record:>8}{r['error_calibration']:>19.4f}{r['error_heldout']:>10.4f}"
                      f"{r['recall_calibration']:>18.4f}{r['recall_heldout']:>10.4f}")
     lines.append("output error = Σ‖o_sparse − o_dense‖² / Σ‖o_dense‖² of the attention outputs (sink + top-k + "
                  "window); oracle = the k pages of most attention mass")
     return "\n".join(lines)
 
 
-def update_config(path: str, eta: float, rank: int, module: tuple[str, int, int] | None = None) -> str:
-    """Set [oval] eta and rank (and window_module, window_min, window_max when `module` = (file, lo, hi)) in the
-    TOML at `path`, keeping every other setting; the file is created if it does not exist."""
+def update_config(path: str, eta: float, rank: int, module: tuple[str, int, int] | None = None,
+                  record: str | None = None) -> str:
+    """Set [oval] eta and rank (the record format when given; window_module, window_min, window_max when `module` =
+    (file, lo, hi)) in the TOML at `path`, keeping every other setting; the file is created if it does not exist."""
     import tomli_w
 
     from oval_edge.runtime.config_file import load_config_file, validate_sections
@@ -45,12 +48,14 @@ def update_config(path: str, eta: float, rank: int, module: tuple[str, int, int]
     sections = load_config_file(path) if os.path.exists(path) else {}
     oval = dict(sections.get("oval", {}))
     oval.update(eta=float(eta), rank=int(rank))
+    if record is not None:
+        oval["record"] = record
     if module is not None:
         file, lo, hi = module
         oval.update(window_module=os.path.abspath(file), window_min=int(lo), window_max=int(hi))
     sections["oval"] = oval
     clean = validate_sections(sections, f"config for {path}")
-    header = ("# [oval] eta and rank frozen by `oval-edge calibrate`; read by `oval-edge serve --config`. "
+    header = ("# [oval] eta, rank and record frozen by `oval-edge calibrate`; read by `oval-edge serve --config`. "
               "Sizes are bytes.\n")
     try:
         with open(path, "w", encoding="utf-8") as handle:

@@ -31,6 +31,8 @@ class CalibrationSettings:
     etas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     ranks: tuple[int, ...] = (2, 4, 8)
     rank_tolerance: float = 0.02
+    records: tuple[str, ...] = ("float", "int8", "int4")  # stored formats each (eta, r) is scored through
+    record_tolerance: float = 0.02
     width: int = 16
     bins: int = 8
     fit: FitSettings = field(default_factory=FitSettings)
@@ -60,7 +62,7 @@ def calibrate(loaded, ids: list[int], s: CalibrationSettings, show_progress: boo
     tic = time.perf_counter()
     positions = torch.arange(s.start, len(ids), s.stride)
     heldout = heldout_mask(positions)
-    tally = ScorerTally(list(s.etas), list(s.ranks), config, cap.keys.shape[-1])
+    tally = ScorerTally(list(s.etas), list(s.ranks), config, cap.keys.shape[-1], s.records)
     targets = []
     ms = s.scorer_stride  # the scorer fit attends densely again: a subsample is enough
     # eta > 0 records weigh the values by the output projection's metric (DESIGN §4.3): one per paged layer.
@@ -71,7 +73,7 @@ def calibrate(loaded, ids: list[int], s: CalibrationSettings, show_progress: boo
         tally.add(queries[::ms], cap.keys[layer], cap.values[layer], positions[::ms], heldout[::ms],
                   cap.runner.scale, metric=metric)
     timings["statistics"] = time.perf_counter() - tic
-    scorer = tally.result(s.rank_tolerance)
+    scorer = tally.result(s.rank_tolerance, s.record_tolerance)
     hidden = cap.hidden[config.dense_layers :, positions].transpose(0, 1).contiguous()  # [S, Ls, H]
     del cap
     window_targets = torch.stack(targets, dim=1)  # [S, Ls, Hkv] tokens

@@ -1,5 +1,5 @@
-"""Freeze the `oval` scorer's eta and rank r on the calibration split (DESIGN §4.3: "until the calibrate tool
-freezes them").
+"""Freeze the `oval` scorer's eta, rank r and record format on the calibration split (DESIGN §4.3: "until the
+calibrate tool freezes them").
 
 For each candidate (eta, r) the pages of the calibration text are summarised exactly as the pool seals them
 (`oval_summary`), every sampled query scores the candidate pages of its decode step (the runtime's DecodePlan)
@@ -13,6 +13,11 @@ output, not the attention mass, is what the next layer sees, and it is what eta 
 draw mass but carry values near the mean moves the output little. The recall of the oracle's top-k page mass is
 reported too. The lowest calibration error wins; a smaller rank wins when its error is within `tolerance`
 (relative) of the best (rank costs summary bytes per page: D·r + P·r).
+
+Each (eta, r) is also scored through every stored record format (`records`: the pool's int8 / int4 encodings,
+page_record.encode then decode, exactly what the kernels read). The frozen (eta, r) is chosen on the float record;
+the frozen format is the most compact one whose error at that (eta, r) is within `record_tolerance` of the float
+record's (the formats read 0.54x (int8) and 0.31x (int4) the bytes of a bf16 record at D = 64, P = 32, r = 8).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from oval_edge.config import OvalConfig
+from oval_edge.kv import page_record
 from oval_edge.kv.summaries import oval_summary
 from oval_edge.sparse.scoring import oval_scores
 from oval_edge.sparse.selection import DecodePlan
@@ -29,11 +35,15 @@ from oval_edge.sparse.selection import DecodePlan
 from .capture import log_attention
 
 
+COMPACT_FIRST = ("int4", "int8", "float")  # record formats, fewest bytes first
+
+
 @dataclass
 class ScorerFit:
     eta: float
     rank: int
-    table: list[dict]  # one row per (eta, rank) and one for the oracle: error and recall on both splits
+    table: list[dict]  # one row per (eta, rank, record) and one for the oracle: error and recall on both splits
+    record: str = "float"
 
 
 def page_scores(q: torch.Tensor, mean: torch.Tensor, basis_t: torch.Tensor, coords_t: torch.Tensor,
@@ -53,13 +63,20 @@ def page_scores(q: torch.Tensor, mean: torch.Tensor, basis_t: torch.Tensor, coor
 class ScorerTally:
     """Accumulates, per (eta, rank) and for the oracle, output error and captured page mass over sparse layers."""
 
-    def __init__(self, etas: list[float], ranks: list[int], config: OvalConfig, head_dim: int) -> None:
+    def __init__(self, etas: list[float], ranks: list[int], config: OvalConfig, head_dim: int,
+                 records: tuple[str, ...] = ("float",)) -> None:
         top = min(head_dim, config.page_size - 1)  # a page's centred keys span at most page_size - 1 directions
         bad = [r for r in ranks if not 1 <= r <= top]
         if bad:
             raise ValueError(f"--ranks {bad} out of range: allowed [1, min(head_dim, page_size - 1) = {top}]")
+        unknown = [r for r in records if r not in COMPACT_FIRST]
+        if unknown or "float" not in records:
+            raise ValueError(f"--records {','.join(records)}: each of {', '.join(COMPACT_FIRST)}, float included "
+                             "(the reference the quantized formats are held to)")
         self.etas, self.ranks, self.config = list(etas), sorted(ranks), config
-        shape = (len(self.etas) + 1, len(self.ranks), 2)  # last eta row: the oracle (same for every rank)
+        self.records = ("float",) + tuple(r for r in dict.fromkeys(records) if r != "float")
+        # [eta (+ the oracle's row, same for every rank and record), rank, record, split]
+        shape = (len(self.etas) + 1, len(self.ranks), len(self.records), 2)
         self.error = torch.zeros(shape, dtype=torch.float64)
         self.mass = torch.zeros(shape, dtype=torch.float64)
         self.norm = torch.zeros(2, dtype=torch.float64)  # Σ ‖o_dense‖² per split
@@ -111,13 +128,14 @@ class ScorerTally:
                 basis_t = basis_t.view(full, kv_heads, -1, d)
                 coords_t = coords_t.view(full, kv_heads, -1, P)
                 for j, r in enumerate(self.ranks):
-                    score = page_scores(q.view(q.shape[0], kv_heads, -1, d), mean, basis_t[:, :, :r],
-                                        coords_t[:, :, :r], scale)
-                    score = score.masked_fill(~candidate[:, None, :], float("-inf"))
-                    self._tally(i, j, score.topk(take, -1).indices, mass, m_fixed, u_fixed, m_page, u_page, dense,
-                                split)
+                    for f, fmt in enumerate(self.records):
+                        stored = stored_record(mean, basis_t[:, :, :r], coords_t[:, :, :r], fmt)
+                        score = page_scores(q.view(q.shape[0], kv_heads, -1, d), *stored, scale)
+                        score = score.masked_fill(~candidate[:, None, :], float("-inf"))
+                        self._tally(i, j, score.topk(take, -1).indices, mass, m_fixed, u_fixed, m_page, u_page,
+                                    dense, split, f)
 
-    def _tally(self, i, j, chosen, mass, m_fixed, u_fixed, m_page, u_page, dense, split) -> None:
+    def _tally(self, i, j, chosen, mass, m_fixed, u_fixed, m_page, u_page, dense, split, f=None) -> None:
         """chosen [c, Hkv, k] page indices (non-candidates carry mass -1 and count as nothing)."""
         ok = mass.gather(-1, chosen) >= 0  # [c, Hkv, k]
         groups, d = m_page.shape[2], u_page.shape[-1]
@@ -126,26 +144,41 @@ class ScorerTally:
         u = u_fixed + (u_page.gather(3, idx[..., None].expand(-1, -1, -1, -1, d)) * ok[:, :, None, :, None]).sum(3)
         err = (u / m.clamp_min(1e-30)[..., None] - dense).pow(2).sum((1, 2, 3)).double()  # [c]
         got = (mass.gather(-1, chosen) * ok).sum((1, 2)).double()
-        rows = range(len(self.ranks)) if j is None else [j]
-        for jj in rows:
-            self.error[i, jj].index_add_(0, split, err)
-            self.mass[i, jj].index_add_(0, split, got)
+        cells = [(jj, ff) for jj in range(len(self.ranks)) for ff in range(len(self.records))] if j is None \
+            else [(j, f)]
+        for jj, ff in cells:
+            self.error[i, jj, ff].index_add_(0, split, err)
+            self.mass[i, jj, ff].index_add_(0, split, got)
         if j is None:
             self.oracle_mass.index_add_(0, split, got)
 
-    def result(self, tolerance: float = 0.02) -> ScorerFit:
-        error = self.error / self.norm.clamp_min(1e-30)  # [etas + 1, ranks, split]
+    def result(self, tolerance: float = 0.02, record_tolerance: float = 0.02) -> ScorerFit:
+        error = self.error / self.norm.clamp_min(1e-30)  # [etas + 1, ranks, records, split]
         recall = self.mass / self.oracle_mass.clamp_min(1e-30)
-        table = [{"eta": eta, "rank": r, "error_calibration": float(error[i, j, 0]),
-                  "error_heldout": float(error[i, j, 1]), "recall_calibration": float(recall[i, j, 0]),
-                  "recall_heldout": float(recall[i, j, 1])}
-                 for i, eta in enumerate(self.etas) for j, r in enumerate(self.ranks)]
+        table = [{"eta": eta, "rank": r, "record": fmt, "error_calibration": float(error[i, j, f, 0]),
+                  "error_heldout": float(error[i, j, f, 1]), "recall_calibration": float(recall[i, j, f, 0]),
+                  "recall_heldout": float(recall[i, j, f, 1])}
+                 for i, eta in enumerate(self.etas) for j, r in enumerate(self.ranks)
+                 for f, fmt in enumerate(self.records)]
         o = len(self.etas)
-        table.append({"eta": None, "rank": None, "error_calibration": float(error[o, 0, 0]),
-                      "error_heldout": float(error[o, 0, 1]), "recall_calibration": 1.0, "recall_heldout": 1.0})
-        best = float(error[:o, :, 0].min())
+        table.append({"eta": None, "rank": None, "record": None, "error_calibration": float(error[o, 0, 0, 0]),
+                      "error_heldout": float(error[o, 0, 0, 1]), "recall_calibration": 1.0, "recall_heldout": 1.0})
+        float_error = error[:o, :, 0, 0]  # [etas, ranks] of the float record: what eta and r are chosen on
+        best = float(float_error.min())
         for j, r in enumerate(self.ranks):  # smallest rank whose best eta comes within tolerance of the best
-            i = int(error[:o, j, 0].argmin())
-            if float(error[i, j, 0]) <= best * (1.0 + tolerance):
-                return ScorerFit(self.etas[i], r, table)
+            i = int(float_error[:, j].argmin())
+            if float(float_error[i, j]) <= best * (1.0 + tolerance):
+                reference = float(float_error[i, j])
+                record = next(fmt for fmt in COMPACT_FIRST if fmt in self.records
+                              and float(error[i, j, self.records.index(fmt), 0]) <= reference * (1.0 + record_tolerance))
+                return ScorerFit(self.etas[i], r, table, record)
         raise AssertionError("unreachable: the best rank is within tolerance of itself")
+
+
+def stored_record(mean: torch.Tensor, basis_t: torch.Tensor, coords_t: torch.Tensor, fmt: str):
+    """The record as the pool stores it in `fmt` and the kernels read it back (fp32; 'float' unchanged):
+    mean [..., D], basis_t [..., r, D], coords_t [..., r, P]."""
+    if fmt == "float":
+        return mean, basis_t, coords_t
+    stored = page_record.encode(mean, basis_t, coords_t, fmt, torch.float32)
+    return page_record.decode(stored["mean"], stored["basis"], stored["coords"], stored["scales"])

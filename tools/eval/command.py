@@ -17,6 +17,7 @@ import time
 import torch
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
+from oval_edge.geometry import RECORD_FORMATS
 from oval_edge.runtime.model.source import quant_choices
 from oval_edge.units import format_bytes, parse_bytes
 
@@ -63,9 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     oval.add_argument("--top-groups", type=int, default=8, help="groups whose pages two-level rows score finely")
     oval.add_argument("--sink-pages", type=int, default=1, help="leading pages always attended")
     oval.add_argument("--dense-layers", type=int, default=2, help="first layers decoded densely")
-    oval.add_argument("--rank", type=int, default=4, help="oval basis rank r (at most page_size - 1)")
-    oval.add_argument("--record", default="float", choices=("float", "int8", "int4"),
-                      help="how oval page records are stored: fp32, or quantized as the pool can keep them")
+    oval.add_argument("--rank", type=int, default=OvalConfig.rank, help="oval basis rank r (at most page_size - 1)")
+    oval.add_argument("--record", default=OvalConfig.record, choices=RECORD_FORMATS,
+                      help="how oval page records are stored: float (the pool's dtype, fp32 here), or quantized as "
+                           "the pool keeps them")
     oval.add_argument("--kv-dtype", default="float32",
                       help="comma-separated K/V page storages to compare: float32 (default), bfloat16, float16, "
                            "int8 (codes + an fp32 scale per token and KV head). Besides float32, each gets its own "

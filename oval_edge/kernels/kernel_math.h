@@ -1,0 +1,58 @@
+/* What the decode kernels share (score_kernels.c, attend_kernels.c): storage widening, a 2^x without libm, row
+ * bounds. A header of static inline functions, so each file inlines and vectorises them where they are called.
+ * cpu_build.py hashes it with the sources (a change rebuilds the library). */
+#ifndef OVAL_KERNEL_MATH_H
+#define OVAL_KERNEL_MATH_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_DIM 256   /* head dim */
+#define MAX_GROUP 32  /* query heads per KV head */
+#define UNSCORED (-3.0e38f) /* the score of a page a row's count leaves out, and an unread slot's logit (finite:
+                             * the library is built with finite math) */
+#define LOG2_E 1.4426950408889634f
+#define LN_2 0.6931471805599453f
+
+static inline float widen_bf16(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* 2^x for x <= 0 without libm, so the compiler vectorises the loops that call it. x = n + f with n = round(x),
+ * |f| <= 1/2, 2^f by its Taylor series to degree 6 (relative error < 1.3e-7, about fp32's rounding), 2^n from
+ * the exponent bits. x is clamped at -126, so terms below 2^-126 count as 2^-126 (~1e-38): next to the largest
+ * term, which is 1, that changes no sum, and unread slots are skipped by the caller, not weighted by this. */
+static inline float exp2_nonpositive(float x) {
+    float clamped = x < -126.0f ? -126.0f : x;
+    float n = __builtin_floorf(clamped + 0.5f);
+    float f = clamped - n;
+    float p = 1.5403530e-04f;                    /* ln2^6 / 6! */
+    p = p * f + 1.3333558e-03f;                  /* ln2^5 / 5! */
+    p = p * f + 9.6181291e-03f;                  /* ln2^4 / 4! */
+    p = p * f + 5.5504109e-02f;                  /* ln2^3 / 3! */
+    p = p * f + 2.4022651e-01f;                  /* ln2^2 / 2! */
+    p = p * f + 6.9314718e-01f;                  /* ln2 */
+    p = p * f + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* A row's share of a padded axis: counts[b] clamped to [0, width], or the whole width without counts. */
+static inline int64_t row_count(const int64_t *counts, int64_t b, int64_t width) {
+    if (!counts) return width;
+    int64_t c = counts[b];
+    return c < 0 ? 0 : (c > width ? width : c);
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+#endif
