@@ -149,9 +149,11 @@ static inline __attribute__((always_inline)) void oval_scores_plain(
 #endif
 
 /* Public entry points, one per record format (the signatures cpu.py declares). The common head dims and page sizes
- * get their own instantiation of the plain body: with constant trip counts the compiler unrolls the short inner
- * loops and drops their remainders (measured: scoring at D = 64, P = 32 takes 85 instead of 108 us per layer at
- * 8k). Returns 1 for shapes above the fixed limits, 2 for a page index outside the pool, 3 without memory. */
+ * get their own instantiation of the plain body (constant trip counts unroll the short inner loops), but only its
+ * single-threaded calls keep them: an OpenMP region is outlined into a function that reads its variables from
+ * memory (score_avx2.h's range functions are the way around it; the plain body, for CPUs without AVX2, has not
+ * been given them). Returns 1 for shapes above the fixed limits, 2 for a page index outside the pool, 3 without
+ * memory. */
 #define SCORE_WITH(DIM, PAGE)                                                                                 \
     oval_scores_plain(q, qb, mean, basis, coords, scales, page_table, counts, batch, kv_heads, group, DIM,    \
                       rank, PAGE, num_pages, pages_total, scale, out, threads, fmt)
