@@ -41,7 +41,11 @@ class OvalConfig:
                   what `oval-edge calibrate` froze on held-out text (docs/oval-index.md).
     group_pages,  two-level scoring (oval_edge/sparse/grouped.py): 0 = flat (every sealed page's record is scored
     top_groups    each step); G > 0 = one coarse record per G pages scored first, then the fine records of the
-                  top_groups best groups' pages (and of the unfinished group) only.
+                  top_groups best groups' pages (and of the unfinished group) only. A row with at most top_groups
+                  complete groups keeps them all: flat scoring. Defaults 16 and 16: flat up to 8k tokens (at 32-token
+                  pages), where two levels are no faster; past it the fine scan stops growing (at 32k a decode step
+                  ~25% shorter, measured). A model whose context never passes the crossover keeps no coarse
+                  records (for_context); scorer 'quest' and the page store (EngineConfig.kv_store) score flat.
     record        how oval page records are stored: 'float' (the pool's dtype), 'int8' or 'int4' (quantized with
                   per-page scales, read in place by the kernels; oval_edge/kv/page_record.py). Default 'int4': 0.31x
                   the bytes of a bf16 record at the same rank, the most compact format calibrate keeps within 2% of
@@ -68,8 +72,8 @@ class OvalConfig:
     rank: int = 8
     eta: float = 0.0
     record: str = "int4"
-    group_pages: int = 0
-    top_groups: int = 8
+    group_pages: int = 16
+    top_groups: int = 16
     kv_dtype: str = "auto"
     memory_budget: int | str | None = None
     # Reuse of a recent selection when the query barely moved (DESIGN §4.7, oval_edge/sparse/reuse.py); None = off.
@@ -108,9 +112,8 @@ class OvalConfig:
                              "records are stored)")
         if self.group_pages != 0:
             _check_int("group_pages", self.group_pages, 2, 256, " pages per coarse group (0 = flat scoring)")
-            if self.scorer != "oval":
-                raise ValueError(f"group_pages={self.group_pages} needs scorer='oval' (coarse records are oval "
-                                 f"records); set group_pages=0 for scorer={self.scorer!r}")
+            if self.scorer != "oval":  # coarse records are oval records: quest always scores flat
+                object.__setattr__(self, "group_pages", 0)
         _check_int("top_groups", self.top_groups, 1, 4096, " coarse groups whose pages are scored finely")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} is unknown; allowed: {', '.join(KV_DTYPES)}")
@@ -151,6 +154,14 @@ class OvalConfig:
     def kv_int8(self) -> bool:
         """K/V pages stored as int8 codes + per-row scales (pool_dtype then names the summaries' float dtype)."""
         return self.kv_dtype == "int8"
+
+    def for_context(self, max_tokens: int) -> "OvalConfig":
+        """This config as it applies to sequences of at most max_tokens tokens: two-level scoring off (group_pages 0)
+        where no sequence can hold more than top_groups complete groups, since every row would then keep all of its
+        groups and score flat anyway; the pool then keeps no coarse record slots (their bytes go to pages)."""
+        if self.group_pages and max_tokens <= self.top_groups * self.group_pages * self.page_size:
+            return self.replace(group_pages=0)
+        return self
 
     def replace(self, **changes) -> "OvalConfig":
         return dataclasses.replace(self, **changes)

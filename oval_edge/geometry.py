@@ -142,10 +142,11 @@ class KVGeometry:
         return d + packed + (1 + 2 * r) * RECORD_SCALE_BYTES
 
     def group_record_bytes(self) -> int:
-        """Bytes of one coarse record (a group of group_pages pages, one KV head) in the pool's dtype: the group's
-        key mean [D], basis B^T [r, D] and the coordinates' min and max [2, r] (0 without groups)."""
+        """Bytes of one coarse record (a group of group_pages pages, one KV head): the group's key mean [D] and the
+        coordinates' min and max [2, r] in the pool's dtype, its basis B^T [r, D] as int8 codes with an fp32 scale
+        per row (0 without groups)."""
         d, r = self.head_dim, self.rank
-        return (d + r * d + 2 * r) * self.dtype_bytes if self.group_pages else 0
+        return (d + 2 * r) * self.dtype_bytes + r * d + r * RECORD_SCALE_BYTES if self.group_pages else 0
 
     def summary_bytes_per_head(self) -> int:
         """Summary bytes scoring reads for one (layer, page, KV head) with flat scoring, for the kinds kept."""

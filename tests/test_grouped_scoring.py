@@ -10,10 +10,11 @@ from test_static_step import engine_for, prefill, static_equals_eager, tiny_fold
 
 from oval_edge import OvalConfig
 from oval_edge.geometry import KVGeometry
-from oval_edge.kv.group_record import group_record
+from oval_edge.kv.group_record import GROUP_NAMES, group_record, stored_group_record
+from oval_edge.kernels.cpu_check import random_records
 from oval_edge.kv.pool import PagePool
-from oval_edge.sparse.grouped import coarse_scores, grouped_scores, uses_groups
-from oval_edge.sparse.scoring import score_pages
+from oval_edge.sparse.grouped import coarse_scores, grouped_reference, uses_groups
+from oval_edge.sparse.scoring import record_scores, score_pages
 
 GROUPED = OvalConfig(page_size=16, top_k=4, window_min=32, window_max=32, dense_layers=1, kv_dtype="float32",
                      group_pages=4, top_groups=2)
@@ -22,19 +23,31 @@ GROUPED = OvalConfig(page_size=16, top_k=4, window_min=32, window_max=32, dense_
 def test_config_and_geometry_validate_groups():
     with pytest.raises(ValueError, match="group_pages"):
         OvalConfig(group_pages=1)
-    with pytest.raises(ValueError, match="scorer='oval'"):
-        OvalConfig(group_pages=8, scorer="quest")
+    assert OvalConfig(group_pages=8, scorer="quest").group_pages == 0  # coarse records are oval's: quest is flat
     with pytest.raises(ValueError, match="top_groups"):
         OvalConfig(group_pages=8, top_groups=0)
     flat = KVGeometry(2, 3, 64, 32, "bfloat16", rank=4)
     grouped = KVGeometry(2, 3, 64, 32, "bfloat16", rank=4, group_pages=16)
-    assert grouped.group_record_bytes() == (64 + 4 * 64 + 8) * 2 and flat.group_record_bytes() == 0
+    # mean and box in bf16, the basis int8 with an fp32 scale per row
+    assert grouped.group_record_bytes() == (64 + 8) * 2 + 4 * 64 + 4 * 4 and flat.group_record_bytes() == 0
     assert grouped.summary_bytes_per_page == flat.summary_bytes_per_page + 2 * 3 * grouped.group_record_bytes()
     # 256 pages = 16 groups: 16 coarse records + the fine records of 8 + 1 groups, against 256 fine records
     assert flat.scoring_bytes(256, 8) == 256 * flat.summary_bytes_per_head()
     assert grouped.scoring_bytes(256, 8) == 16 * grouped.group_record_bytes() + 144 * grouped.summary_bytes_per_head()
     assert grouped.scoring_bytes(128, 8) == 128 * grouped.summary_bytes_per_head()  # 8 groups: flat
     assert not uses_groups(128, 16, 8) and uses_groups(144, 16, 8) and not uses_groups(4096, 0, 8)
+
+
+def test_two_levels_are_off_where_no_sequence_could_use_them(tiny_folder):
+    """A model whose longest sequence holds at most top_groups complete groups scores flat anyway: its config drops
+    the groups, so its pool keeps no coarse record slots (their bytes go to pages)."""
+    config = OvalConfig(group_pages=16, top_groups=8)  # two levels past 8 groups of 16 pages of 32 tokens
+    assert config.for_context(8 * 16 * 32).group_pages == 0 and config.for_context(8 * 16 * 32 + 1) is config
+    assert OvalConfig(group_pages=0).for_context(10**6).group_pages == 0
+    short = engine_for(tiny_folder, oval=GROUPED, max_model_len=2 * 4 * 16)  # 2 groups of 4 pages of 16 tokens
+    assert short.oval.group_pages == 0 and "group_mean" not in short.pool.summaries
+    long = engine_for(tiny_folder, oval=GROUPED)
+    assert long.oval.group_pages == 4 and "group_mean" in long.pool.summaries
 
 
 def test_full_rank_coarse_record_bounds_every_logit_of_its_group():
@@ -84,7 +97,7 @@ def test_the_pool_builds_each_group_record_when_its_last_page_seals():
     pool.check_invariants()
 
 
-def test_two_level_scores_equal_flat_scores_on_every_page_they_keep():
+def test_two_level_scores_equal_flat_scores_on_every_page_they_keep(decode_kernels):
     pool, table = _filled_pool(pages=30)  # 7 complete groups of 4, then 2 sealed pages
     page_table = torch.tensor([table[:31]])
     sealed = torch.tensor([30])
@@ -98,12 +111,35 @@ def test_two_level_scores_equal_flat_scores_on_every_page_they_keep():
     torch.testing.assert_close(two[..., kept], flat[..., kept], atol=1e-5, rtol=0)
     # the groups kept are those with the highest coarse mass over the row's KV heads
     fine_calls = []
-    grouped_scores(q, pool.summaries, 1, page_table, sealed, 0.25, 4, 2,
+    grouped_reference(q, pool.summaries, 1, page_table, sealed, 0.25, 4, 2,
                    lambda t, n: fine_calls.append(t) or torch.zeros(1, 2, t.shape[1]))
     assert fine_calls[0].shape == (1, 3 * 4)
     # with room for every complete group, two levels are flat scoring on the sealed pages
     wide = score_pages("oval", q, pool.summaries, 1, page_table, 0.25, sealed=sealed, groups=(4, 7))
     torch.testing.assert_close(wide[..., :30], flat[..., :30], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fmt,dtype", [("float", torch.float32), ("float", torch.bfloat16), ("int8", torch.float32),
+                                       ("int4", torch.float32)])
+def test_native_two_level_kernel_equals_the_torch_reference(kernels, fmt, dtype):
+    """group_kernels.c: the same pages kept and the same scores as grouped.grouped_scores, rows with more complete
+    groups than top_groups (a choice) and with fewer (every complete group), coarse records in fp32 and bf16."""
+    gen = torch.Generator().manual_seed(3)
+    hkv, group, dim, rank, page_size, pages = 3, 3, 64, 8, 32, 300
+    records = random_records(gen, hkv, pages, rank, dim, page_size, fmt, dtype)
+    record = group_record(torch.randn(pages * hkv, 256, dim, generator=gen), rank)
+    coarse = stored_group_record(*(t.view(pages, hkv, *t.shape[1:]) for t in record), dtype)  # [pages, Hkv, ...]
+    summaries = {name: t[None] for name, t in zip(GROUP_NAMES, coarse)}
+    page_table = torch.stack([torch.randperm(pages, generator=gen)[:256] for _ in range(3)])  # [B, Np]
+    sealed = torch.tensor([250, 61, 19])  # 31, 7 and 2 complete groups of 8; top 5
+    q = torch.randn(3, hkv, group, dim, generator=gen)
+    want = grouped_reference(q, summaries, 0, page_table, sealed, 0.125, 8, 5,
+                          lambda t, n: record_scores(q, records, t, 0.125))
+    got = kernels.grouped_scores(q, coarse, records, page_table, sealed, 0.125, 8, 5)
+    kept = want > float("-inf")
+    assert torch.equal(got > float("-inf"), kept)
+    assert kept.sum(-1).tolist() == [[5 * 8 + 2] * 3, [5 * 8 + 5] * 3, [2 * 8 + 3] * 3]
+    torch.testing.assert_close(got[kept], want[kept], atol=1e-5, rtol=1e-5)
 
 
 def test_static_two_level_step_has_no_host_sync_and_equals_the_eager_forward(tiny_folder, decode_kernels,

@@ -16,7 +16,7 @@ from oval_edge.kv.int8 import dequantize_rows, quantize_rows
 from oval_edge.kv.pool import PagePool
 from oval_edge.sparse.attention import attend, attend_rows, gather_rows
 
-INT8 = OvalConfig(page_size=16, rank=4, kv_dtype="int8")
+INT8 = OvalConfig(page_size=16, rank=4, kv_dtype="int8", group_pages=0)  # flat, as the bundled model's pool
 
 
 def _geometry(kv_dtype: str, layers: int = 2, kv_heads: int = 2, head_dim: int = 64, **kw) -> KVGeometry:

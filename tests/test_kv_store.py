@@ -25,8 +25,10 @@ from oval_edge.runtime.engine.sampling import SamplingParams
 from test_static_step import engine_for, tiny_folder  # noqa: F401 (fixture)
 
 PAGE = 16
-OVAL = OvalConfig(page_size=PAGE, top_k=4, window_min=32, window_max=32, dense_layers=1, kv_dtype="float32")
-INT8 = OvalConfig(page_size=PAGE, top_k=4, window_min=32, window_max=32, dense_layers=1, kv_dtype="int8")
+# group_pages=0: the page store scores flat (the engine resolves it so; these tests build pools directly)
+OVAL = OvalConfig(page_size=PAGE, top_k=4, window_min=32, window_max=32, dense_layers=1, kv_dtype="float32",
+                  group_pages=0)
+INT8 = OVAL.replace(kv_dtype="int8")
 
 
 def _store(folder, geometry: KVGeometry, blocks: int, **kwargs) -> PageStore:

@@ -112,7 +112,7 @@ def resolve_kv_dtype(config: OvalConfig, device: torch.device, model_dtype: torc
 def build_state(model, config: OvalConfig, num_pages: int | None = None) -> OvalState:
     """Allocate the pool once: `num_pages` if given, else from `config.memory_budget` minus the model's weights,
     else one sequence at the model's full context (`max_position_embeddings`)."""
-    param = next(model.parameters())
+    param, config = next(model.parameters()), config.for_context(model.config.max_position_embeddings)
     device = param.device
     geometry = KVGeometry.for_oval(*kv_dims(model.config), config, resolve_kv_dtype(config, device, param.dtype))
     sizing = None

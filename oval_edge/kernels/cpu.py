@@ -1,4 +1,5 @@
-"""The fused CPU kernels (score_kernels.c, attend_kernels.c, step_kernels.c, ...), loaded with ctypes: typed entry points and their switch.
+"""The fused CPU kernels (score_kernels.c, group_kernels.c, attend_kernels.c, step_kernels.c, ...), loaded with
+ctypes: typed entry points and their switch (argument plumbing in cpu_args.py).
 
 Why: on a CPU, eager torch spends most of a long-context decode step on many small passes over the page summaries
 (scoring) and on copying selected K/V rows out of the pool (attention). The kernels do each in one pass, reading the
@@ -18,12 +19,11 @@ import subprocess
 
 import torch
 
+from .cpu_args import OUT_OF_RANGE, as_dtype, kernel_result, on_cpu, row_bounds, scales_fit
 from .cpu_build import built_library
 from .gpu import TritonKernels, describe_gpu_kernels, gpu_kernels
 
 NATIVE_ENV = "OVAL_EDGE_NATIVE"  # "0": never use the kernels (A/B measurements, debugging)
-# The C kernels' return codes: shapes above their fixed limits, an index outside the pool, no memory for scratch.
-REFUSED, OUT_OF_RANGE, NO_MEMORY = 1, 2, 3
 ELEMENT_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Oval record formats by the basis dtype (page_record.py): the pool's float dtypes, int8, int4 packed in uint8.
 RECORD_SUFFIX = {**ELEMENT_SUFFIX, torch.int8: "int8", torch.uint8: "int4"}
@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
 _SCORE_ARGS = [_ptr] * 7 + [_i64] * 8 + [ctypes.c_float, _ptr, _i64]
+# oval_grouped_scores (group_kernels.c): q, the coarse records (mean, basis, bounds, scales) and their float dtype flag,
+# the fine records and their format,
+# page table, sealed, then B, Hkv, G, D, r, P, Np, pages, group_pages, top_groups, scale, out, threads.
+_GROUPED_ARGS = [_ptr] * 5 + [_i64] + [_ptr] * 4 + [_i64] + [_ptr] * 2 + [_i64] * 10 + [ctypes.c_float, _ptr, _i64]
+RECORD_FORMAT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # group_kernels.c's fmt
 _ATTEND_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
                 _ptr, _ptr, _i64]
 # attend_slots by K/V row storage: fp32, bf16, int8 codes with an fp32 scale per row (kv_dtype='int8').
@@ -54,6 +59,8 @@ class NativeKernels:
             attend = getattr(library, f"attend_slots_{suffix}")
             attend.argtypes, attend.restype = _ATTEND_ARGS, ctypes.c_int
             self._attend[dtype] = attend
+        self._grouped = library.oval_grouped_scores
+        self._grouped.argtypes, self._grouped.restype = _GROUPED_ARGS, ctypes.c_int
         vectorised = library.oval_scores_vectorised
         vectorised.argtypes, vectorised.restype = [], ctypes.c_int
         self.scoring_body = "avx2" if vectorised() else "plain"  # which body scores pages (score_kernels.c)
@@ -82,20 +89,54 @@ class NativeKernels:
         b, hkv, group, dim = q.shape
         pages_total, rank = basis.shape[1], basis.shape[2]
         quantized = scales is not None
-        if (kernel is None or not _on_cpu(q, mean, basis, coords, page_table)
+        if (kernel is None or not on_cpu(q, mean, basis, coords, page_table)
                 or not all(t.is_contiguous() for t in records if t is not None)
                 or quantized != (basis.dtype in (torch.int8, torch.uint8))
                 or (quantized and scales.dtype != torch.float32)
                 or (not quantized and not (mean.dtype == coords.dtype == basis.dtype))):
             return None
         page_size = coords.shape[-1] * (2 if basis.dtype == torch.uint8 else 1)  # int4 packs two a byte
-        q = _as(q, torch.float32).contiguous()
-        table = _as(page_table, torch.int64).contiguous()
+        q = as_dtype(q, torch.float32).contiguous()
+        table = as_dtype(page_table, torch.int64).contiguous()
         out = torch.empty((b, hkv, table.shape[1]), dtype=torch.float32)
         code = kernel(q.data_ptr(), mean.data_ptr(), basis.data_ptr(), coords.data_ptr(),
-                      scales.data_ptr() if quantized else None, table.data_ptr(), _row_bounds(counts), b, hkv, group,
+                      scales.data_ptr() if quantized else None, table.data_ptr(), row_bounds(counts), b, hkv, group,
                       dim, rank, page_size, table.shape[1], pages_total, float(scale), out.data_ptr(), _team())
-        return _result(code, out, "oval_scores", "page table holds a page outside 0..{}", pages_total - 1)
+        return kernel_result(code, out, "oval_scores", "page table holds a page outside 0..{}", pages_total - 1)
+
+    def grouped_scores(self, q: torch.Tensor, coarse: tuple[torch.Tensor, ...], records, page_table: torch.Tensor,
+                       sealed: torch.Tensor, scale: float, group_pages: int, top_groups: int) -> torch.Tensor | None:
+        """grouped.grouped_scores in one call (group_kernels.c): q [B, Hkv, G, D]; coarse: one layer's coarse
+        records in group_record.GROUP_NAMES' order (mean [pages, Hkv, D] and bounds [pages, Hkv, 2, r] in fp32 or
+        bf16, basis [pages, Hkv, r, D] int8, scales [pages, Hkv, r] fp32); records: that layer's fine LayerRecords;
+        page_table [B, Np]; sealed [B] -> scores [B, Hkv, Np] fp32, -inf on pages not scored finely. None for
+        inputs it does not take (the caller runs the torch code)."""
+        mean, basis, coords, scales = records
+        g_mean, g_basis, g_bounds, g_scales = coarse
+        b, hkv, group, dim = q.shape
+        quantized = scales is not None
+        if (basis.dtype not in RECORD_FORMAT_CODE or not on_cpu(q, page_table, sealed, *coarse, mean, basis, coords)
+                or not all(t.is_contiguous() for t in coarse) or g_mean.dtype not in ELEMENT_SUFFIX
+                or g_bounds.dtype != g_mean.dtype or g_basis.dtype != torch.int8 or g_scales.dtype != torch.float32
+                or not all(t.is_contiguous() for t in records if t is not None)
+                or quantized != (basis.dtype in (torch.int8, torch.uint8))
+                or (quantized and scales.dtype != torch.float32)
+                or (not quantized and not (mean.dtype == coords.dtype == basis.dtype))):
+            return None
+        pages_total, rank = basis.shape[1], basis.shape[2]
+        page_size = coords.shape[-1] * (2 if basis.dtype == torch.uint8 else 1)  # int4 packs two a byte
+        q = as_dtype(q, torch.float32).contiguous()
+        table = as_dtype(page_table, torch.int64).contiguous()
+        done = as_dtype(sealed, torch.int64).contiguous()
+        out = torch.empty((b, hkv, table.shape[1]), dtype=torch.float32)
+        code = self._grouped(q.data_ptr(), g_mean.data_ptr(), g_basis.data_ptr(), g_bounds.data_ptr(),
+                             g_scales.data_ptr(), int(g_mean.dtype == torch.bfloat16),
+                             mean.data_ptr(), basis.data_ptr(), coords.data_ptr(),
+                             scales.data_ptr() if quantized else None, RECORD_FORMAT_CODE[basis.dtype],
+                             table.data_ptr(), done.data_ptr(), b, hkv, group, dim, rank, page_size, table.shape[1],
+                             pages_total, group_pages, top_groups, float(scale), out.data_ptr(), _team())
+        return kernel_result(code, out, "oval_grouped_scores", "page table holds a page outside 0..{}",
+                             pages_total - 1)
 
     def attend_slots(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
                      valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None,
@@ -109,20 +150,20 @@ class NativeKernels:
         hkv, slots = flat.shape[1], flat.shape[2]
         quantized = k_rows.dtype == torch.int8
         if (kernel is None or q.dtype != torch.float32 or v_rows.dtype != k_rows.dtype
-                or not _on_cpu(q, k_rows, v_rows, flat, valid)
+                or not on_cpu(q, k_rows, v_rows, flat, valid)
                 or not (k_rows.is_contiguous() and v_rows.is_contiguous())
-                or not _scales_fit(scales, quantized, k_rows.shape[0])):
+                or not scales_fit(scales, quantized, k_rows.shape[0])):
             return None
         q = q.contiguous()
-        idx = _as(flat, torch.int64).contiguous()
-        ok = _as(valid, torch.bool).contiguous()
+        idx = as_dtype(flat, torch.int64).contiguous()
+        ok = as_dtype(valid, torch.bool).contiguous()
         weights = torch.empty(b * hq * slots, dtype=torch.float32)  # scratch: a row of logits per (b, query head)
         out = torch.empty_like(q)
         code = kernel(q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), k_rows.shape[0], idx.data_ptr(),
-                      ok.data_ptr(), _row_bounds(limits), b, hkv, hq // hkv, dim, slots, float(scale),
+                      ok.data_ptr(), row_bounds(limits), b, hkv, hq // hkv, dim, slots, float(scale),
                       weights.data_ptr(), out.data_ptr(),
                       *((s.data_ptr() for s in scales) if quantized else (None, None)), _team())
-        return _result(code, out, "attend_slots", "a valid slot lies outside the layer's 0..{} rows",
+        return kernel_result(code, out, "attend_slots", "a valid slot lies outside the layer's 0..{} rows",
                        k_rows.shape[0] - 1)
 
 
@@ -133,7 +174,7 @@ class NativeKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """F.rms_norm(x, (dim,), weight, eps) for x [rows, dim] fp32 on the CPU; None for other inputs."""
         if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
-                or not weight.is_contiguous() or x.shape[-1] != weight.shape[0] or not _on_cpu(x, weight)):
+                or not weight.is_contiguous() or x.shape[-1] != weight.shape[0] or not on_cpu(x, weight)):
             return None
         out = torch.empty_like(x)
         self._rms_norm(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], float(eps), out.data_ptr())
@@ -146,7 +187,7 @@ class NativeKernels:
                 or codes.dim() != 3 or x.shape[1] != codes.shape[1] or codes.shape[2] != 32
                 or scales.shape != (codes.shape[0], codes.shape[1] // 32, 32)
                 or not (x.is_contiguous() and codes.is_contiguous() and scales.is_contiguous())
-                or not _on_cpu(x, codes, scales)):
+                or not on_cpu(x, codes, scales)):
             return None
         out = torch.empty((x.shape[0], codes.shape[0] * 32), dtype=torch.float32)
         code = self._head(x.data_ptr(), x.shape[0], codes.data_ptr(), scales.data_ptr(), codes.shape[0],
@@ -163,7 +204,7 @@ class NativeKernels:
         if (x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or codes.dtype != torch.uint8
                 or absmax.dtype != torch.float32 or table.dtype != torch.float32 or table.numel() != 16
                 or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features))
-                or codes.numel() * 2 != out_features * x.shape[1] or not _on_cpu(*tensors)
+                or codes.numel() * 2 != out_features * x.shape[1] or not on_cpu(*tensors)
                 or not all(t.is_contiguous() for t in tensors[1:])):
             return None
         out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
@@ -177,7 +218,7 @@ class NativeKernels:
         outside 0..vocab-1 raises IndexError, as torch's embedding does."""
         if (ids.dtype != torch.int64 or ids.dim() != 1 or codes.dtype != torch.int8 or scales.dtype != torch.float32
                 or not (ids.is_contiguous() and codes.is_contiguous() and scales.is_contiguous())
-                or not _on_cpu(ids, codes, scales)):
+                or not on_cpu(ids, codes, scales)):
             return None
         out = torch.empty((ids.shape[0], codes.shape[1]), dtype=torch.float32)
         code = self._rows(codes.data_ptr(), scales.data_ptr(), vocab, codes.shape[1], ids.data_ptr(), ids.shape[0],
@@ -196,7 +237,7 @@ class NativeKernels:
         slots = (sink_pages + top_k) * page_size + window_slots
         tensors = (scores, page_table, lengths, sealed, start)
         if (scores.dtype != torch.float32 or any(t.dtype != torch.int64 for t in tensors[1:])
-                or not all(t.is_contiguous() for t in tensors) or not _on_cpu(*tensors)
+                or not all(t.is_contiguous() for t in tensors) or not on_cpu(*tensors)
                 or start.shape[-1] not in (1, hkv) or page_table.shape != (b, pages)):
             return None
         flat = torch.empty((b, hkv, slots), dtype=torch.int64)
@@ -247,41 +288,3 @@ def _load() -> NativeKernels | None:
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         log.warning("native CPU kernels unavailable (%s); decoding with torch ops (slower at long context)", exc)
         return None
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # A same-dtype .to() is still one dispatched op, and these run for every layer of every decode step.
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def _row_bounds(bounds: torch.Tensor | None) -> int | None:
-    """The kernels' optional per-row bound [B] int64 (NULL when None); must stay alive for the call."""
-    if bounds is None:
-        return None
-    if bounds.dtype != torch.int64 or not bounds.is_contiguous() or bounds.device.type != "cpu":
-        raise ValueError("per-row bounds must be a contiguous int64 CPU tensor [B]")
-    return bounds.data_ptr()
-
-
-def _scales_fit(scales, quantized: bool, rows: int) -> bool:
-    """Scales given exactly for int8 rows, as contiguous fp32 CPU tensors of one value per row."""
-    if not quantized:
-        return scales is None
-    return scales is not None and all(s.dtype == torch.float32 and s.is_contiguous() and s.numel() == rows
-                                      and s.device.type == "cpu" for s in scales)
-
-
-def _on_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" for t in tensors)
-
-
-def _result(code: int, out: torch.Tensor, kernel: str, out_of_range: str, last: int) -> torch.Tensor | None:
-    """`out` when the kernel ran; None when it refused the shapes (the caller falls back to torch). The error
-    message is formatted only on error: this runs for every layer of every decode step."""
-    if code == 0:
-        return out
-    if code in (REFUSED, NO_MEMORY):  # the torch code runs instead
-        return None
-    if code == OUT_OF_RANGE:
-        raise ValueError(f"{kernel}: {out_of_range.format(last)}")
-    raise RuntimeError(f"{kernel} returned unknown code {code}")

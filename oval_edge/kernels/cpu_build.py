@@ -19,11 +19,12 @@ from pathlib import Path
 
 from oval_edge.cache_dir import cache_root
 
-# The C files built into the one library: page scoring; decode attention; the static step's small fused ops; the
-# 8-bit output head; the 4-bit projections where bitsandbytes has no fused CPU kernel. HEADERS: what they include
-# (hashed into the cache key with them).
+# The C files built into the one library: page scoring (flat, and two-level); decode attention; the static step's
+# small fused ops; the 8-bit output head; the 4-bit projections where bitsandbytes has no fused CPU kernel. HEADERS:
+# what they include (hashed into the cache key with them).
 SOURCES = tuple(Path(__file__).with_name(name) for name in
-                ("score_kernels.c", "attend_kernels.c", "step_kernels.c", "head_kernels.c", "quant_kernels.c"))
+                ("score_kernels.c", "group_kernels.c", "attend_kernels.c", "step_kernels.c", "head_kernels.c",
+                 "quant_kernels.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernel_math.h", "score_avx2.h"))
 LIBRARY_NAME = "oval_kernels.so"
 CHECK_MODULE = "oval_edge.kernels.cpu_check"  # run as `python -m`: exits 0 when the library agrees with torch

@@ -15,6 +15,8 @@ import torch
 from oval_edge.config import OvalConfig
 from oval_edge.kv.int8 import dequantize_rows, quantize_rows
 from oval_edge.kv.page_record import LayerRecords, encode
+from oval_edge.kv.group_record import GROUP_NAMES, stored_group_record
+from oval_edge.sparse.grouped import grouped_reference
 from oval_edge.sparse.scoring import record_scores
 from oval_edge.sparse.selection import DecodePlan
 
@@ -77,7 +79,7 @@ def self_check(kernels: NativeKernels) -> str | None:
     if got is None or not torch.allclose(got, torch.nn.functional.rms_norm(x, (96,), weight, 1e-5), rtol=1e-5,
                                          atol=1e-6):
         return "rms_norm"
-    return _check_head(kernels, gen) or _check_4bit(kernels, gen)
+    return _check_head(kernels, gen) or _check_4bit(kernels, gen) or _check_grouped(kernels, gen)
 
 
 def _kv_rows(gen: torch.Generator, rows: int, dim: int, dtype: torch.dtype):
@@ -137,6 +139,28 @@ def _check_selection(kernels: NativeKernels, gen: torch.Generator) -> str | None
     if got is None or not torch.equal(got[1], want.valid) or not torch.equal(got[0][want.valid],
                                                                           want.flat[want.valid]):
         return "select_slots"
+    return None
+
+
+def _check_grouped(kernels: NativeKernels, gen: torch.Generator) -> str | None:
+    """oval_grouped_scores against grouped.grouped_scores' torch code: rows with more complete groups than kept and
+    with fewer, coarse records as a bf16 pool stores them, int4 fine records."""
+    hkv, group, dim, rank, page_size, pages, size, keep = 2, 3, 64, 4, 16, 40, 4, 2
+    records = random_records(gen, hkv, pages, rank, dim, page_size, "int4", torch.float32)
+    coarse = stored_group_record(torch.randn(pages, hkv, dim, generator=gen),
+                                 torch.randn(pages, hkv, rank, dim, generator=gen),
+                                 torch.randn(pages, hkv, 2, rank, generator=gen).sort(dim=2).values,  # lo <= hi
+                                 torch.bfloat16)
+    table = torch.stack([torch.randperm(pages, generator=gen)[:24] for _ in range(2)])
+    sealed, q = torch.tensor([22, 9]), torch.randn(2, hkv, group, dim, generator=gen)
+    summaries = {name: t[None] for name, t in zip(GROUP_NAMES, coarse)}
+    want = grouped_reference(q, summaries, 0, table, sealed, 0.125, size, keep,
+                          lambda t, n: record_scores(q, records, t, 0.125))
+    got = kernels.grouped_scores(q, coarse, records, table, sealed, 0.125, size, keep)
+    kept = want > float("-inf")
+    if got is None or not torch.equal(got > float("-inf"), kept) or not torch.allclose(
+            got[kept], want[kept], rtol=SELF_CHECK_TOLERANCE, atol=SELF_CHECK_TOLERANCE):
+        return "oval_grouped_scores"
     return None
 
 

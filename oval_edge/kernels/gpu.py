@@ -56,6 +56,11 @@ class TritonKernels:
             return None
         return self._scoring.quest_scores(q, kmin, kmax, page_table, scale, counts)
 
+    def grouped_scores(self, *args, **kwargs) -> None:
+        """No fused two-level kernel on CUDA yet: None, the caller runs grouped.grouped_scores (torch ops around
+        this class's oval_scores)."""
+        return None
+
     def attend_slots(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
                      valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None,
                      splits: int | None = None,

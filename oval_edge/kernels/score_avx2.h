@@ -47,35 +47,6 @@ static inline __attribute__((always_inline)) void widen_row(float *restrict dst,
     }
 }
 
-/* The four dot products of row [dim] with q0..q3 [dim] -> [4] (dim a multiple of 8). */
-static inline __attribute__((always_inline)) __m128 dot4(const float *restrict row, const float *q0, const float *q1,
-                                                         const float *q2, const float *q3, int64_t dim) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 8) {
-        __m256 r = _mm256_loadu_ps(row + d);
-        a0 = _mm256_fmadd_ps(r, _mm256_loadu_ps(q0 + d), a0);
-        a1 = _mm256_fmadd_ps(r, _mm256_loadu_ps(q1 + d), a1);
-        a2 = _mm256_fmadd_ps(r, _mm256_loadu_ps(q2 + d), a2);
-        a3 = _mm256_fmadd_ps(r, _mm256_loadu_ps(q3 + d), a3);
-    }
-    __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
-}
-
-/* The three dot products of row [dim] with q0..q2 [dim] -> [4] (the last lane 0): a GQA group of 3 (SmolLM2). */
-static inline __attribute__((always_inline)) __m128 dot3(const float *restrict row, const float *q0, const float *q1,
-                                                         const float *q2, int64_t dim) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 8) {
-        __m256 r = _mm256_loadu_ps(row + d);
-        a0 = _mm256_fmadd_ps(r, _mm256_loadu_ps(q0 + d), a0);
-        a1 = _mm256_fmadd_ps(r, _mm256_loadu_ps(q1 + d), a1);
-        a2 = _mm256_fmadd_ps(r, _mm256_loadu_ps(q2 + d), a2);
-    }
-    __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, _mm256_setzero_ps()));
-    return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
-}
-
 /* row . q_g for the G4 padded queries qs [G4, dim] -> out [G4] (a chunk of 3 real queries skips the padded one). */
 static inline __attribute__((always_inline)) void dot_group(float *restrict out, const float *restrict row,
                                                             const float *restrict qs, int64_t group, int64_t group4,

@@ -10,6 +10,7 @@ import torch
 
 from oval_edge.config import OvalConfig
 from oval_edge.kernels.cpu import decode_kernels
+from oval_edge.kernels.cpu_args import as_dtype
 from oval_edge.kv.int8 import dequantize_rows
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
@@ -188,11 +189,6 @@ def gather_rows(k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor, 
     if scales is not None:
         k, v = (dequantize_rows(x, s.index_select(0, idx), dtype) for x, s in ((k, scales[0]), (v, scales[1])))
     return k.view(shape), v.view(shape)
-
-
-def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in `dtype`, without an op when it already is (a same-dtype .to() is still one dispatched op)."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def cap_logits(logits: torch.Tensor, softcap: float) -> torch.Tensor:

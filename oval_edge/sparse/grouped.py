@@ -21,6 +21,10 @@ from typing import Callable
 
 import torch
 
+from oval_edge.kernels.cpu import decode_kernels
+from oval_edge.kv.group_record import GROUP_NAMES, float_basis
+from oval_edge.kv.page_record import layer_records
+
 LOG2_E, LN_2 = 1.0 / math.log(2.0), math.log(2.0)  # base-2 logits as in scoring.oval_scores (exp2 is cheaper)
 
 FineScorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (table [B, F], counts [B]) -> [B, Hkv, F]
@@ -48,7 +52,24 @@ def grouped_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], layer: i
                    sealed: torch.Tensor, scale: float, group_pages: int, top_groups: int,
                    fine: FineScorer) -> torch.Tensor:
     """Page scores [B, Hkv, Np] of q [B, Hkv, G, D] over page_table [B, Np] (sealed [B] pages have records), in two
-    levels; `layer` indexes the pool's paged tensors; `fine` scores a [B, F] table of physical pages."""
+    levels; `layer` indexes the pool's paged tensors; `fine` scores a [B, F] table of physical pages.
+    On a CPU (eager) the whole of it is one call of group_kernels.c; grouped_reference (torch) is the fallback and
+    what torch.compile traces."""
+    if not torch.compiler.is_compiling():
+        kernels = decode_kernels(q.device)
+        if kernels is not None:  # coarse bounds, the choice of groups and the fine records, read in place
+            coarse = tuple(summaries[name][layer] for name in GROUP_NAMES)
+            scores = kernels.grouped_scores(q, coarse, layer_records(summaries, layer), page_table, sealed, scale,
+                                            group_pages, top_groups)
+            if scores is not None:
+                return scores
+    return grouped_reference(q, summaries, layer, page_table, sealed, scale, group_pages, top_groups, fine)
+
+
+def grouped_reference(q: torch.Tensor, summaries: dict[str, torch.Tensor], layer: int, page_table: torch.Tensor,
+                      sealed: torch.Tensor, scale: float, group_pages: int, top_groups: int,
+                      fine: FineScorer) -> torch.Tensor:
+    """grouped_scores in torch ops (the kernels' reference): same arguments, same result."""
     b, num_pages = page_table.shape
     size = group_pages
     groups = num_pages // size
@@ -60,7 +81,8 @@ def grouped_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], layer: i
         table = summaries[name][layer]  # [pages, Hkv, ...]
         return table.index_select(0, flat).view(b, groups, *table.shape[1:])
 
-    coarse = coarse_scores(q, gather("group_mean"), gather("group_basis"), gather("group_bounds"), scale)
+    basis_t = float_basis(gather("group_basis"), gather("group_scales"))
+    coarse = coarse_scores(q, gather("group_mean"), basis_t, gather("group_bounds"), scale)
     complete = sealed // size  # [B] groups whose last page has sealed
     per_row = torch.logsumexp(coarse, dim=1)  # [B, Ng]: the row's estimated mass in each group, all KV heads
     per_row = per_row.masked_fill(torch.arange(groups, device=dev) >= complete[:, None], float("-inf"))

@@ -34,12 +34,13 @@ from .stats import EngineStats
 class Engine:
     def __init__(self, loaded: LoadedModel, oval: OvalConfig | None = None, config: EngineConfig | None = None):
         self.loaded = loaded
-        self.oval = oval or OvalConfig()
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self.chat_template: str | None = None  # `serve --chat-template`: replaces the tokenizer's own template
         model_len = loaded.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or model_len, model_len)
+        # no coarse records it could never use; the page store scores flat (its recalls know no coarse records yet)
+        self.oval = (oval or OvalConfig()).for_context(0 if self.config.kv_store else self.max_model_len)
         self.pool: PagePool = build_pool(loaded, self.oval, self.config, self.max_model_len)
         self.runner = PagedLlama(loaded.model, self.pool, self.oval, attention=self.config.attention,
                                  context=min(self.pool.capacity_tokens, self.max_model_len))  # = token_limit()

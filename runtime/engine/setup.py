@@ -124,6 +124,7 @@ def pool_geometry(model_config, oval: OvalConfig, config: EngineConfig, device: 
                   activations: torch.dtype | None = None) -> KVGeometry:
     """The pool's shape for this model, config and device (the planner predicts the same one)."""
     act = None if activations is None else str(activations).removeprefix("torch.")
+    oval = oval.for_context(model_config.max_position_embeddings)  # as Engine and the planner resolve it
     return KVGeometry.for_oval(*kv_dims(model_config), oval, oval.pool_dtype(device.type, act), config.summary_kinds,
                                ring_layout(model_config))
 

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated cosines: also run oval with selection reuse at each (oval+reuse@TAU)")
     parser.add_argument("--group-pages", default=None,
                         help="comma-separated group sizes: also run oval scoring in two levels, coarse groups of that "
-                             "many pages first (oval+groups@G)")
+                             "many pages first (oval+groups@G); 0: flat scoring at every context (oval+groups@0)")
     parser.add_argument("--schema", metavar="FILE.json", default=None,
                         help="also run oval with every token constrained by this JSON schema (xgrammar, as serve's "
                              "response_format does): the oval+schema row, whose decode ratio is the per-token cost "

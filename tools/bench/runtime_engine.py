@@ -27,9 +27,10 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
     torch.set_num_threads(int(job["threads"]))
     prompt, gen = list(job["prompt_ids"]), int(job["gen"])
     tau = job.get("reuse_tau")  # oval+reuse@TAU engines: oval with selection reuse at that cosine
+    groups = job.get("group_pages")  # oval+groups@G: G pages a coarse group (0: flat); None: the default
     oval = OvalConfig(page_size=int(job["page_size"]), top_k=int(job["top_k"]),
                       reuse_tau=float(tau) if tau is not None else None,
-                      group_pages=int(job.get("group_pages") or 0))  # oval+groups@G: two-level scoring
+                      **({} if groups is None else {"group_pages": int(groups)}))
     pages = pool_pages(len(prompt), gen, oval.page_size)
     engine = Engine.load(
         model=job["model"], quant=job["quant"], device=job["device"], oval=oval,

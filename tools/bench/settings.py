@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 RUNTIME_ENGINES = ("oval", "dense")  # this project's runtime, OVAL and dense attention on the same page pool
 REUSE_PREFIX = "oval+reuse@"  # OVAL with selection reuse at a query cosine (--reuse-tau 0.95 -> oval+reuse@0.95)
-GROUPS_PREFIX = "oval+groups@"  # OVAL scoring in two levels, groups of G pages (--group-pages 16 -> oval+groups@16)
+GROUPS_PREFIX = "oval+groups@"  # OVAL scoring in two levels, groups of G pages (--group-pages 16 -> oval+groups@16;
+#                                 --group-pages 0 -> oval+groups@0: flat scoring at every context)
 CONSTRAINED = "oval+schema"  # OVAL with every token masked by --schema's grammar (the cost of constrained decoding)
 PEER_ENGINES = ("hf", "llama.cpp")  # what a user would pick instead (Hugging Face generate(), llama-cpp-python)
 ENGINES = RUNTIME_ENGINES + PEER_ENGINES
@@ -131,14 +132,17 @@ def with_reuse(engines: tuple[str, ...], text: str | None) -> tuple[str, ...]:
     return after_oval(engines, [f"{REUSE_PREFIX}{t:g}" for t in taus])
 
 
-def group_pages_of(engine: str) -> int:
-    """The group size of an oval+groups@G engine (0 for any other engine: flat scoring)."""
-    return int(engine[len(GROUPS_PREFIX):]) if engine.startswith(GROUPS_PREFIX) else 0
+def group_pages_of(engine: str) -> int | None:
+    """The group size of an oval+groups@G engine (0: flat scoring); None for any other engine (the config's
+    default: two levels past the context where they take over, OvalConfig.for_context)."""
+    return int(engine[len(GROUPS_PREFIX):]) if engine.startswith(GROUPS_PREFIX) else None
 
 
 def with_groups(engines: tuple[str, ...], text: str | None) -> tuple[str, ...]:
-    """--group-pages 8,16: one oval+groups@G engine per value, right after oval (two-level scoring beside flat)."""
-    sizes = variant_values(text, "--group-pages", int, lambda g: 2 <= g <= 256, "[2, 256]", "page counts, e.g. 8,16")
+    """--group-pages 0,16: one oval+groups@G engine per value, right after oval (0: flat scoring at every context,
+    G: two levels with groups of G pages)."""
+    sizes = variant_values(text, "--group-pages", int, lambda g: g == 0 or 2 <= g <= 256, "0 or [2, 256]",
+                           "page counts, e.g. 0,16")
     return after_oval(engines, [f"{GROUPS_PREFIX}{g}" for g in sizes])
 
 

@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     oval.add_argument("--group-pages", default=None,
                       help="comma-separated group sizes, e.g. 8,16: one more oval row per value that scores in two "
                            "levels (coarse groups of that many pages, then the pages of the best --top-groups)")
-    oval.add_argument("--top-groups", type=int, default=8, help="groups whose pages two-level rows score finely")
+    oval.add_argument("--top-groups", type=int, default=OvalConfig.top_groups,
+                      help="groups whose pages two-level rows score finely (default %(default)s)")
     oval.add_argument("--sink-pages", type=int, default=1, help="leading pages always attended")
     oval.add_argument("--dense-layers", type=int, default=2, help="first layers decoded densely")
     oval.add_argument("--rank", type=int, default=OvalConfig.rank, help="oval basis rank r (at most page_size - 1)")

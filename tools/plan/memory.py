@@ -51,6 +51,7 @@ def geometry_for(shape: ModelShape, oval: OvalConfig, target: str) -> KVGeometry
     if shape.full_layers == 0:
         raise ValueError(f"{shape.path}: every layer is a sliding-window layer; plan needs at least one full layer")
     ring = tuple(i for i, kind in enumerate(shape.kinds) if kind == "sliding")
+    oval = oval.for_context(shape.max_context)  # as the engine: no coarse records where two levels never apply
     return KVGeometry.for_oval(shape.layers, shape.kv_heads, shape.head_dim, oval, oval.pool_dtype(target),
                                ring=(ring, shape.sliding_window if ring else 0))
 

@@ -1,0 +1,48 @@
+"""Argument plumbing shared by the ctypes entry points of cpu.py: dtype casts that dispatch only when needed,
+optional per-row bounds as pointers, input checks, and the C kernels' return codes turned into a result."""
+
+from __future__ import annotations
+
+import torch
+
+# The C kernels' return codes: shapes above their fixed limits, an index outside the pool, no memory for scratch.
+REFUSED, OUT_OF_RANGE, NO_MEMORY = 1, 2, 3
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, without an op when it already is (a same-dtype .to() is still one dispatched op, and these
+    run for every layer of every decode step)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def row_bounds(bounds: torch.Tensor | None) -> int | None:
+    """The kernels' optional per-row bound [B] int64 (NULL when None); must stay alive for the call."""
+    if bounds is None:
+        return None
+    if bounds.dtype != torch.int64 or not bounds.is_contiguous() or bounds.device.type != "cpu":
+        raise ValueError("per-row bounds must be a contiguous int64 CPU tensor [B]")
+    return bounds.data_ptr()
+
+
+def scales_fit(scales, quantized: bool, rows: int) -> bool:
+    """Scales given exactly for int8 rows, as contiguous fp32 CPU tensors of one value per row."""
+    if not quantized:
+        return scales is None
+    return scales is not None and all(s.dtype == torch.float32 and s.is_contiguous() and s.numel() == rows
+                                      and s.device.type == "cpu" for s in scales)
+
+
+def on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def kernel_result(code: int, out: torch.Tensor, kernel: str, out_of_range: str, last: int) -> torch.Tensor | None:
+    """`out` when the kernel ran; None when it refused the shapes (the caller falls back to torch). The error
+    message is formatted only on error: this runs for every layer of every decode step."""
+    if code == 0:
+        return out
+    if code in (REFUSED, NO_MEMORY):  # the torch code runs instead
+        return None
+    if code == OUT_OF_RANGE:
+        raise ValueError(f"{kernel}: {out_of_range.format(last)}")
+    raise RuntimeError(f"{kernel} returned unknown code {code}")
