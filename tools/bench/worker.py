@@ -24,7 +24,7 @@ def runs_runtime(job: dict) -> bool:
     """oval, dense, oval+reuse@TAU (oval with reuse), oval+groups@G (two-level scoring) and oval+schema (oval under a
     grammar) are this runtime."""
     return (job.get("engine") in ("oval", "dense") or job.get("reuse_tau") is not None
-            or job.get("schema") is not None or bool(job.get("group_pages")))
+            or job.get("schema") is not None or job.get("group_pages") is not None)
 
 
 def run_job(job: dict) -> dict:
