@@ -18,7 +18,9 @@ from oval_edge.tools.bench import command as bench_command
 from oval_edge.tools.bench.meters import MemoryMeter, TokenClock
 from oval_edge.tools.bench.report import aggregate, effective_gb_s, format_table, label_rows, median, ratios, scaling
 from oval_edge.tools.bench.runner import run_worker
-from oval_edge.tools.bench.settings import BenchSettings, parse_engines, parse_int_list, prompt_length, schedule
+from oval_edge.tools.bench.settings import (BenchSettings, group_pages_of, parse_engines, parse_int_list,
+                                            prompt_length, schedule, with_groups)
+from oval_edge.tools.bench.worker import runs_runtime
 
 ROW_FIELDS = ("engine", "context", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "kv_bytes_per_step")
 
@@ -207,6 +209,18 @@ def test_parsing_and_validation():
         BenchSettings(contexts=(0,), engines=("oval",))
     with pytest.raises(ValueError, match="--synthetic-positions apply to --model synthetic-long only"):
         bench_command.build_settings(_bench_args(synthetic_positions=4096, device="cpu"))
+
+
+def test_group_variants_name_their_scoring_and_run_in_this_runtime():
+    """--group-pages 0,8: oval+groups@0 (flat scoring) and oval+groups@8 beside oval (the default config), run by
+    this runtime; plain oval's jobs carry no group size, so the worker keeps OvalConfig's default."""
+    engines = with_groups(("oval", "llama.cpp"), "0,8")
+    assert engines == ("oval", "oval+groups@0", "oval+groups@8", "llama.cpp")
+    assert [group_pages_of(e) for e in engines] == [None, 0, 8, None]
+    assert runs_runtime({"engine": "oval+groups@0", "group_pages": 0})
+    assert not runs_runtime({"engine": "llama.cpp", "group_pages": None})
+    with pytest.raises(ValueError, match="--group-pages"):
+        with_groups(("oval",), "1")
 
 
 def test_prompt_is_shortened_only_past_the_models_positions():
