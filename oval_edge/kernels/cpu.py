@@ -19,7 +19,8 @@ import subprocess
 
 import torch
 
-from .cpu_args import OUT_OF_RANGE, as_dtype, kernel_result, on_cpu, row_bounds, scales_fit
+from .cpu_args import (OUT_OF_RANGE, as_dtype, kernel_result, on_cpu, record_page_size, records_fit, row_bounds,
+                       scales_fit)
 from .cpu_build import built_library
 from .gpu import TritonKernels, describe_gpu_kernels, gpu_kernels
 
@@ -89,13 +90,9 @@ class NativeKernels:
         b, hkv, group, dim = q.shape
         pages_total, rank = basis.shape[1], basis.shape[2]
         quantized = scales is not None
-        if (kernel is None or not on_cpu(q, mean, basis, coords, page_table)
-                or not all(t.is_contiguous() for t in records if t is not None)
-                or quantized != (basis.dtype in (torch.int8, torch.uint8))
-                or (quantized and scales.dtype != torch.float32)
-                or (not quantized and not (mean.dtype == coords.dtype == basis.dtype))):
+        if kernel is None or not records_fit(records) or not on_cpu(q, page_table):
             return None
-        page_size = coords.shape[-1] * (2 if basis.dtype == torch.uint8 else 1)  # int4 packs two a byte
+        page_size = record_page_size(records)
         q = as_dtype(q, torch.float32).contiguous()
         table = as_dtype(page_table, torch.int64).contiguous()
         out = torch.empty((b, hkv, table.shape[1]), dtype=torch.float32)
@@ -115,16 +112,12 @@ class NativeKernels:
         g_mean, g_basis, g_bounds, g_scales = coarse
         b, hkv, group, dim = q.shape
         quantized = scales is not None
-        if (basis.dtype not in RECORD_FORMAT_CODE or not on_cpu(q, page_table, sealed, *coarse, mean, basis, coords)
-                or not all(t.is_contiguous() for t in coarse) or g_mean.dtype not in ELEMENT_SUFFIX
-                or g_bounds.dtype != g_mean.dtype or g_basis.dtype != torch.int8 or g_scales.dtype != torch.float32
-                or not all(t.is_contiguous() for t in records if t is not None)
-                or quantized != (basis.dtype in (torch.int8, torch.uint8))
-                or (quantized and scales.dtype != torch.float32)
-                or (not quantized and not (mean.dtype == coords.dtype == basis.dtype))):
+        if (basis.dtype not in RECORD_FORMAT_CODE or not records_fit(records)
+                or not on_cpu(q, page_table, sealed, *coarse) or not all(t.is_contiguous() for t in coarse) or g_mean.dtype not in ELEMENT_SUFFIX
+                or g_bounds.dtype != g_mean.dtype or g_basis.dtype != torch.int8 or g_scales.dtype != torch.float32):
             return None
         pages_total, rank = basis.shape[1], basis.shape[2]
-        page_size = coords.shape[-1] * (2 if basis.dtype == torch.uint8 else 1)  # int4 packs two a byte
+        page_size = record_page_size(records)
         q = as_dtype(q, torch.float32).contiguous()
         table = as_dtype(page_table, torch.int64).contiguous()
         done = as_dtype(sealed, torch.int64).contiguous()

@@ -32,6 +32,22 @@ def scales_fit(scales, quantized: bool, rows: int) -> bool:
                                       and s.device.type == "cpu" for s in scales)
 
 
+def records_fit(records) -> bool:
+    """One layer's oval records (page_record.LayerRecords) as the scoring kernels read them in place: on the CPU,
+    contiguous, and either float ones of one dtype or quantized ones with fp32 scales."""
+    mean, basis, coords, scales = records
+    quantized = scales is not None
+    return (on_cpu(mean, basis, coords) and all(t.is_contiguous() for t in records if t is not None)
+            and quantized == (basis.dtype in (torch.int8, torch.uint8))
+            and (scales.dtype == torch.float32 if quantized else mean.dtype == coords.dtype == basis.dtype))
+
+
+def record_page_size(records) -> int:
+    """Tokens per page of one layer's records: the coordinates' last axis (int4 packs two a byte)."""
+    _, basis, coords, _ = records
+    return coords.shape[-1] * (2 if basis.dtype == torch.uint8 else 1)
+
+
 def on_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" for t in tensors)
 

@@ -21,23 +21,12 @@
 #define MAX_HEADS 64          /* KV heads a coarse mass sums over */
 #define MIN_GROUPS_PER_THREAD 16 /* coarse items a thread forks for: each is (r + 1) G dot products of D */
 
-/* score_kernels.c's entry points, one per fine record format (FMT_F32 .. FMT_INT4 there). */
-typedef int (*fine_scorer)(const float *q, const void *mean, const void *basis, const void *coords,
-                           const float *scales, const int64_t *page_table, const int64_t *counts, int64_t batch,
-                           int64_t kv_heads, int64_t group, int64_t dim, int64_t rank, int64_t page_size,
-                           int64_t num_pages, int64_t pages_total, float scale, float *out, int64_t threads);
-int oval_scores_f32(const float *, const void *, const void *, const void *, const float *, const int64_t *,
-                    const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                    float *, int64_t);
-int oval_scores_bf16(const float *, const void *, const void *, const void *, const float *, const int64_t *,
-                     const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                     float *, int64_t);
-int oval_scores_int8(const float *, const void *, const void *, const void *, const float *, const int64_t *,
-                     const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                     float *, int64_t);
-int oval_scores_int4(const float *, const void *, const void *, const void *, const float *, const int64_t *,
-                     const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                     float *, int64_t);
+/* score_kernels.c's entry points, one per fine record format (FMT_F32 .. FMT_INT4 there), all of this type. */
+typedef int fine_scorer(const float *q, const void *mean, const void *basis, const void *coords, const float *scales,
+                        const int64_t *page_table, const int64_t *counts, int64_t batch, int64_t kv_heads,
+                        int64_t group, int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages,
+                        int64_t pages_total, float scale, float *out, int64_t threads);
+fine_scorer oval_scores_f32, oval_scores_bf16, oval_scores_int8, oval_scores_int4;
 
 /* n values of a coarse record tensor from element `first`, widened to fp32 (bf16: the pool's dtype on a CPU). Two
  * loops rather than a per-element test, so each vectorises. */
@@ -84,11 +73,9 @@ static inline void prefetch_group(const void *basis, int64_t slot, int64_t kv_he
  * heads): per head h and query g, mu . q + sum_i max(p_i lo_i, p_i hi_i) with p = B^T q, q in log2 units.
  * slot: the coarse record's physical page (the group's last page). */
 static float group_mass(const float *qs, const void *mean, const void *basis, const float *scales, const void *bounds,
-                        int bf16,
-                        int64_t slot, int64_t kv_heads, int64_t group, int64_t dim, int64_t rank) {
-    float row[MAX_DIM], bound[MAX_HEADS * MAX_GROUP]; /* bound [Hkv, G] */
+                        int bf16, int64_t slot, int64_t kv_heads, int64_t group, int64_t dim, int64_t rank) {
+    float row[MAX_DIM], bound[MAX_HEADS * MAX_GROUP]; /* bound [Hkv, G]; the caller refused larger shapes */
     const int8_t *codes = (const int8_t *)basis;
-    if (kv_heads * group > MAX_HEADS * MAX_GROUP) return 0.0f; /* the caller refused these shapes */
     for (int64_t h = 0; h < kv_heads; h++) {
         const int64_t record = slot * kv_heads + h; /* [pages, Hkv, ...] */
         const float *qh = qs + h * group * dim;
@@ -155,7 +142,7 @@ int oval_grouped_scores(const float *q, const void *group_mean, const void *grou
                         const int64_t *sealed, int64_t batch, int64_t kv_heads, int64_t group, int64_t dim,
                         int64_t rank, int64_t page_size, int64_t num_pages, int64_t pages_total, int64_t group_pages,
                         int64_t top_groups, float scale, float *out, int64_t threads) {
-    static const fine_scorer fine_scorers[4] = {oval_scores_f32, oval_scores_bf16, oval_scores_int8,
+    static fine_scorer *const fine_scorers[4] = {oval_scores_f32, oval_scores_bf16, oval_scores_int8,
                                                 oval_scores_int4};
     if (dim > MAX_DIM || group > MAX_GROUP || rank > MAX_RANK || kv_heads > MAX_HEADS || fine_fmt < 0 ||
         fine_fmt > 3 || group_pages < 1 || top_groups < 1 || num_pages / group_pages <= top_groups)
@@ -194,7 +181,7 @@ int oval_grouped_scores(const float *q, const void *group_mean, const void *grou
         const int64_t b = item / ngroups, j = item % ngroups;
         if (j >= (sealed[b] < 0 ? 0 : sealed[b]) / group_pages) continue; /* not complete: never ranked */
         const int64_t slot = page_table[b * num_pages + j * group_pages + group_pages - 1];
-        if (j + 1 < ngroups && item + 1 < items) /* the next group's record, while this one is scored */
+        if (j + 1 < ngroups) /* the next group's record, while this one is scored */
             prefetch_group(group_basis, page_table[b * num_pages + (j + 2) * group_pages - 1], kv_heads, rank, dim,
                            pages_total);
         mass[item] = group_mass(qs + b * kv_heads * group * dim, group_mean, group_basis, group_scales, group_bounds,
