@@ -42,10 +42,13 @@ class OvalConfig:
     group_pages,  two-level scoring (oval_edge/sparse/grouped.py): 0 = flat (every sealed page's record is scored
     top_groups    each step); G > 0 = one coarse record per G pages scored first, then the fine records of the
                   top_groups best groups' pages (and of the unfinished group) only. A row with at most top_groups
-                  complete groups keeps them all: flat scoring. Defaults 16 and 16: flat up to 8k tokens (at 32-token
-                  pages), where two levels are no faster; past it the fine scan stops growing (at 32k a decode step
-                  ~25% shorter, measured). A model whose context never passes the crossover keeps no coarse
-                  records (for_context); scorer 'quest' and the page store (EngineConfig.kv_store) score flat.
+                  complete groups keeps them all: flat scoring. Defaults 16 and 8: the fine scan stops growing at
+                  128 pages + the unfinished group (at 32k a decode step ~25% shorter than flat, measured; at 8k
+                  the same KL as flat, docs/oval-index.md).
+    two_level_from  a model whose sequences never pass this many tokens keeps flat scoring and no coarse records
+                  (for_context). Default 8192: the measured crossover on the CPU runtime (below it two levels are no
+                  faster), so the bundled 8k model scores flat. Scorer 'quest' and the page store
+                  (EngineConfig.kv_store) score flat.
     record        how oval page records are stored: 'float' (the pool's dtype), 'int8' or 'int4' (quantized with
                   per-page scales, read in place by the kernels; oval_edge/kv/page_record.py). Default 'int4': 0.31x
                   the bytes of a bf16 record at the same rank, the most compact format calibrate keeps within 2% of
@@ -73,7 +76,8 @@ class OvalConfig:
     eta: float = 0.0
     record: str = "int4"
     group_pages: int = 16
-    top_groups: int = 16
+    top_groups: int = 8
+    two_level_from: int = 8192
     kv_dtype: str = "auto"
     memory_budget: int | str | None = None
     # Reuse of a recent selection when the query barely moved (DESIGN §4.7, oval_edge/sparse/reuse.py); None = off.
@@ -115,6 +119,7 @@ class OvalConfig:
             if self.scorer != "oval":  # coarse records are oval records: quest always scores flat
                 object.__setattr__(self, "group_pages", 0)
         _check_int("top_groups", self.top_groups, 1, 4096, " coarse groups whose pages are scored finely")
+        _check_int("two_level_from", self.two_level_from, 0, 1 << 24, " tokens (0 = two levels wherever they apply)")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} is unknown; allowed: {', '.join(KV_DTYPES)}")
         if self.memory_budget is not None:
@@ -157,9 +162,10 @@ class OvalConfig:
 
     def for_context(self, max_tokens: int) -> "OvalConfig":
         """This config as it applies to sequences of at most max_tokens tokens: two-level scoring off (group_pages 0)
-        where no sequence can hold more than top_groups complete groups, since every row would then keep all of its
-        groups and score flat anyway; the pool then keeps no coarse record slots (their bytes go to pages)."""
-        if self.group_pages and max_tokens <= self.top_groups * self.group_pages * self.page_size:
+        where no sequence can pass two_level_from tokens or hold more than top_groups complete groups (every row
+        would then keep all of its groups and score flat anyway); the pool then keeps no coarse record slots (their
+        bytes go to pages)."""
+        if self.group_pages and max_tokens <= max(self.two_level_from, self.top_groups * self.group_pages * self.page_size):
             return self.replace(group_pages=0)
         return self
 

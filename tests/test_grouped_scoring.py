@@ -17,7 +17,7 @@ from oval_edge.sparse.grouped import coarse_scores, grouped_reference, uses_grou
 from oval_edge.sparse.scoring import record_scores, score_pages
 
 GROUPED = OvalConfig(page_size=16, top_k=4, window_min=32, window_max=32, dense_layers=1, kv_dtype="float32",
-                     group_pages=4, top_groups=2)
+                     group_pages=4, top_groups=2, two_level_from=0)
 
 
 def test_config_and_geometry_validate_groups():
@@ -41,8 +41,12 @@ def test_config_and_geometry_validate_groups():
 def test_two_levels_are_off_where_no_sequence_could_use_them(tiny_folder):
     """A model whose longest sequence holds at most top_groups complete groups scores flat anyway: its config drops
     the groups, so its pool keeps no coarse record slots (their bytes go to pages)."""
-    config = OvalConfig(group_pages=16, top_groups=8)  # two levels past 8 groups of 16 pages of 32 tokens
+    config = OvalConfig(group_pages=16, top_groups=8, two_level_from=0)  # past 8 groups of 16 pages of 32 tokens
     assert config.for_context(8 * 16 * 32).group_pages == 0 and config.for_context(8 * 16 * 32 + 1) is config
+    crossover = OvalConfig()  # the default: flat up to the measured crossover, so the bundled 8k model scores flat
+    assert crossover.for_context(8192).group_pages == 0 and crossover.for_context(32768).group_pages == 16
+    with pytest.raises(ValueError, match="two_level_from"):
+        OvalConfig(two_level_from=-1)
     assert OvalConfig(group_pages=0).for_context(10**6).group_pages == 0
     short = engine_for(tiny_folder, oval=GROUPED, max_model_len=2 * 4 * 16)  # 2 groups of 4 pages of 16 tokens
     assert short.oval.group_pages == 0 and "group_mean" not in short.pool.summaries

@@ -57,7 +57,8 @@ def test_page_scores_equal_the_torch_scorer(kernels, fmt, dtype, dim, page_size,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("dim,group,slots", [(64, 3, 224), (64, 1, 5000), (128, 4, 300), (48, 6, 77)])
+@pytest.mark.parametrize("dim,group,slots", [(64, 3, 224), (64, 1, 5000), (128, 4, 300), (64, 7, 100), (128, 5, 70),
+                                             (48, 6, 77)])
 def test_attention_over_slots_equals_gather_then_attend(kernels, dtype, dim, group, slots):
     gen = torch.Generator().manual_seed(dim + group + slots)
     batch, kv_heads, rows = 2, 2, 6000

@@ -44,13 +44,17 @@ static inline __attribute__((always_inline)) void load_kv_row(float *restrict ro
  * pool come in page-sized runs (page_size * dim elements) separated by the other heads' runs, and hardware
  * prefetchers stop at each 4 KB memory page, so without it every run starts with a stall on DRAM (measured at 8k:
  * two dense layers 2.1 -> 1.25 ms per step). */
-#define PREFETCH_SLOTS 32
+#define PREFETCH_SLOTS 64
 #define CACHE_LINE 64
 
 static inline __attribute__((always_inline)) void prefetch_row(const void *rows, int64_t row, int64_t dim, int kv) {
     const char *p = (const char *)rows + row * dim * kv_size(kv);
     for (int64_t off = 0; off < dim * kv_size(kv); off += CACHE_LINE) __builtin_prefetch(p + off, 0, 3);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include "attend_avx2.h"
+#endif
 
 /* One piece of a pair: slots [first, last) of (b, h). Leaves in part the unnormalised sums relative to its own
  * peaks: part = [peak [G] | total [G] | acc [G, D]] (peak -3e38 and zeros when no slot of the piece is valid).
@@ -59,10 +63,16 @@ static inline __attribute__((always_inline)) void attend_piece(
     const float *restrict qh, const void *k_rows, const void *v_rows, const int64_t *restrict idx,
     const uint8_t *restrict ok, int64_t first, int64_t last, int64_t group, int64_t dim, int64_t slots, float scale,
     float *restrict weights, float *restrict part, const float *k_scales, const float *v_scales, int kv) {
-    float row[MAX_DIM];
+    float row[MAX_DIM] __attribute__((aligned(32)));
     float acc[MAX_GROUP * MAX_DIM];
     float peak[MAX_GROUP], total[MAX_GROUP];
+    float logit[MAX_GROUP] __attribute__((aligned(16))); /* [G4]: one slot's logits */
     for (int64_t g = 0; g < group; g++) peak[g] = -3.0e38f;
+    /* The queries times scale * log2 e, zero rows up to G4 (a multiple of 4): [G4, D] (attend_avx2.h dots each K
+     * vector with four of them). */
+    float qs[MAX_GROUP * MAX_DIM] __attribute__((aligned(32)));
+    const int64_t group4 = (group + 3) / 4 * 4;
+    for (int64_t j = 0; j < group4 * dim; j++) qs[j] = j < group * dim ? scale * LOG2_E * qh[j] : 0.0f;
     int64_t seen = 0;
     /* Logits in log2 units. Unread slots get -3e38: weight ~1e-38, and their values are never read. */
     for (int64_t t = first; t < last; t++) {
@@ -71,11 +81,18 @@ static inline __attribute__((always_inline)) void attend_piece(
             continue;
         }
         if (t + PREFETCH_SLOTS < last) prefetch_row(k_rows, idx[t + PREFETCH_SLOTS], dim, kv);
-        load_kv_row(row, k_rows, k_scales, idx[t], dim, kv);
+#ifdef ATTEND_AVX2_READY
+        if (attend_avx2_takes(dim)) { /* a constant test for dims 64 and 128 */
+            key_logits_avx2(logit, qs, k_rows, k_scales, idx[t], group4, dim, kv);
+        } else
+#endif
+        {
+            load_kv_row(row, k_rows, k_scales, idx[t], dim, kv);
+            for (int64_t g = 0; g < group; g++) logit[g] = dot(qs + g * dim, row, dim);
+        }
         for (int64_t g = 0; g < group; g++) {
-            float s = scale * LOG2_E * dot(qh + g * dim, row, dim);
-            weights[g * slots + t] = s;
-            peak[g] = s > peak[g] ? s : peak[g];
+            weights[g * slots + t] = logit[g];
+            peak[g] = logit[g] > peak[g] ? logit[g] : peak[g];
         }
         seen++;
     }
@@ -91,6 +108,11 @@ static inline __attribute__((always_inline)) void attend_piece(
         total[g] = sum;
     }
     for (int64_t j = 0; j < group * dim; j++) acc[j] = 0.0f;
+#ifdef ATTEND_AVX2_READY
+    if (attend_avx2_takes(dim))
+        accumulate_values_avx2(acc, weights, v_rows, v_scales, idx, ok, first, last, group, dim, slots, kv);
+    else
+#endif
     for (int64_t t = first; t < last; t++) {
         if (!ok[t]) continue;
         if (t + PREFETCH_SLOTS < last) prefetch_row(v_rows, idx[t + PREFETCH_SLOTS], dim, kv);

@@ -129,6 +129,19 @@ static inline __attribute__((always_inline)) float score_page_avx2(
     return page_score(hsum8(total8), peak);
 }
 
+/* Bytes from element `first` of a record tensor in format fmt, fetched into the cache ahead of use. Why: a page's
+ * record lies in four tensors (mean, basis, coordinates, scales), and the pages a two-level table lists come in runs
+ * of group_pages scattered over the pool; without it each run began with four stalls on DRAM (perf put the hottest
+ * samples on the records' first loads; at 32k two-level scoring took 3.4 ms a step without it, 2.7 ms with it). */
+static inline __attribute__((always_inline)) void prefetch_record(const void *base, int64_t first, int64_t count,
+                                                                  int fmt) {
+    const int64_t bits = fmt == FMT_F32 ? 32 : fmt == FMT_BF16 ? 16 : fmt == FMT_INT8 ? 8 : 4;
+    const char *start = (const char *)base + first * bits / 8;
+    for (int64_t off = 0; off < count * bits / 8; off += 64) __builtin_prefetch(start + off, 0, 3);
+}
+
+#define RECORD_PREFETCH_PAGES 4 /* pages ahead: a page scores in ~150 ns, a DRAM fetch takes ~100 */
+
 /* One call's inputs, shared by the threads that score its pages. */
 struct score_job {
     const float *qs, *qbs;            /* [B * Hkv, G4, D]: the scaled, padded queries (qbs: the basis rows') */
@@ -152,6 +165,13 @@ static inline __attribute__((always_inline)) void score_range(const struct score
         if (n >= count) {
             job->out[item] = UNSCORED;
         } else {
+            if (n + RECORD_PREFETCH_PAGES < count) {
+                const int64_t ahead = h * job->pages_total + job->page_table[b * num_pages + n + RECORD_PREFETCH_PAGES];
+                prefetch_record(job->mean, ahead * dim, dim, fmt >= FMT_INT8 ? FMT_INT8 : fmt);
+                prefetch_record(job->basis, ahead * rank * dim, rank * dim, fmt);
+                prefetch_record(job->coords, ahead * rank * page_size, rank * page_size, fmt);
+                if (fmt >= FMT_INT8) prefetch_record(job->scales, ahead * (1 + 2 * rank), 1 + 2 * rank, FMT_F32);
+            }
             int64_t record = h * job->pages_total + job->page_table[b * num_pages + n];
             const float *sc = fmt >= FMT_INT8 ? job->scales + record * (1 + 2 * rank) : NULL;
             job->out[item] = score_page_avx2(job->qs + bh * group4 * dim, job->qbs + bh * group4 * dim, job->mean,
