@@ -39,23 +39,58 @@ static inline void widen_group(float *restrict dst, const void *base, int64_t fi
     }
 }
 
-/* out[g] = row . q_g for the G queries q [G, dim]: with AVX2 + FMA and dim a multiple of 8, kernel_math.h's dot4
- * and dot3 (each row vector loaded once for four or three queries); else one dot product at a time. */
-static inline void dot_queries(float *restrict out, const float *restrict row, const float *restrict q, int64_t group,
-                               int64_t dim) {
-    int64_t g = 0;
+/* Row element formats of the coarse record: its mean in the pool's float dtype, its basis rows in int8 codes. */
+#define ROW_F32 0
+#define ROW_BF16 1
+#define ROW_INT8 2
+
 #if defined(__AVX2__) && defined(__FMA__)
-    if (dim % 8 == 0)
-        for (; g < group; g += 4) {
-            const float *qg = q + g * dim;
-            float four[4];
-            _mm_storeu_ps(four, group - g >= 4 ? dot4(row, qg, qg + dim, qg + 2 * dim, qg + 3 * dim, dim)
-                                : group - g == 3 ? dot3(row, qg, qg + dim, qg + 2 * dim, dim)
-                                                 : dot4(row, qg, group - g == 2 ? qg + dim : qg, qg, qg, dim));
-            for (int64_t i = 0; i < 4 && g + i < group; i++) out[g + i] = four[i];
-        }
+/* Elements first..first+7 of a coarse record tensor in format fmt, widened to fp32 in registers. */
+static inline __attribute__((always_inline)) __m256 widen8_row(const void *base, int64_t first, int fmt) {
+    if (fmt == ROW_F32) return _mm256_loadu_ps((const float *)base + first);
+    if (fmt == ROW_BF16) {
+        __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + first));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+    }
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + first))));
+}
 #endif
-    for (; g < group; g++) out[g] = dot(q + g * dim, row, dim);
+
+/* out[g] = row . q_g for the G queries q [G, dim], row = elements first..first+dim-1 of base in format fmt. With
+ * AVX2 + FMA and dim a multiple of 8 the row is widened in registers and each vector of it is dotted with four
+ * queries (three horizontal adds end four dot products); else it is widened into a buffer and dotted one query at a
+ * time. */
+static inline __attribute__((always_inline)) void dot_queries(float *restrict out, const void *base, int64_t first,
+                                                              const float *restrict q, int64_t group, int64_t dim,
+                                                              int fmt) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (dim % 8 == 0) {
+        for (int64_t g = 0; g < group; g += 4) {
+            const int64_t n = group - g < 4 ? group - g : 4;
+            const float *q0 = q + g * dim, *q1 = n > 1 ? q0 + dim : q0, *q2 = n > 2 ? q0 + 2 * dim : q0,
+                        *q3 = n > 3 ? q0 + 3 * dim : q0;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            for (int64_t d = 0; d < dim; d += 8) {
+                const __m256 r = widen8_row(base, first + d, fmt);
+                a0 = _mm256_fmadd_ps(r, _mm256_loadu_ps(q0 + d), a0);
+                a1 = _mm256_fmadd_ps(r, _mm256_loadu_ps(q1 + d), a1);
+                a2 = _mm256_fmadd_ps(r, _mm256_loadu_ps(q2 + d), a2);
+                a3 = _mm256_fmadd_ps(r, _mm256_loadu_ps(q3 + d), a3);
+            }
+            __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            float four[4];
+            _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
+            for (int64_t i = 0; i < n; i++) out[g + i] = four[i];
+        }
+        return;
+    }
+#endif
+    float row[MAX_DIM];
+    for (int64_t d = 0; d < dim; d++)
+        row[d] = fmt == ROW_F32    ? ((const float *)base)[first + d]
+                 : fmt == ROW_BF16 ? widen_bf16(((const uint16_t *)base)[first + d])
+                                   : (float)((const int8_t *)base)[first + d];
+    for (int64_t g = 0; g < group; g++) out[g] = dot(q + g * dim, row, dim);
 }
 
 /* Prefetch the coarse basis codes of every KV head of slot (they sit together: [pages, Hkv, r, D]). Why: groups are
@@ -72,25 +107,21 @@ static inline void prefetch_group(const void *basis, int64_t slot, int64_t kv_he
 /* A group's mass bound over the row's KV heads, in log2 units (grouped.coarse_scores, then log-sum-exp over the
  * heads): per head h and query g, mu . q + sum_i max(p_i lo_i, p_i hi_i) with p = B^T q, q in log2 units.
  * slot: the coarse record's physical page (the group's last page). */
-static float group_mass(const float *qs, const void *mean, const void *basis, const float *scales, const void *bounds,
-                        int bf16, int64_t slot, int64_t kv_heads, int64_t group, int64_t dim, int64_t rank) {
-    float row[MAX_DIM], bound[MAX_HEADS * MAX_GROUP]; /* bound [Hkv, G]; the caller refused larger shapes */
-    const int8_t *codes = (const int8_t *)basis;
+static inline __attribute__((always_inline)) float group_mass(
+    const float *qs, const void *mean, const void *basis, const float *scales, const void *bounds, int bf16,
+    int64_t slot, int64_t kv_heads, int64_t group, int64_t dim, int64_t rank) {
+    float bound[MAX_HEADS * MAX_GROUP]; /* bound [Hkv, G]; the caller refused larger shapes */
     for (int64_t h = 0; h < kv_heads; h++) {
         const int64_t record = slot * kv_heads + h; /* [pages, Hkv, ...] */
         const float *qh = qs + h * group * dim;
         float *bh = bound + h * group, box[2 * MAX_RANK]; /* box [2, r]: the coordinates' min, then max */
         widen_group(box, bounds, record * 2 * rank, 2 * rank, bf16);
         float p[MAX_GROUP];
-        widen_group(row, mean, record * dim, dim, bf16);
-        dot_queries(bh, row, qh, group, dim);
+        dot_queries(bh, mean, record * dim, qh, group, dim, bf16 ? ROW_BF16 : ROW_F32);
         for (int64_t i = 0; i < rank; i++) {
-            const int8_t *src = codes + (record * rank + i) * dim;
-            for (int64_t d = 0; d < dim; d++) row[d] = (float)src[d];
-            dot_queries(p, row, qh, group, dim);
+            dot_queries(p, basis, (record * rank + i) * dim, qh, group, dim, ROW_INT8);
             const float unit = scales[record * rank + i]; /* the row's scale folds into its projections */
-            for (int64_t g = 0; g < group; g++) p[g] *= unit;
-            const float lo = box[i], hi = box[rank + i];
+            const float lo = box[i] * unit, hi = box[rank + i] * unit;
             for (int64_t g = 0; g < group; g++) bh[g] += p[g] * lo > p[g] * hi ? p[g] * lo : p[g] * hi;
         }
     }
