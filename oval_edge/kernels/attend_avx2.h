@@ -1,74 +1,121 @@
-/* The AVX2 + FMA inner loops of attend_kernels.c's attention, included by it when the compiler targets AVX2 and FMA
- * and used for head dims that are multiples of 64. Same sums as the plain loops; only the summation order differs.
+/* The vector inner loops of attend_kernels.c's attention, included by it when the compiler targets AVX2 and FMA
+ * (AVX-512 registers where the compiler targets AVX-512F) and used for head dims that are multiples of 64. Same sums as the plain loops; only the summation order differs.
  *
  * Why: the plain loops widen each row into a buffer, end every query's dot product in its own horizontal sum and
  * keep the [G, D] value accumulator in memory (a load, an FMA and a store per 8 values, per query, per token); a
  * dense layer at 32k tokens then ran at ~16 GB/s on one core, compute-bound, where the memory gives ~30. Here a
  * row is widened in registers as it is used, four queries share each K vector and three horizontal adds, and the
  * value accumulators of up to three queries stay in registers over a block of tokens (attention of a 32k decode
- * step: 2.5 -> 2.2 ms, measured; the rest is memory latency).
+ * step: 2.5 -> 2.2 ms, measured; the rest is memory latency). The K pass issues ~110 instructions a token in 256-bit
+ * vectors and is bound by their issue, not by the FMA units: 512-bit vectors halve that where the CPU has them.
  */
 #define ATTEND_AVX2_READY 1
 #define VALUE_BLOCK 32 /* tokens per value block: its rows stay in L1 while each 64 columns and 3 queries are summed */
 
 static inline int attend_avx2_takes(int64_t dim) { return dim % 64 == 0; }
 
-/* Values d..d+7 of K or V row r as fp32 (int8: code * scales[r]); kv is a constant after inlining. */
-static inline __attribute__((always_inline)) __m256 widen8_kv(const void *rows, const float *scales, int64_t r,
-                                                              int64_t d, int64_t dim, int kv) {
-    if (kv == KV_F32) return _mm256_loadu_ps((const float *)rows + r * dim + d);
+/* vec: the widest float vector the build targets; LANES floats. */
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define LANES 16
+#define vec_zero _mm512_setzero_ps
+#define vec_load _mm512_loadu_ps
+#define vec_store _mm512_storeu_ps
+#define vec_fma _mm512_fmadd_ps
+#define vec_set1 _mm512_set1_ps
+/* The 16 lanes folded to 8 (pairwise sums). */
+static inline __m256 vec_fold(vec v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
+typedef __m256 vec;
+#define LANES 8
+#define vec_zero _mm256_setzero_ps
+#define vec_load _mm256_loadu_ps
+#define vec_store _mm256_storeu_ps
+#define vec_fma _mm256_fmadd_ps
+#define vec_set1 _mm256_set1_ps
+static inline __m256 vec_fold(vec v) { return v; }
+#endif
+
+/* Values d..d+LANES-1 of K or V row r as fp32 (int8: code * scales[r]); kv is a constant after inlining. */
+static inline __attribute__((always_inline)) vec widen_kv(const void *rows, const float *scales, int64_t r, int64_t d,
+                                                          int64_t dim, int kv) {
+    if (kv == KV_F32) return vec_load((const float *)rows + r * dim + d);
+#if defined(__AVX512F__)
+    if (kv == KV_BF16) {
+        __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)rows + r * dim + d));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    __m128i codes = _mm_loadu_si128((const __m128i *)((const int8_t *)rows + r * dim + d));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(scales[r]));
+#else
     if (kv == KV_BF16) {
         __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)rows + r * dim + d));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
     }
     __m128i codes = _mm_loadl_epi64((const __m128i *)((const int8_t *)rows + r * dim + d));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), _mm256_set1_ps(scales[r]));
+#endif
 }
 
-/* logit[g] = qs_g . k_r for the G4 padded queries qs [G4, dim] (four at a time: one K vector, four FMAs). */
+/* logit[0..n) = q_i . k_r for n (1 to 4, a constant after inlining) queries q [n, dim]: each K vector is loaded once
+ * for the n queries, and the n dot products end in one fold and three horizontal adds. */
+static inline __attribute__((always_inline)) void key_logits(float *restrict logit, const float *restrict q,
+                                                             const void *k_rows, const float *k_scales, int64_t r,
+                                                             int64_t dim, int n, int kv) {
+    vec a[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
+    for (int64_t d = 0; d < dim; d += LANES) {
+        const vec k = widen_kv(k_rows, k_scales, r, d, dim, kv);
+        for (int i = 0; i < n; i++) a[i] = vec_fma(k, vec_load(q + i * dim + d), a[i]);
+    }
+    __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(vec_fold(a[0]), vec_fold(a[1])),
+                                 _mm256_hadd_ps(vec_fold(a[2]), vec_fold(a[3])));
+    float four[4];
+    _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
+    for (int i = 0; i < n; i++) logit[i] = four[i];
+}
+
+/* logit[g] = qs_g . k_r for the G queries qs [G, dim], four at a time (one instantiation per chunk size). */
 static inline __attribute__((always_inline)) void key_logits_avx2(float *restrict logit, const float *restrict qs,
                                                                   const void *k_rows, const float *k_scales,
-                                                                  int64_t r, int64_t group4, int64_t dim, int kv) {
-    for (int64_t g = 0; g < group4; g += 4) {
-        const float *q = qs + g * dim;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 8) {
-            __m256 k = widen8_kv(k_rows, k_scales, r, d, dim, kv);
-            a0 = _mm256_fmadd_ps(k, _mm256_load_ps(q + d), a0);
-            a1 = _mm256_fmadd_ps(k, _mm256_load_ps(q + dim + d), a1);
-            a2 = _mm256_fmadd_ps(k, _mm256_load_ps(q + 2 * dim + d), a2);
-            a3 = _mm256_fmadd_ps(k, _mm256_load_ps(q + 3 * dim + d), a3);
+                                                                  int64_t r, int64_t group, int64_t dim, int kv) {
+    for (int64_t g = 0; g < group; g += 4) {
+        switch (group - g) {
+        case 1: key_logits(logit + g, qs + g * dim, k_rows, k_scales, r, dim, 1, kv); break;
+        case 2: key_logits(logit + g, qs + g * dim, k_rows, k_scales, r, dim, 2, kv); break;
+        case 3: key_logits(logit + g, qs + g * dim, k_rows, k_scales, r, dim, 3, kv); break;
+        default: key_logits(logit + g, qs + g * dim, k_rows, k_scales, r, dim, 4, kv);
         }
-        __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-        _mm_store_ps(logit + g, _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
     }
 }
 
 /* Columns d..d+63 of n queries' accumulators a [n, dim] (row stride dim) += sum over the valid slots t in
- * [t0, t1) of w[i * slots + t] * v_t. n is a constant (1 to 3) after inlining, so the 8n accumulators stay in
- * registers (24 of the 32 with AVX-512VL's upper ones; an AVX2-only CPU spills some). */
+ * [t0, t1) of w[i * slots + t] * v_t. n is a constant (1 to 3) after inlining, so the 64n / LANES accumulators stay
+ * in registers (24 of the 32 with AVX-512VL's upper ones in 256-bit code; an AVX2-only CPU spills some). */
+#define COLUMN_VECS (64 / LANES)
 static inline __attribute__((always_inline)) void value_columns(float *restrict a, const float *restrict w,
                                                                 const void *v_rows, const float *v_scales,
                                                                 const int64_t *restrict idx,
                                                                 const uint8_t *restrict ok, int64_t t0, int64_t t1,
                                                                 int64_t last, int64_t d, int64_t dim, int64_t slots,
                                                                 int n, int kv) {
-    __m256 s[3][8];
+    vec s[3][COLUMN_VECS];
     for (int i = 0; i < n; i++)
-        for (int j = 0; j < 8; j++) s[i][j] = _mm256_loadu_ps(a + i * dim + 8 * j);
+        for (int j = 0; j < COLUMN_VECS; j++) s[i][j] = vec_load(a + i * dim + LANES * j);
     for (int64_t t = t0; t < t1; t++) {
         if (!ok[t]) continue;
         if (d == 0 && t + PREFETCH_SLOTS < last && ok[t + PREFETCH_SLOTS])
             prefetch_row(v_rows, idx[t + PREFETCH_SLOTS], dim, kv);
-        __m256 v[8];
-        for (int j = 0; j < 8; j++) v[j] = widen8_kv(v_rows, v_scales, idx[t], d + 8 * j, dim, kv);
+        vec v[COLUMN_VECS];
+        for (int j = 0; j < COLUMN_VECS; j++) v[j] = widen_kv(v_rows, v_scales, idx[t], d + LANES * j, dim, kv);
         for (int i = 0; i < n; i++) {
-            const __m256 wi = _mm256_broadcast_ss(w + i * slots + t);
-            for (int j = 0; j < 8; j++) s[i][j] = _mm256_fmadd_ps(wi, v[j], s[i][j]);
+            const vec wi = vec_set1(w[i * slots + t]);
+            for (int j = 0; j < COLUMN_VECS; j++) s[i][j] = vec_fma(wi, v[j], s[i][j]);
         }
     }
     for (int i = 0; i < n; i++)
-        for (int j = 0; j < 8; j++) _mm256_storeu_ps(a + i * dim + 8 * j, s[i][j]);
+        for (int j = 0; j < COLUMN_VECS; j++) vec_store(a + i * dim + LANES * j, s[i][j]);
 }
 
 /* acc [G, dim] += sum over the valid slots t in [first, last) of weights[g * slots + t] * v_t: per block of

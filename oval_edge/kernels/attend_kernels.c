@@ -63,16 +63,14 @@ static inline __attribute__((always_inline)) void attend_piece(
     const float *restrict qh, const void *k_rows, const void *v_rows, const int64_t *restrict idx,
     const uint8_t *restrict ok, int64_t first, int64_t last, int64_t group, int64_t dim, int64_t slots, float scale,
     float *restrict weights, float *restrict part, const float *k_scales, const float *v_scales, int kv) {
-    float row[MAX_DIM] __attribute__((aligned(32)));
+    float row[MAX_DIM];
     float acc[MAX_GROUP * MAX_DIM];
     float peak[MAX_GROUP], total[MAX_GROUP];
-    float logit[MAX_GROUP] __attribute__((aligned(16))); /* [G4]: one slot's logits */
+    float logit[MAX_GROUP]; /* [G]: one slot's logits */
     for (int64_t g = 0; g < group; g++) peak[g] = -3.0e38f;
-    /* The queries times scale * log2 e, zero rows up to G4 (a multiple of 4): [G4, D] (attend_avx2.h dots each K
-     * vector with four of them). */
-    float qs[MAX_GROUP * MAX_DIM] __attribute__((aligned(32)));
-    const int64_t group4 = (group + 3) / 4 * 4;
-    for (int64_t j = 0; j < group4 * dim; j++) qs[j] = j < group * dim ? scale * LOG2_E * qh[j] : 0.0f;
+    /* The queries times scale * log2 e: [G, D]. */
+    float qs[MAX_GROUP * MAX_DIM];
+    for (int64_t j = 0; j < group * dim; j++) qs[j] = scale * LOG2_E * qh[j];
     int64_t seen = 0;
     /* Logits in log2 units. Unread slots get -3e38: weight ~1e-38, and their values are never read. */
     for (int64_t t = first; t < last; t++) {
@@ -83,7 +81,7 @@ static inline __attribute__((always_inline)) void attend_piece(
         if (t + PREFETCH_SLOTS < last) prefetch_row(k_rows, idx[t + PREFETCH_SLOTS], dim, kv);
 #ifdef ATTEND_AVX2_READY
         if (attend_avx2_takes(dim)) { /* a constant test for dims 64 and 128 */
-            key_logits_avx2(logit, qs, k_rows, k_scales, idx[t], group4, dim, kv);
+            key_logits_avx2(logit, qs, k_rows, k_scales, idx[t], group, dim, kv);
         } else
 #endif
         {
