@@ -26,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from .huge_pages import pool_tensor
 from .int8 import dequantize_rows, quantize_rows
 
 # mean [D] and box [2, r] in the pool's dtype; basis B^T [r, D] int8 codes with a scale per row [r] fp32.
@@ -39,11 +40,11 @@ def allocate_group_records(geometry, num_pages: int, dtype: torch.dtype, device)
         return {}
     lead = (g.paged_layers, num_pages, g.kv_heads)
     return {
-        "group_mean": torch.zeros(lead + (g.head_dim,), dtype=dtype, device=device),  # [L, pages, Hkv, D]
+        "group_mean": pool_tensor(lead + (g.head_dim,), dtype, device),  # [L, pages, Hkv, D]
         # [L, pages, Hkv, r, D] int8 codes
-        "group_basis": torch.zeros(lead + (g.rank, g.head_dim), dtype=torch.int8, device=device),
-        "group_bounds": torch.zeros(lead + (2, g.rank), dtype=dtype, device=device),  # [L, pages, Hkv, 2, r]
-        "group_scales": torch.ones(lead + (g.rank,), dtype=torch.float32, device=device),  # [L, pages, Hkv, r]
+        "group_basis": pool_tensor(lead + (g.rank, g.head_dim), torch.int8, device),
+        "group_bounds": pool_tensor(lead + (2, g.rank), dtype, device),  # [L, pages, Hkv, 2, r]
+        "group_scales": pool_tensor(lead + (g.rank,), torch.float32, device, fill=1.0),  # [L, pages, Hkv, r]
     }
 
 

@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import torch
 
+from .huge_pages import pool_tensor
+
 RECORD_NAMES = ("mean", "basis", "coords", "scales")
 INT8_LEVELS, INT4_LEVELS = 127, 7
 
@@ -47,15 +49,15 @@ def allocate_records(geometry, num_pages: int, dtype: torch.dtype, device: torch
     g = geometry
     lead = (g.paged_layers, g.kv_heads, num_pages)
     if g.record == "float":
-        return {"mean": torch.zeros(lead + (g.head_dim,), dtype=dtype, device=device),
-                "basis": torch.zeros(lead + (g.rank, g.head_dim), dtype=dtype, device=device),
-                "coords": torch.zeros(lead + (g.rank, g.page_size), dtype=dtype, device=device)}
+        return {"mean": pool_tensor(lead + (g.head_dim,), dtype, device),
+                "basis": pool_tensor(lead + (g.rank, g.head_dim), dtype, device),
+                "coords": pool_tensor(lead + (g.rank, g.page_size), dtype, device)}
     packed = torch.int8 if g.record == "int8" else torch.uint8
     width = 1 if g.record == "int8" else 2
-    return {"mean": torch.zeros(lead + (g.head_dim,), dtype=torch.int8, device=device),
-            "basis": torch.zeros(lead + (g.rank, g.head_dim // width), dtype=packed, device=device),
-            "coords": torch.zeros(lead + (g.rank, g.page_size // width), dtype=packed, device=device),
-            "scales": torch.zeros(lead + (1 + 2 * g.rank,), dtype=torch.float32, device=device)}
+    return {"mean": pool_tensor(lead + (g.head_dim,), torch.int8, device),
+            "basis": pool_tensor(lead + (g.rank, g.head_dim // width), packed, device),
+            "coords": pool_tensor(lead + (g.rank, g.page_size // width), packed, device),
+            "scales": pool_tensor(lead + (1 + 2 * g.rank,), torch.float32, device)}
 
 
 def record_format(basis: torch.Tensor) -> str:

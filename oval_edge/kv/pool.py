@@ -21,6 +21,7 @@ import torch
 from oval_edge.geometry import KVGeometry, seal_chunk_pages
 from oval_edge.pool_sizing import PoolSizing
 
+from .huge_pages import pool_tensor
 from .int8 import Int8Pages
 from .prefix_cache import PrefixLedger, page_hashes
 from .ring import SlidingRings
@@ -69,8 +70,8 @@ class PagePool(PoolViews):
         records = frames + (store.blocks if store is not None else 0)  # every page's record, stored ones too
         shape = (g.paged_layers, frames, g.kv_heads, g.page_size, g.head_dim)
         # The only allocations the pool ever makes: everything below is written in place.
-        self.k = torch.zeros(shape, dtype=torch.int8 if g.kv_int8 else dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.k.dtype, device=self.device)
+        self.k = pool_tensor(shape, torch.int8 if g.kv_int8 else dtype, self.device)
+        self.v = pool_tensor(shape, self.k.dtype, self.device)
         # int8: scales and open pages' keys (int8.py); stage_pages: the engine's need, else 2 x sequences + 8.
         self.int8 = Int8Pages(g, frames, stage_pages or 2 * (ring_sequences or 8) + 8, dtype,
                               self.device) if g.kv_int8 else None
