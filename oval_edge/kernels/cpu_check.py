@@ -37,7 +37,8 @@ def random_records(gen: torch.Generator, hkv: int, pages: int, rank: int, dim: i
 def self_check(kernels: NativeKernels) -> str | None:
     """Both kernels against the torch code they replace, on a small random case in each pool dtype."""
     gen = torch.Generator().manual_seed(0)
-    hkv, group, dim, rank, page_size, pages = 2, 3, 64, 4, 16, 6
+    # page_size 32: the shape every vector body takes (score_int4_avx512.h needs multiples of 32)
+    hkv, group, dim, rank, page_size, pages = 2, 3, 64, 4, 32, 6
     q = torch.randn(2, hkv, group, dim, generator=gen)
     table = torch.tensor([[4, 1, 3], [0, 5, 2]])
     flat = torch.randint(0, pages * hkv * page_size, (2, hkv, 40), generator=gen)

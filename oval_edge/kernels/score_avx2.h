@@ -129,6 +129,10 @@ static inline __attribute__((always_inline)) float score_page_avx2(
     return page_score(hsum8(total8), peak);
 }
 
+#if defined(__AVX512F__)
+#include "score_int4_avx512.h"
+#endif
+
 /* Bytes from element `first` of a record tensor in format fmt, fetched into the cache ahead of use. Why: a page's
  * record lies in four tensors (mean, basis, coordinates, scales), and the pages a two-level table lists come in runs
  * of group_pages scattered over the pool; without it each run began with four stalls on DRAM (perf put the hottest
@@ -174,6 +178,13 @@ static inline __attribute__((always_inline)) void score_range(const struct score
             }
             int64_t record = h * job->pages_total + job->page_table[b * num_pages + n];
             const float *sc = fmt >= FMT_INT8 ? job->scales + record * (1 + 2 * rank) : NULL;
+#ifdef SCORE_INT4_WIDE_READY
+            if (fmt == FMT_INT4 && int4_wide_takes(dim, rank, page_size))
+                job->out[item] = score_page_int4_wide(job->qs + bh * group4 * dim, job->qbs + bh * group4 * dim,
+                                                      job->mean, job->basis, job->coords, sc, record, job->group,
+                                                      group4, dim, rank, page_size);
+            else
+#endif
             job->out[item] = score_page_avx2(job->qs + bh * group4 * dim, job->qbs + bh * group4 * dim, job->mean,
                                              job->basis, job->coords, sc, record, job->group, group4, dim, rank,
                                              page_size, fmt);
@@ -233,6 +244,9 @@ static int oval_scores_avx2(const float *restrict q, const float *restrict qb, c
             qs[bh * group4 * dim + j] = unit * q[bh * group * dim + j];
             qs[block + bh * group4 * dim + j] = unit * qb[bh * group * dim + j];
         }
+#ifdef SCORE_INT4_WIDE_READY
+    if (fmt == FMT_INT4 && int4_wide_takes(dim, rank, page_size)) deinterleave_int4(qs + block, pairs * group4, dim);
+#endif
     const struct score_job job = {qs, qs + block, mean, basis, coords, scales, page_table, counts, kv_heads, group,
                                   group4, dim, rank, page_size, num_pages, pages_total, out};
     score_range_fn range = fmt == FMT_F32 ? pick_f32(dim, rank, page_size)
