@@ -100,7 +100,8 @@ def test_attention_split_over_the_team_equals_gather_then_attend(kernels, monkey
 def test_scoring_runs_the_avx2_body_where_the_cpu_has_avx2(kernels):
     with open("/proc/cpuinfo", encoding="utf-8") as info:
         flags = next((line.split() for line in info if line.startswith("flags")), [])
-    assert kernels.scoring_body == ("avx2" if {"avx2", "fma"} <= set(flags) else "plain")
+    vector = {"avx2", "fma"} <= set(flags)
+    assert kernels.scoring_body == ("plain" if not vector else "avx2 + avx512 int4" if "avx512f" in flags else "avx2")
 
 
 def test_a_head_with_no_valid_slot_gets_zeros_and_invalid_slots_are_never_read(kernels):

@@ -45,6 +45,9 @@ _ATTEND_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64
 ATTEND_SUFFIX = {**ELEMENT_SUFFIX, torch.int8: "int8"}
 
 
+SCORING_BODIES = ("plain", "avx2", "avx2 + avx512 int4")  # by oval_scores_vectorised()'s code
+
+
 class NativeKernels:
     """Typed entry points of the loaded library. Each returns None for inputs it does not take (another device
     or dtype, shapes above the limits the C file defines), so the caller runs its torch code instead."""
@@ -64,7 +67,8 @@ class NativeKernels:
         self._grouped.argtypes, self._grouped.restype = _GROUPED_ARGS, ctypes.c_int
         vectorised = library.oval_scores_vectorised
         vectorised.argtypes, vectorised.restype = [], ctypes.c_int
-        self.scoring_body = "avx2" if vectorised() else "plain"  # which body scores pages (score_kernels.c)
+        # which body scores pages (score_kernels.c; int4 records on 512-bit vectors where the build has AVX-512F)
+        self.scoring_body = SCORING_BODIES[vectorised()]
         self._rms_norm = library.rms_norm_f32
         self._rms_norm.argtypes, self._rms_norm.restype = [_ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr], ctypes.c_int
         self._select = library.select_slots

@@ -206,9 +206,12 @@ int oval_scores_bf16(SCORE_ARGS) { SCORE_CALL(FMT_BF16) }
 int oval_scores_int8(SCORE_ARGS) { SCORE_CALL(FMT_INT8) }
 int oval_scores_int4(SCORE_ARGS) { SCORE_CALL(FMT_INT4) }
 
-/* Which body scores (for the startup report and the tests): 1 when the AVX2 body was built in, else 0. */
+/* Which body scores (for the startup report and the tests): 2 when the AVX2 body and the AVX-512 int4 one
+ * (score_int4_avx512.h) were built in, 1 for the AVX2 body alone, else 0. */
 int oval_scores_vectorised(void) {
-#ifdef SCORE_AVX2_READY
+#if defined(SCORE_INT4_WIDE_READY)
+    return 2;
+#elif defined(SCORE_AVX2_READY)
     return 1;
 #else
     return 0;
