@@ -11,6 +11,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -80,6 +81,38 @@ def test_failed_worker_becomes_an_error_row(tmp_path):
     assert row["engine"] == "no-such-engine" and "unknown" in row["error"]
     rows = aggregate([row])
     assert rows[0]["runs_ok"] == 0 and rows[0]["decode_tok_s"] is None and rows[0]["errors"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_dies_with_a_killed_bench(tmp_path):
+    """SIGKILL on the parent (no cleanup runs) still ends the child that called die_with_parent."""
+    child = ("import os, sys, time; from oval_edge.tools.bench.worker import die_with_parent; "
+             "die_with_parent(int(sys.argv[1])); open(sys.argv[2], 'w').close(); time.sleep(120)")
+    parent = ("import os, subprocess, sys, time; "
+              f"p = subprocess.Popen([sys.executable, '-c', {child!r}, str(os.getpid()), sys.argv[1]]); "
+              "print(p.pid, flush=True); time.sleep(120)")
+    ready = tmp_path / "ready"
+    bench = subprocess.Popen([sys.executable, "-c", parent, str(ready)], stdout=subprocess.PIPE, text=True)
+    worker_pid = int(bench.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists() and _alive(worker_pid)
+    bench.kill()
+    bench.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker_pid), "the worker outlived its bench"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaps yet counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
 
 
 def test_llamacpp_worker_modules_do_not_import_torch():

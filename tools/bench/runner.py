@@ -72,7 +72,7 @@ def run_worker(job: dict, workdir: str, timeout_s: float) -> dict:
     job_path, result_path = (os.path.join(workdir, f"{stem}.{kind}.json") for kind in ("job", "result"))
     log_path = os.path.join(workdir, f"{stem}.log")
     with open(job_path, "w", encoding="utf-8") as handle:
-        json.dump(job, handle)
+        json.dump({**job, "parent_pid": os.getpid()}, handle)  # the worker dies with this process (worker.py)
     base = {"engine": job["engine"], "context": job["context"], "run": job["run"]}
     with open(log_path, "w", encoding="utf-8") as log:
         try:
