@@ -25,10 +25,7 @@ typedef __m512 vec;
 #define vec_store _mm512_storeu_ps
 #define vec_fma _mm512_fmadd_ps
 #define vec_set1 _mm512_set1_ps
-/* The 16 lanes folded to 8 (pairwise sums). */
-static inline __m256 vec_fold(vec v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
+static inline __m256 vec_fold(vec v) { return fold16(v); } /* kernel_math.h */
 #else
 typedef __m256 vec;
 #define LANES 8

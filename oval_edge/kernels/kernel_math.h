@@ -25,17 +25,19 @@ static inline float widen_bf16(uint16_t h) {
  * |f| <= 1/2, 2^f by its Taylor series to degree 6 (relative error < 1.3e-7, about fp32's rounding), 2^n from
  * the exponent bits. x is clamped at -126, so terms below 2^-126 count as 2^-126 (~1e-38): next to the largest
  * term, which is 1, that changes no sum, and unread slots are skipped by the caller, not weighted by this. */
+/* 2^f of that series by Horner's rule, written once for every vector width: FMA(a, b, c) = a * b + c and SET1(c)
+ * a constant of the width (score_avx2.h's 8 lanes, score_int4_avx512.h's 16). Coefficients ln2^k / k!, k = 6..0. */
+#define EXP2_TAYLOR(FMA, SET1, f)                                                                              \
+    FMA(FMA(FMA(FMA(FMA(FMA(SET1(1.5403530e-04f), f, SET1(1.3333558e-03f)), f, SET1(9.6181291e-03f)), f,      \
+                    SET1(5.5504109e-02f)), f, SET1(2.4022651e-01f)), f, SET1(6.9314718e-01f)), f, SET1(1.0f))
+#define SCALAR_FMA(a, b, c) ((a) * (b) + (c))
+#define SCALAR_SET1(c) (c)
+
 static inline float exp2_nonpositive(float x) {
     float clamped = x < -126.0f ? -126.0f : x;
     float n = __builtin_floorf(clamped + 0.5f);
     float f = clamped - n;
-    float p = 1.5403530e-04f;                    /* ln2^6 / 6! */
-    p = p * f + 1.3333558e-03f;                  /* ln2^5 / 5! */
-    p = p * f + 9.6181291e-03f;                  /* ln2^4 / 4! */
-    p = p * f + 5.5504109e-02f;                  /* ln2^3 / 3! */
-    p = p * f + 2.4022651e-01f;                  /* ln2^2 / 2! */
-    p = p * f + 6.9314718e-01f;                  /* ln2 */
-    p = p * f + 1.0f;
+    float p = EXP2_TAYLOR(SCALAR_FMA, SCALAR_SET1, f);
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
@@ -57,6 +59,13 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#if defined(__AVX512F__)
+/* 16 lanes folded to 8 (pairwise sums): where a 512-bit sum meets the 256-bit horizontal adds. */
+static inline __attribute__((always_inline)) __m256 fold16(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
 
 /* Dot products of one row with several queries, each row vector loaded once for all of them (score_avx2.h's page
  * scoring, group_kernels.c's coarse bounds). */

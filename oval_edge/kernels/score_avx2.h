@@ -63,13 +63,7 @@ static inline __m256 exp2_nonpositive8(__m256 x) {
     __m256 clamped = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
     __m256 n = _mm256_floor_ps(_mm256_add_ps(clamped, _mm256_set1_ps(0.5f)));
     __m256 f = _mm256_sub_ps(clamped, n);
-    __m256 p = _mm256_set1_ps(1.5403530e-04f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-02f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = EXP2_TAYLOR(_mm256_fmadd_ps, _mm256_set1_ps, f);
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }

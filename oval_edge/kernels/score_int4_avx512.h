@@ -36,11 +36,6 @@ static inline __attribute__((always_inline)) void widen32_int4(const uint8_t *sr
     *odd = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), bias));
 }
 
-/* 16 lanes folded to 8 (pairwise sums). */
-static inline __attribute__((always_inline)) __m256 fold16(__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-
 /* Four 16-lane sums -> [4]: each folded to 8 lanes, then three horizontal adds. */
 static inline __attribute__((always_inline)) __m128 reduce4_wide(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(fold16(a0), fold16(a1)), _mm256_hadd_ps(fold16(a2), fold16(a3)));
@@ -55,7 +50,8 @@ static inline __attribute__((always_inline)) __m128 dot_int4_row(const uint8_t *
         __m512 even, odd;
         widen32_int4(row + d / 2, &even, &odd);
         a0 = _mm512_fmadd_ps(odd, _mm512_loadu_ps(q + d + 16), _mm512_fmadd_ps(even, _mm512_loadu_ps(q + d), a0));
-        a1 = _mm512_fmadd_ps(odd, _mm512_loadu_ps(q + dim + d + 16), _mm512_fmadd_ps(even, _mm512_loadu_ps(q + dim + d), a1));
+        a1 = _mm512_fmadd_ps(odd, _mm512_loadu_ps(q + dim + d + 16),
+                             _mm512_fmadd_ps(even, _mm512_loadu_ps(q + dim + d), a1));
         a2 = _mm512_fmadd_ps(odd, _mm512_loadu_ps(q + 2 * dim + d + 16),
                              _mm512_fmadd_ps(even, _mm512_loadu_ps(q + 2 * dim + d), a2));
         if (n == 4)
@@ -85,13 +81,7 @@ static inline __m512 exp2_nonpositive16(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(clamped, _mm512_set1_ps(0.5f)),
                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(clamped, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-04f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512 p = EXP2_TAYLOR(_mm512_fmadd_ps, _mm512_set1_ps, f);
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
@@ -131,7 +121,8 @@ static inline __attribute__((always_inline)) float score_page_int4_wide(
         for (int64_t p = 0; p < page_size; p += 16) {
             __m512 acc = base;
             for (int64_t i = 0; i < rank; i++)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(projected[i * group4 + g]), _mm512_load_ps(coord + i * page_size + p), acc);
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(projected[i * group4 + g]),
+                                      _mm512_load_ps(coord + i * page_size + p), acc);
             _mm512_store_ps(logits + g * page_size + p, acc);
             peak16 = _mm512_max_ps(peak16, acc);
         }

@@ -6,9 +6,9 @@ boundary. On 2 MiB pages a dense layer at 32k tokens read its K/V ~20% faster on
 VM: 0.70 -> 0.59 ms). Linux's default THP mode is `madvise`: a range gets huge pages only when asked, before it is
 first touched. So the tensor is allocated untouched (torch.empty: glibc maps large blocks fresh from the kernel),
 its 2 MiB-aligned interior is advised, and only then is it filled. (A tensor under glibc's mmap threshold, at most
-32 MiB, may reuse heap memory the process touched before; those pages stay small.) Where the advice is not available (another OS,
-THP `never`, a GPU tensor, a tensor under 2 MiB) this is torch.full, nothing else changes: it is a hint, and the
-bytes allocated are the same either way.
+32 MiB, may reuse heap memory the process touched before; those pages stay small.) Where the advice is not
+available (another OS, THP `never`, a GPU tensor, a tensor under 2 MiB) this is torch.full, nothing else changes:
+it is a hint, and the bytes allocated are the same either way.
 """
 from __future__ import annotations
 
