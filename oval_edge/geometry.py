@@ -15,6 +15,9 @@ SUMMARY_KINDS = ("oval", "quest")
 # per page and head for the mean and one per basis vector and coordinate row (oval_edge/kv/page_record.py).
 RECORD_FORMATS = ("float", "int8", "int4")
 RECORD_SCALE_BYTES = 4
+# Two-level scoring's coarse record slots (kv/group_slots.py): this many per group_pages pages, and an int64 entry
+# per page in the page -> slot map.
+SLOTS_PER_GROUP, GROUP_SLOT_MAP_BYTES = 2, 8
 # kv_int8: each K and V row (one token, one KV head: head_dim values) is stored as int8 codes and one fp32 scale.
 KV_SCALE_BYTES = 4
 
@@ -169,8 +172,13 @@ class KVGeometry:
 
     @property
     def summary_bytes_per_page(self) -> int:
-        """Summaries stored per page: its records, and a coarse record slot when grouped (the group's last page's)."""
-        return self.paged_layers * self.kv_heads * (self.summary_bytes_per_head() + self.group_record_bytes())
+        """Summaries stored per page: its records, and when grouped its share of the coarse record slots
+        (kv/group_slots.py: SLOTS_PER_GROUP per group_pages pages, rounded up) and its entry in the slot map."""
+        fine = self.paged_layers * self.kv_heads * self.summary_bytes_per_head()
+        if not self.group_pages:
+            return fine
+        coarse = self.paged_layers * self.kv_heads * self.group_record_bytes() * SLOTS_PER_GROUP
+        return fine + -(-coarse // self.group_pages) + GROUP_SLOT_MAP_BYTES
 
     @property
     def bytes_per_page(self) -> int:

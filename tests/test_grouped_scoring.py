@@ -9,8 +9,8 @@ import torch
 from test_static_step import engine_for, prefill, static_equals_eager, tiny_folder, traced_step  # noqa: F401
 
 from oval_edge import OvalConfig
-from oval_edge.geometry import KVGeometry
-from oval_edge.kv.group_record import GROUP_NAMES, group_record, stored_group_record
+from oval_edge.geometry import SLOTS_PER_GROUP, KVGeometry
+from oval_edge.kv.group_record import GROUP_NAMES, GROUP_SLOT, group_record, stored_group_record
 from oval_edge.kernels.cpu_check import random_records
 from oval_edge.kv.pool import PagePool
 from oval_edge.sparse.grouped import coarse_scores, grouped_reference, uses_groups
@@ -30,7 +30,8 @@ def test_config_and_geometry_validate_groups():
     grouped = KVGeometry(2, 3, 64, 32, "bfloat16", rank=4, group_pages=16)
     # mean and box in bf16, the basis int8 with an fp32 scale per row
     assert grouped.group_record_bytes() == (64 + 8) * 2 + 4 * 64 + 4 * 4 and flat.group_record_bytes() == 0
-    assert grouped.summary_bytes_per_page == flat.summary_bytes_per_page + 2 * 3 * grouped.group_record_bytes()
+    # a page's share of the coarse slots (2 per 16 pages, every layer and KV head) and its entry in the slot map
+    assert grouped.summary_bytes_per_page == flat.summary_bytes_per_page + -(-2 * 2 * 3 * 416 // 16) + 8
     # 256 pages = 16 groups: 16 coarse records + the fine records of 8 + 1 groups, against 256 fine records
     assert flat.scoring_bytes(256, 8) == 256 * flat.summary_bytes_per_head()
     assert grouped.scoring_bytes(256, 8) == 16 * grouped.group_record_bytes() + 144 * grouped.summary_bytes_per_head()
@@ -93,11 +94,14 @@ def test_the_pool_builds_each_group_record_when_its_last_page_seals():
         group = table[j * 4 : (j + 1) * 4]
         keys = pool.k[:, group].permute(0, 2, 1, 3, 4).reshape(-1, 4 * 16, 16)  # [L*Hkv, T, D]
         mean, basis_t, bounds = group_record(keys, g.rank)
-        stored = pool.summaries["group_mean"][:, group[-1]].reshape(-1, 16)
-        torch.testing.assert_close(stored, mean, atol=1e-5, rtol=0)
-        torch.testing.assert_close(pool.summaries["group_bounds"][:, group[-1]].reshape(-1, 2, 4), bounds,
+        slot = int(pool.group_slots.slot_of[group[-1]])
+        assert slot >= 0
+        torch.testing.assert_close(pool.summaries["group_mean"][:, slot].reshape(-1, 16), mean, atol=1e-5, rtol=0)
+        torch.testing.assert_close(pool.summaries["group_bounds"][:, slot].reshape(-1, 2, 4), bounds,
                                    atol=1e-4, rtol=1e-4)
-    assert pool.summaries["group_mean"][:, table[17]].abs().sum() == 0  # the unfinished group has no record yet
+    assert int(pool.group_slots.slot_of[table[17]]) == -1  # the unfinished group has no record yet
+    # the pool holds 2 record slots per 4 pages, not one a page
+    assert pool.summaries["group_mean"].shape[1] == SLOTS_PER_GROUP * 64 // 4 and pool.group_slots.used == 4
     pool.check_invariants()
 
 
@@ -131,17 +135,21 @@ def test_native_two_level_kernel_equals_the_torch_reference(kernels, fmt, dtype)
     gen = torch.Generator().manual_seed(3)
     hkv, group, dim, rank, page_size, pages = 3, 3, 64, 8, 32, 300
     records = random_records(gen, hkv, pages, rank, dim, page_size, fmt, dtype)
-    record = group_record(torch.randn(pages * hkv, 256, dim, generator=gen), rank)
-    coarse = stored_group_record(*(t.view(pages, hkv, *t.shape[1:]) for t in record), dtype)  # [pages, Hkv, ...]
-    summaries = {name: t[None] for name, t in zip(GROUP_NAMES, coarse)}
+    slots = pages // 2
+    record = group_record(torch.randn(slots * hkv, 256, dim, generator=gen), rank)
+    coarse = stored_group_record(*(t.view(slots, hkv, *t.shape[1:]) for t in record), dtype)  # [slots, Hkv, ...]
     page_table = torch.stack([torch.randperm(pages, generator=gen)[:256] for _ in range(3)])  # [B, Np]
+    slot_of = torch.randint(0, slots, (pages,), generator=gen)
+    slot_of[page_table[0, 3 * 8 - 1]] = -1  # row 0's group 2 has no record: kept whatever the others bound
+    coarse = (*coarse, slot_of)
+    summaries = {**{name: t[None] for name, t in zip(GROUP_NAMES, coarse)}, GROUP_SLOT: slot_of}
     sealed = torch.tensor([250, 61, 19])  # 31, 7 and 2 complete groups of 8; top 5
     q = torch.randn(3, hkv, group, dim, generator=gen)
     want = grouped_reference(q, summaries, 0, page_table, sealed, 0.125, 8, 5,
                           lambda t, n: record_scores(q, records, t, 0.125))
     got = kernels.grouped_scores(q, coarse, records, page_table, sealed, 0.125, 8, 5)
     kept = want > float("-inf")
-    assert torch.equal(got > float("-inf"), kept)
+    assert torch.equal(got > float("-inf"), kept) and bool(kept[0, :, 16:24].all())
     assert kept.sum(-1).tolist() == [[5 * 8 + 2] * 3, [5 * 8 + 5] * 3, [2 * 8 + 3] * 3]
     torch.testing.assert_close(got[kept], want[kept], atol=1e-5, rtol=1e-5)
 

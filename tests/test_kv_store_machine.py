@@ -6,6 +6,9 @@ the page lives, and the pool's and the store's bookkeeping invariants hold after
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -36,8 +39,6 @@ def row_values(tokens: list[int], positions: list[int], layer: int, which: int) 
 class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        import tempfile
-
         self.folder = tempfile.mkdtemp(prefix="oval-store-")
         self.pool = PagePool(GEOMETRY, 10, prefix_salt=b"machine", store=_store(self.folder, GEOMETRY, 30),
                              store_layout=StoreLayout(recall_pages=3, sink_pages=1, window_pages=1,
@@ -51,6 +52,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.pool.check_invariants()
         assert self.pool.store.stored_pages() == 0 and self.pool.num_used == 0
         self.pool.store.store.close()
+        shutil.rmtree(self.folder)  # one folder per example: hypothesis runs hundreds
 
     @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))
     def allocate(self, prompt):

@@ -35,9 +35,10 @@ _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
 _SCORE_ARGS = [_ptr] * 7 + [_i64] * 8 + [ctypes.c_float, _ptr, _i64]
 # oval_grouped_scores (group_kernels.c): q, the coarse records (mean, basis, bounds, scales) and their float dtype flag,
-# the fine records and their format,
+# the page -> slot map and the slot count, the fine records and their format,
 # page table, sealed, then B, Hkv, G, D, r, P, Np, pages, group_pages, top_groups, scale, out, threads.
-_GROUPED_ARGS = [_ptr] * 5 + [_i64] + [_ptr] * 4 + [_i64] + [_ptr] * 2 + [_i64] * 10 + [ctypes.c_float, _ptr, _i64]
+_GROUPED_ARGS = ([_ptr] * 5 + [_i64, _ptr, _i64] + [_ptr] * 4 + [_i64] + [_ptr] * 2 + [_i64] * 10
+                 + [ctypes.c_float, _ptr, _i64])
 RECORD_FORMAT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # group_kernels.c's fmt
 _ATTEND_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
                 _ptr, _ptr, _i64]
@@ -108,17 +109,18 @@ class NativeKernels:
     def grouped_scores(self, q: torch.Tensor, coarse: tuple[torch.Tensor, ...], records, page_table: torch.Tensor,
                        sealed: torch.Tensor, scale: float, group_pages: int, top_groups: int) -> torch.Tensor | None:
         """grouped.grouped_scores in one call (group_kernels.c): q [B, Hkv, G, D]; coarse: one layer's coarse
-        records in group_record.GROUP_NAMES' order (mean [pages, Hkv, D] and bounds [pages, Hkv, 2, r] in fp32 or
-        bf16, basis [pages, Hkv, r, D] int8, scales [pages, Hkv, r] fp32); records: that layer's fine LayerRecords;
+        records in group_record.GROUP_NAMES' order (mean [slots, Hkv, D] and bounds [slots, Hkv, 2, r] in fp32 or
+        bf16, basis [slots, Hkv, r, D] int8, scales [slots, Hkv, r] fp32), then the pool's page -> slot map [pages]
+        int64 (-1: no record); records: that layer's fine LayerRecords;
         page_table [B, Np]; sealed [B] -> scores [B, Hkv, Np] fp32, -inf on pages not scored finely. None for
         inputs it does not take (the caller runs the torch code)."""
         mean, basis, coords, scales = records
-        g_mean, g_basis, g_bounds, g_scales = coarse
+        g_mean, g_basis, g_bounds, g_scales, g_slot = coarse
         b, hkv, group, dim = q.shape
         quantized = scales is not None
         if (basis.dtype not in RECORD_FORMAT_CODE or not records_fit(records)
                 or not on_cpu(q, page_table, sealed, *coarse) or not all(t.is_contiguous() for t in coarse) or g_mean.dtype not in ELEMENT_SUFFIX
-                or g_bounds.dtype != g_mean.dtype or g_basis.dtype != torch.int8 or g_scales.dtype != torch.float32):
+                or g_bounds.dtype != g_mean.dtype or g_basis.dtype != torch.int8 or g_scales.dtype != torch.float32 or g_slot.dtype != torch.int64):
             return None
         pages_total, rank = basis.shape[1], basis.shape[2]
         page_size = record_page_size(records)
@@ -127,7 +129,8 @@ class NativeKernels:
         done = as_dtype(sealed, torch.int64).contiguous()
         out = torch.empty((b, hkv, table.shape[1]), dtype=torch.float32)
         code = self._grouped(q.data_ptr(), g_mean.data_ptr(), g_basis.data_ptr(), g_bounds.data_ptr(),
-                             g_scales.data_ptr(), int(g_mean.dtype == torch.bfloat16),
+                             g_scales.data_ptr(), int(g_mean.dtype == torch.bfloat16), g_slot.data_ptr(),
+                             g_mean.shape[0],
                              mean.data_ptr(), basis.data_ptr(), coords.data_ptr(),
                              scales.data_ptr() if quantized else None, RECORD_FORMAT_CODE[basis.dtype],
                              table.data_ptr(), done.data_ptr(), b, hkv, group, dim, rank, page_size, table.shape[1],

@@ -15,7 +15,7 @@ import torch
 from oval_edge.config import OvalConfig
 from oval_edge.kv.int8 import dequantize_rows, quantize_rows
 from oval_edge.kv.page_record import LayerRecords, encode
-from oval_edge.kv.group_record import GROUP_NAMES, stored_group_record
+from oval_edge.kv.group_record import GROUP_NAMES, GROUP_SLOT, stored_group_record
 from oval_edge.sparse.grouped import grouped_reference
 from oval_edge.sparse.scoring import record_scores
 from oval_edge.sparse.selection import DecodePlan
@@ -145,16 +145,20 @@ def _check_selection(kernels: NativeKernels, gen: torch.Generator) -> str | None
 
 def _check_grouped(kernels: NativeKernels, gen: torch.Generator) -> str | None:
     """oval_grouped_scores against grouped.grouped_scores' torch code: rows with more complete groups than kept and
-    with fewer, coarse records as a bf16 pool stores them, int4 fine records."""
-    hkv, group, dim, rank, page_size, pages, size, keep = 2, 3, 64, 4, 16, 40, 4, 2
+    with fewer, coarse records as a bf16 pool stores them in fewer slots than pages (one group without a record:
+    always kept), int4 fine records."""
+    hkv, group, dim, rank, page_size, pages, slots, size, keep = 2, 3, 64, 4, 16, 40, 20, 4, 2
     records = random_records(gen, hkv, pages, rank, dim, page_size, "int4", torch.float32)
-    coarse = stored_group_record(torch.randn(pages, hkv, dim, generator=gen),
-                                 torch.randn(pages, hkv, rank, dim, generator=gen),
-                                 torch.randn(pages, hkv, 2, rank, generator=gen).sort(dim=2).values,  # lo <= hi
+    coarse = stored_group_record(torch.randn(slots, hkv, dim, generator=gen),
+                                 torch.randn(slots, hkv, rank, dim, generator=gen),
+                                 torch.randn(slots, hkv, 2, rank, generator=gen).sort(dim=2).values,  # lo <= hi
                                  torch.bfloat16)
     table = torch.stack([torch.randperm(pages, generator=gen)[:24] for _ in range(2)])
+    slot_of = torch.randint(0, slots, (pages,), generator=gen)
+    slot_of[table[0, 4 * size - 1]] = -1  # row 0's 4th group has no record
+    coarse = (*coarse, slot_of)
     sealed, q = torch.tensor([22, 9]), torch.randn(2, hkv, group, dim, generator=gen)
-    summaries = {name: t[None] for name, t in zip(GROUP_NAMES, coarse)}
+    summaries = {**{name: t[None] for name, t in zip(GROUP_NAMES, coarse)}, GROUP_SLOT: slot_of}
     want = grouped_reference(q, summaries, 0, table, sealed, 0.125, size, keep,
                           lambda t, n: record_scores(q, records, t, 0.125))
     got = kernels.grouped_scores(q, coarse, records, table, sealed, 0.125, size, keep)

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <float.h>
 #include <math.h>
 #include "kernel_math.h"
 
@@ -97,8 +98,8 @@ static inline __attribute__((always_inline)) void dot_queries(float *restrict ou
  * group_pages pages apart in the pool, so the hardware prefetcher, which follows a stream within a 4 KiB page,
  * misses the start of each record; unprefetched, the coarse level ran at half its in-cache speed (measured). */
 static inline void prefetch_group(const void *basis, int64_t slot, int64_t kv_heads, int64_t rank, int64_t dim,
-                                  int64_t pages_total) {
-    if (slot < 0 || slot >= pages_total) return;
+                                  int64_t slots_total) {
+    if (slot < 0 || slot >= slots_total) return;
     const int64_t bytes = kv_heads * rank * dim; /* int8 codes */
     const char *start = (const char *)basis + slot * bytes;
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(start + off, 0, 3);
@@ -106,13 +107,13 @@ static inline void prefetch_group(const void *basis, int64_t slot, int64_t kv_he
 
 /* A group's mass bound over the row's KV heads, in log2 units (grouped.coarse_scores, then log-sum-exp over the
  * heads): per head h and query g, mu . q + sum_i max(p_i lo_i, p_i hi_i) with p = B^T q, q in log2 units.
- * slot: the coarse record's physical page (the group's last page). */
+ * slot: the coarse record's slot (group_slot of the group's last page; >= 0). */
 static inline __attribute__((always_inline)) float group_mass(
     const float *qs, const void *mean, const void *basis, const float *scales, const void *bounds, int bf16,
     int64_t slot, int64_t kv_heads, int64_t group, int64_t dim, int64_t rank) {
     float bound[MAX_HEADS * MAX_GROUP]; /* bound [Hkv, G]; the caller refused larger shapes */
     for (int64_t h = 0; h < kv_heads; h++) {
-        const int64_t record = slot * kv_heads + h; /* [pages, Hkv, ...] */
+        const int64_t record = slot * kv_heads + h; /* [slots, Hkv, ...] */
         const float *qh = qs + h * group * dim;
         float *bh = bound + h * group, box[2 * MAX_RANK]; /* box [2, r]: the coordinates' min, then max */
         widen_group(box, bounds, record * 2 * rank, 2 * rank, bf16);
@@ -159,16 +160,18 @@ static void top_groups_of(const float *mass, int64_t n, int64_t keep, int64_t *p
 
 /* Two-level scores of q [B, Hkv, G, D] fp32 over page_table [B, Np] (physical pages; sealed [B]: pages with
  * records, in logical order) -> out [B, Hkv, Np] fp32.
- * Coarse records of one layer, [pages_total, Hkv, ...] (group_record.py): mean [D] and bounds [2, r] in fp32 or
- * bf16 (group_bf16), basis B^T [r, D] int8 codes with scales [r] fp32; group j's sits in the slot of its last page,
- * page_table[b, j * group_pages + group_pages - 1].
+ * Coarse records of one layer, [slots_total, Hkv, ...] (group_record.py): mean [D] and bounds [2, r] in fp32 or
+ * bf16 (group_bf16), basis B^T [r, D] int8 codes with scales [r] fp32; group j's sits in slot group_slot[last],
+ * last = page_table[b, j * group_pages + group_pages - 1] (group_slot [pages_total] int64, kv/group_slots.py); a
+ * group whose slot is -1 has no record and ranks above every other (FLT_MAX: always kept).
  * Fine records of the layer and their format fine_fmt (0 fp32, 1 bf16, 2 int8, 3 int4): score_kernels.c's layout.
  * Per row: the complete groups (sealed / group_pages of them) are ranked by their mass bound summed over the KV
  * heads; the top_groups best, and the sealed pages of the unfinished group, are scored with their fine records;
  * every other page gets -inf. Returns 1 for shapes it does not take (the caller falls back to torch), 2 for a page
- * index outside the pool, 3 without memory, or the fine scorer's code. */
+ * index outside the pool or a slot outside -1..slots_total-1, 3 without memory, or the fine scorer's code. */
 int oval_grouped_scores(const float *q, const void *group_mean, const void *group_basis, const void *group_bounds,
-                        const float *group_scales, int64_t group_bf16, const void *mean, const void *basis,
+                        const float *group_scales, int64_t group_bf16, const int64_t *group_slot,
+                        int64_t slots_total, const void *mean, const void *basis,
                         const void *coords, const float *scales, int64_t fine_fmt, const int64_t *page_table,
                         const int64_t *sealed, int64_t batch, int64_t kv_heads, int64_t group, int64_t dim,
                         int64_t rank, int64_t page_size, int64_t num_pages, int64_t pages_total, int64_t group_pages,
@@ -183,8 +186,8 @@ int oval_grouped_scores(const float *q, const void *group_mean, const void *grou
     for (int64_t b = 0; b < batch; b++) {
         const int64_t complete = (sealed[b] < 0 ? 0 : sealed[b]) / group_pages;
         for (int64_t j = 0; j < (complete < ngroups ? complete : ngroups); j++) {
-            int64_t slot = page_table[b * num_pages + j * group_pages + group_pages - 1];
-            if (slot < 0 || slot >= pages_total) return 2;
+            const int64_t last = page_table[b * num_pages + j * group_pages + group_pages - 1];
+            if (last < 0 || last >= pages_total || group_slot[last] < -1 || group_slot[last] >= slots_total) return 2;
         }
     }
     /* scratch: queries in log2 units [B, Hkv, G, D]; masses [B, Ng]; the fine table, its logical pages and
@@ -211,12 +214,13 @@ int oval_grouped_scores(const float *q, const void *group_mean, const void *grou
     for (int64_t item = 0; item < items; item++) {
         const int64_t b = item / ngroups, j = item % ngroups;
         if (j >= (sealed[b] < 0 ? 0 : sealed[b]) / group_pages) continue; /* not complete: never ranked */
-        const int64_t slot = page_table[b * num_pages + j * group_pages + group_pages - 1];
-        if (j + 1 < ngroups) /* the next group's record, while this one is scored */
-            prefetch_group(group_basis, page_table[b * num_pages + (j + 2) * group_pages - 1], kv_heads, rank, dim,
-                           pages_total);
-        mass[item] = group_mass(qs + b * kv_heads * group * dim, group_mean, group_basis, group_scales, group_bounds,
-                                (int)group_bf16, slot, kv_heads, group, dim, rank);
+        const int64_t slot = group_slot[page_table[b * num_pages + j * group_pages + group_pages - 1]];
+        if (j + 1 < ngroups && j + 1 < (sealed[b] < 0 ? 0 : sealed[b]) / group_pages) /* next group's record */
+            prefetch_group(group_basis, group_slot[page_table[b * num_pages + (j + 2) * group_pages - 1]], kv_heads,
+                           rank, dim, slots_total);
+        mass[item] = slot < 0 ? FLT_MAX /* no record: always kept */
+                              : group_mass(qs + b * kv_heads * group * dim, group_mean, group_basis, group_scales,
+                                           group_bounds, (int)group_bf16, slot, kv_heads, group, dim, rank);
     }
 
     /* 2. per row: the best groups' pages, then the unfinished group's sealed ones, compacted to the front */

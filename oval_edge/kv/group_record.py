@@ -1,10 +1,10 @@
 """Coarse records of page groups, for two-level scoring (oval_edge/sparse/grouped.py).
 
 A group is a run of G = geometry.group_pages consecutive logical pages of one sequence. When its last page seals,
-one record is built from the keys of all G*P tokens, per layer and KV head, and stored in the slot of that last
-physical page (the slot exists for every page; only group-last pages use it). Keying by the last page keeps the
-record valid under prefix caching: a page's name hashes every page before it, so a shared last page means a shared
-group.
+one record is built from the keys of all G*P tokens, per layer and KV head, and stored in the record slot the
+pool's GroupSlots map gives that last physical page (group_slots.py: about 2 slots per G pages, not one a page).
+Keying by the last page keeps the record valid under prefix caching: a page's name hashes every page before it, so
+a shared last page means a shared group.
 
 The record is the group's centred key basis with a box around the coordinates:
 
@@ -31,20 +31,21 @@ from .int8 import dequantize_rows, quantize_rows
 
 # mean [D] and box [2, r] in the pool's dtype; basis B^T [r, D] int8 codes with a scale per row [r] fp32.
 GROUP_NAMES = ("group_mean", "group_basis", "group_bounds", "group_scales")
+GROUP_SLOT = "group_slot"  # the pool's page -> slot map [pages] int64 (GroupSlots.slot_of), -1: no record
 
 
-def allocate_group_records(geometry, num_pages: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """The coarse record slots, one per physical page and KV head, allocated once with the pool ({} if flat)."""
+def allocate_group_records(geometry, slots: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """`slots` coarse record slots per layer and KV head, allocated once with the pool ({} if flat)."""
     g = geometry
     if not g.group_pages:
         return {}
-    lead = (g.paged_layers, num_pages, g.kv_heads)
+    lead = (g.paged_layers, slots, g.kv_heads)
     return {
-        "group_mean": pool_tensor(lead + (g.head_dim,), dtype, device),  # [L, pages, Hkv, D]
-        # [L, pages, Hkv, r, D] int8 codes
+        "group_mean": pool_tensor(lead + (g.head_dim,), dtype, device),  # [L, slots, Hkv, D]
+        # [L, slots, Hkv, r, D] int8 codes
         "group_basis": pool_tensor(lead + (g.rank, g.head_dim), torch.int8, device),
-        "group_bounds": pool_tensor(lead + (2, g.rank), dtype, device),  # [L, pages, Hkv, 2, r]
-        "group_scales": pool_tensor(lead + (g.rank,), torch.float32, device, fill=1.0),  # [L, pages, Hkv, r]
+        "group_bounds": pool_tensor(lead + (2, g.rank), dtype, device),  # [L, slots, Hkv, 2, r]
+        "group_scales": pool_tensor(lead + (g.rank,), torch.float32, device, fill=1.0),  # [L, slots, Hkv, r]
     }
 
 
@@ -78,10 +79,15 @@ def group_record(keys: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Ten
 @torch.no_grad()
 def seal_groups(pool, groups: Sequence[Sequence[int]]) -> None:
     """Build the coarse records of complete groups, each given as its G physical pages in logical order, every layer
-    and KV head at once; the record lands in the slot of the group's last page."""
+    and KV head at once; the record lands in the slot pool.group_slots gives the group's last page (a group it has
+    no slot for is left without: grouped.py then always scores its pages finely)."""
     g = pool.geometry
     if not groups or not g.paged_layers:
         return
+    # a record may give way only where no sequence holds the page (free or cached; a later prefix hit rebuilds it)
+    slots = pool.group_slots.assign([group[-1] for group in groups], lambda page: page not in pool.ledger.refs)
+    groups = [group for group, slot in zip(groups, slots) if slot >= 0]
+    slots = [slot for slot in slots if slot >= 0]
     per_batch = max(1, pool.seal_chunk // g.group_pages)  # bounded transient memory, as page sealing
     for i in range(0, len(groups), per_batch):
         batch = groups[i : i + per_batch]
@@ -96,9 +102,9 @@ def seal_groups(pool, groups: Sequence[Sequence[int]]) -> None:
         keys = keys.permute(0, 1, 3, 2, 4, 5).reshape(-1, g.group_pages * g.page_size, g.head_dim)  # [L*n*Hkv, T, D]
         stored = stored_group_record(*group_record(keys, g.rank), pool.summaries["group_mean"].dtype)
         lead = (g.paged_layers, n, g.kv_heads)
-        last = torch.tensor([group[-1] for group in batch], dtype=torch.long, device=pool.device)
+        slot = torch.tensor(slots[i : i + per_batch], dtype=torch.long, device=pool.device)
         for name, value in zip(GROUP_NAMES, stored):
-            pool.summaries[name].index_copy_(1, last, value.view(*lead, *value.shape[1:]))
+            pool.summaries[name].index_copy_(1, slot, value.view(*lead, *value.shape[1:]))
 
 
 def completed_groups(table: Sequence[int], sealed_before: int, sealed_now: int, group_pages: int) -> list[list[int]]:

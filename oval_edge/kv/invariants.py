@@ -31,6 +31,7 @@ def check_pool_invariants(pool) -> None:
         assert pool._sealed[sid] <= pool._lengths[sid] // pool.page_size, f"{sid}: sealed a page not full"
     if pool.rings is not None:
         pool.rings.check_invariants()
+    pool.group_slots.check_invariants()
     if tier is not None:
         check_store_invariants(pool, tier)
 

@@ -25,14 +25,14 @@ from .huge_pages import pool_tensor
 from .int8 import Int8Pages
 from .prefix_cache import PrefixLedger, page_hashes
 from .ring import SlidingRings
-from .page_record import allocate_records
 from .store.page_file import PageStore
 from .store.layout import StoreLayout
 from .store.tier import StoreTier
 from .pool_views import PoolViews
 from .step_index import StepIndex, build_step_index
-from .group_record import allocate_group_records, completed_groups, seal_groups
-from .summaries import seal_pages, stack_output_metric
+from .group_record import completed_groups, seal_groups
+from .group_slots import GroupSlots
+from .summaries import allocate_summaries, seal_pages, stack_output_metric
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,14 +85,8 @@ class PagePool(PoolViews):
                        for layer, i in enumerate(self.paged_index)]
         # layer -> (k, v scales [rows]) of an int8 layer, else None: what attention dequantizes the rows with
         self.scale_rows = [self.int8.scale_rows[i] if self.int8 and i >= 0 else None for i in self.paged_index]
-        self.summaries: dict[str, torch.Tensor] = {}
-        if "quest" in g.summary_kinds:
-            self.summaries["kmin"] = torch.zeros((g.paged_layers, records, g.kv_heads, g.head_dim), dtype=dtype,
-                                                 device=self.device)
-            self.summaries["kmax"] = torch.zeros_like(self.summaries["kmin"])
-        if "oval" in g.summary_kinds:  # head-major records, rank first (page_record.py)
-            self.summaries.update(**allocate_records(g, records, dtype, self.device),
-                                  **allocate_group_records(g, records, dtype, self.device))
+        self.group_slots = GroupSlots.for_pool(g, records, self.device)  # two-level scoring's coarse record slots
+        self.summaries = allocate_summaries(g, records, dtype, self.device, self.group_slots)
         self.output_metric: torch.Tensor | None = None  # G^{1/2} [paged layers, Hkv, D, D] for eta > 0
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: recently freed pages first (warm)
         self._tables: dict[Hashable, list[int]] = {}
@@ -142,7 +136,8 @@ class PagePool(PoolViews):
         if missing:  # deferred summaries (advance), needed now
             self.unsummarized.difference_update(missing)
             self.seal(missing)
-            seal_groups(self, completed_groups(hits, 0, len(hits), self.geometry.group_pages))
+        if scored:  # groups never built (sealed unscored) or whose record slot went to another group
+            seal_groups(self, self.group_slots.lacking(completed_groups(hits, 0, len(hits), self.geometry.group_pages)))
         if not scored:
             self._unscored.add(seq_id)
         pages = hits + [self._take() for _ in range(need)]
@@ -165,6 +160,7 @@ class PagePool(PoolViews):
         page = self._free.pop() if self._free else self.ledger.reclaim()
         self.ledger.take(page)
         self.unsummarized.discard(page)  # rewritten by its new sequence, sealed again when full
+        self.group_slots.release(page)  # so is any group record keyed by it
         return page
 
     def grow(self, seq_id: Hashable, num_tokens: int) -> bool:

@@ -8,6 +8,23 @@ from __future__ import annotations
 import torch
 
 from . import page_record
+from .group_record import GROUP_SLOT, allocate_group_records
+
+
+def allocate_summaries(geometry, pages: int, dtype: torch.dtype, device, group_slots) -> dict[str, torch.Tensor]:
+    """Every summary tensor of a pool of `pages` page records, allocated once: quest's per-channel key bounds
+    [L, pages, Hkv, D], the oval records (page_record.py, head-major) and, with two-level scoring, the coarse
+    records in group_slots' slots and its page -> slot map (group_record.py, group_slots.py)."""
+    g, out = geometry, {}
+    if "quest" in g.summary_kinds:
+        out["kmin"] = torch.zeros((g.paged_layers, pages, g.kv_heads, g.head_dim), dtype=dtype, device=device)
+        out["kmax"] = torch.zeros_like(out["kmin"])
+    if "oval" in g.summary_kinds:
+        out.update(page_record.allocate_records(g, pages, dtype, device),
+                   **allocate_group_records(g, group_slots.count, dtype, device))
+        if group_slots.count:
+            out[GROUP_SLOT] = group_slots.slot_of
+    return out
 
 
 def quest_summary(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

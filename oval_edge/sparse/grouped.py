@@ -5,7 +5,8 @@ config.group_pages = G > 0 the pool also keeps one coarse record per G logical p
 a step then scores
 
     1. every complete group of a row by its coarse bound (logsumexp over the group's query heads, then over the
-       KV heads: one choice of groups per row, so the fine table stays one [B, F] table the kernels take),
+       KV heads: one choice of groups per row, so the fine table stays one [B, F] table the kernels take); a group
+       the pool had no record slot for (kv/group_slots.py) bounds at +inf: it is always kept,
     2. the fine records of the pages of the row's top_groups groups plus the pages of its unfinished group (sealed
        pages not yet in a complete group), F = (top_groups + 1) * G pages,
 
@@ -22,7 +23,7 @@ from typing import Callable
 import torch
 
 from oval_edge.kernels.cpu import decode_kernels
-from oval_edge.kv.group_record import GROUP_NAMES, float_basis
+from oval_edge.kv.group_record import GROUP_NAMES, GROUP_SLOT, float_basis
 from oval_edge.kv.page_record import layer_records
 
 LOG2_E, LN_2 = 1.0 / math.log(2.0), math.log(2.0)  # base-2 logits as in scoring.oval_scores (exp2 is cheaper)
@@ -58,7 +59,7 @@ def grouped_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], layer: i
     if not torch.compiler.is_compiling():
         kernels = decode_kernels(q.device)
         if kernels is not None:  # coarse bounds, the choice of groups and the fine records, read in place
-            coarse = tuple(summaries[name][layer] for name in GROUP_NAMES)
+            coarse = tuple(summaries[name][layer] for name in GROUP_NAMES) + (summaries[GROUP_SLOT],)
             scores = kernels.grouped_scores(q, coarse, layer_records(summaries, layer), page_table, sealed, scale,
                                             group_pages, top_groups)
             if scores is not None:
@@ -75,14 +76,16 @@ def grouped_reference(q: torch.Tensor, summaries: dict[str, torch.Tensor], layer
     groups = num_pages // size
     dev = page_table.device
     last = page_table[:, size - 1 : groups * size : size]  # [B, Ng] each group's last physical page
-    flat = last.reshape(-1)
+    slot = summaries[GROUP_SLOT].index_select(0, last.reshape(-1))  # [B*Ng] its record's slot, -1: none
+    flat = slot.clamp(min=0)
 
     def gather(name: str) -> torch.Tensor:
-        table = summaries[name][layer]  # [pages, Hkv, ...]
+        table = summaries[name][layer]  # [slots, Hkv, ...]
         return table.index_select(0, flat).view(b, groups, *table.shape[1:])
 
     basis_t = float_basis(gather("group_basis"), gather("group_scales"))
-    coarse = coarse_scores(q, gather("group_mean"), basis_t, gather("group_bounds"), scale)
+    coarse = coarse_scores(q, gather("group_mean"), basis_t, gather("group_bounds"), scale)  # [B, Hkv, Ng]
+    coarse = coarse.masked_fill((slot < 0).view(b, 1, groups), float("inf"))  # no record: always kept
     complete = sealed // size  # [B] groups whose last page has sealed
     per_row = torch.logsumexp(coarse, dim=1)  # [B, Ng]: the row's estimated mass in each group, all KV heads
     per_row = per_row.masked_fill(torch.arange(groups, device=dev) >= complete[:, None], float("-inf"))

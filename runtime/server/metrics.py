@@ -72,6 +72,7 @@ class _EngineCollector:
         yield _counter("sparse_layer_steps", "layer-steps decoded with OVAL page selection", stats.sparse_layer_steps)
         yield from _reuse_metrics(getattr(getattr(engine, "runner", None), "reuse", None))
         yield from _prefix_metrics(pool)
+        yield from _group_metrics(pool)
         yield from _store_metrics(pool)
         yield from _router_metrics(stats, total, free)
 
@@ -144,6 +145,14 @@ def _prefix_metrics(pool):
     yield _counter("prefix_cache_hit_tokens", "prompt tokens mapped from cached pages instead of prefilled",
                    stats.hit_tokens)
     yield _counter("prefix_cache_evictions", "cached pages reclaimed for new allocations", stats.evictions)
+
+
+def _group_metrics(pool):
+    """Two-level scoring's coarse record slots (oval_edge/kv/group_slots.py): zero when scoring is flat."""
+    slots = pool.group_slots
+    yield _gauge("group_record_slots_used", f"coarse page-group records held, of {slots.count} slots", slots.used)
+    yield _counter("group_records_missing", "page groups sealed with no free record slot (their pages are scored "
+                   "finely every step instead)", slots.shortfalls)
 
 
 def _store_metrics(pool):
