@@ -48,6 +48,8 @@ def test_health_models_and_metrics(server):
     assert values["oval_edge_kv_pages_total"] == 48 and values["oval_edge_kv_page_size_tokens"] == 16
     assert values["oval_edge_token_limit"] == 512
     assert values["oval_edge_prefix_cache_enabled"] == 1 and "oval_edge_prefix_cache_hit_tokens_total" in values
+    # a 512-token model scores flat: no coarse group records, and the series are there all the same
+    assert values["oval_edge_group_record_slots_used"] == 0 and values["oval_edge_group_records_missing_total"] == 0
 
 
 def test_api_key_is_required(server):
