@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from oval_edge.geometry import KVGeometry
+from oval_edge.kv.group_record import group_record
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.prefix_cache import page_hashes
 
@@ -20,8 +21,8 @@ P = 4
 SALT = b"test-model|nf4"
 
 
-def small_pool(pages: int = 12, salt: bytes | None = SALT) -> PagePool:
-    return PagePool(KVGeometry(1, 1, 8, P, "float32", rank=P - 1), pages, prefix_salt=salt)
+def small_pool(pages: int = 12, salt: bytes | None = SALT, group_pages: int = 0) -> PagePool:
+    return PagePool(KVGeometry(1, 1, 8, P, "float32", rank=P - 1, group_pages=group_pages), pages, prefix_salt=salt)
 
 
 def fill(pool: PagePool, seq, tokens: list[int]) -> None:
@@ -91,12 +92,27 @@ def test_off_without_a_salt_and_without_tokens():
     assert on.num_cached == 0
 
 
+def fill_rows(pool: PagePool, seq, tokens: list[int]) -> None:
+    """fill, writing K/V rows that are a function of (token, position), as real ones are: pages shared by prefix
+    hold the same rows, so a group record built from any of them is the same."""
+    start = pool.length(seq)
+    pool.record_tokens(seq, tokens[start:])
+    step = pool.prepare([seq], [len(tokens) - start])
+    t = torch.tensor(tokens[start:], dtype=torch.float32)[:, None, None]
+    p = torch.arange(start, len(tokens), dtype=torch.float32)[:, None, None]
+    rows = torch.sin(t * 1.9 + p * 0.37 + torch.arange(8, dtype=torch.float32))  # [n, Hkv=1, D=8]
+    pool.write(0, step, rows, rows.cos())
+    pool.commit(step)
+
+
 class PoolMachine(RuleBasedStateMachine):
-    """Random sequences over a few shared prompt prefixes: allocate (with a hit or not), prefill, decode, free."""
+    """Random sequences over a few shared prompt prefixes: allocate (with a hit or not), prefill, decode, free; with
+    two-level scoring's group records (groups of 2 pages: 10 record slots for 10 pages, which no set of live
+    groups can outnumber: each group-last page is distinct)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = small_pool(pages=10)
+        self.pool = small_pool(pages=10, group_pages=2)
         self.tokens: dict[int, list[int]] = {}  # live sequence -> the tokens written so far (or planned)
         self.limit: dict[int, int] = {}
         self.next_id = 0
@@ -108,7 +124,7 @@ class PoolMachine(RuleBasedStateMachine):
         sid, self.next_id = self.next_id, self.next_id + 1
         if self.pool.allocate(sid, len(prompt) + extra, prompt) is not None:
             assert self.pool.length(sid) % P == 0 and self.pool.length(sid) < len(prompt)
-            fill(self.pool, sid, prompt)
+            fill_rows(self.pool, sid, prompt)
             self.tokens[sid], self.limit[sid] = prompt, len(prompt) + extra
 
     @precondition(lambda self: self.tokens)
@@ -117,7 +133,7 @@ class PoolMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
         if len(self.tokens[sid]) < self.limit[sid]:
             self.tokens[sid].append(token)
-            fill(self.pool, sid, self.tokens[sid])
+            fill_rows(self.pool, sid, self.tokens[sid])
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -136,6 +152,13 @@ class PoolMachine(RuleBasedStateMachine):
             for index, page in enumerate(pool.page_table(sid)[: pool.sealed_pages(sid)]):
                 name = pool.ledger.name_of.get(page)
                 assert name is None or name == names[index]
+            table = pool.page_table(sid)
+            for j in range(pool.sealed_pages(sid) // 2):  # each complete group's record: its own group's
+                group = table[2 * j : 2 * j + 2]
+                slot = int(pool.group_slots.slot_of[group[-1]])
+                assert slot >= 0, "a live group has no record"
+                mean = group_record(pool.k[0, group].permute(1, 0, 2, 3).reshape(1, 2 * P, 8), P - 1)[0]
+                torch.testing.assert_close(pool.summaries["group_mean"][0, slot], mean, atol=1e-5, rtol=0)
 
 
 TestPoolMachine = PoolMachine.TestCase
