@@ -221,11 +221,12 @@ def test_memory_meter_reports_whole_life_and_run_peaks():
 
 
 # ---- plan --------------------------------------------------------------------------------------------------
-def test_schedule_alternates_engines_run_by_run():
+def test_schedule_alternates_engines_and_contexts_run_by_run():
     order = schedule((512, 2048), ("oval", "dense", "hf"), runs=2)
     assert [e for e, c, r in order if c == 512] == ["oval", "dense", "hf", "oval", "dense", "hf"]
     assert [r for e, c, r in order if c == 512] == [0, 0, 0, 1, 1, 1]
-    assert len(order) == 12 and [c for _, c, _ in order[6:]] == [2048] * 6
+    assert len(order) == 12 and [c for _, c, _ in order] == [512] * 3 + [2048] * 3 + [512] * 3 + [2048] * 3
+    assert [r for _, _, r in order] == [0] * 6 + [1] * 6  # the long context's runs sit between the short one's
 
 
 def test_parsing_and_validation():

@@ -1,8 +1,10 @@
 """What `oval-edge bench` runs: validated settings, the prompt, and the alternating order of the runs.
 
 Each (engine, context, run) is one job in its own child process. Jobs alternate engine by engine inside a
-context (oval dense hf llama.cpp oval dense …) so that machine noise — another process waking up, the CPU
-clocking down — lands on every engine alike instead of on whichever ran last (DESIGN §8).
+context (oval dense hf llama.cpp oval dense …), and the contexts run by run (run 1 of every context, then run 2 …),
+so that machine noise — another process waking up, the CPU clocking down — lands on every engine and every
+context alike instead of on whichever ran last (DESIGN §8): the ratios bench reports (engine over engine, long
+context over the shortest) compare runs made minutes apart, not a block of runs against another block.
 """
 
 from __future__ import annotations
@@ -196,8 +198,8 @@ def default_threads() -> int:
 
 
 def schedule(contexts: tuple[int, ...], engines: tuple[str, ...], runs: int) -> list[tuple[str, int, int]]:
-    """(engine, context, run) in execution order: per context, run by run, every engine once (A B A B …)."""
-    return [(engine, context, run) for context in contexts for run in range(runs) for engine in engines]
+    """(engine, context, run) in execution order: run by run, every context, every engine once in each (A B A B …)."""
+    return [(engine, context, run) for run in range(runs) for context in contexts for engine in engines]
 
 
 def prompt_length(context: int, gen: int, max_positions: int | None) -> int:
