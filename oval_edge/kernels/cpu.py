@@ -120,7 +120,8 @@ class NativeKernels:
         quantized = scales is not None
         if (basis.dtype not in RECORD_FORMAT_CODE or not records_fit(records)
                 or not on_cpu(q, page_table, sealed, *coarse) or not all(t.is_contiguous() for t in coarse) or g_mean.dtype not in ELEMENT_SUFFIX
-                or g_bounds.dtype != g_mean.dtype or g_basis.dtype != torch.int8 or g_scales.dtype != torch.float32 or g_slot.dtype != torch.int64):
+                or g_bounds.dtype != g_mean.dtype or g_basis.dtype != torch.int8 or g_scales.dtype != torch.float32
+                or g_slot.dtype != torch.int64):
             return None
         pages_total, rank = basis.shape[1], basis.shape[2]
         page_size = record_page_size(records)

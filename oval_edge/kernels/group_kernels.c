@@ -213,9 +213,10 @@ int oval_grouped_scores(const float *q, const void *group_mean, const void *grou
 #endif
     for (int64_t item = 0; item < items; item++) {
         const int64_t b = item / ngroups, j = item % ngroups;
-        if (j >= (sealed[b] < 0 ? 0 : sealed[b]) / group_pages) continue; /* not complete: never ranked */
+        const int64_t complete = (sealed[b] < 0 ? 0 : sealed[b]) / group_pages;
+        if (j >= complete) continue; /* not complete: never ranked */
         const int64_t slot = group_slot[page_table[b * num_pages + j * group_pages + group_pages - 1]];
-        if (j + 1 < ngroups && j + 1 < (sealed[b] < 0 ? 0 : sealed[b]) / group_pages) /* next group's record */
+        if (j + 1 < ngroups && j + 1 < complete) /* the next group's record (validated), while this one is scored */
             prefetch_group(group_basis, group_slot[page_table[b * num_pages + (j + 2) * group_pages - 1]], kv_heads,
                            rank, dim, slots_total);
         mass[item] = slot < 0 ? FLT_MAX /* no record: always kept */

@@ -60,11 +60,11 @@ class GroupSlots:
             slot = self._slot.get(page)
             if slot is None:
                 slot = self._free.pop() if self._free else self._steal(spare, pages)
-                if slot >= 0:
-                    self._slot[page] = slot
+                if slot < 0:
+                    self.shortfalls += 1  # slot_of already says -1
                 else:
-                    self.shortfalls += 1
-                moved.append((page, slot))
+                    self._slot[page] = slot
+                    moved.append((page, slot))
             slots.append(slot)
         if moved:
             index, value = zip(*moved)
