@@ -62,9 +62,10 @@ class KVGeometry:
                              f"span at most page_size - 1 directions; lower rank or raise page_size")
         if self.record not in RECORD_FORMATS:
             raise ValueError(f"record={self.record!r} is unknown; allowed: {', '.join(RECORD_FORMATS)}")
-        if self.record == "int4" and self.head_dim % 2:
-            raise ValueError(f"record='int4' packs two values a byte and needs an even head_dim (got {self.head_dim});"
-                             " use record='int8'")
+        if self.record == "int4" and (self.head_dim % 8 or self.page_size % 2):
+            raise ValueError(f"record='int4' packs basis rows 8 values at a time and coordinates two a byte: it needs "
+                             f"a head_dim that is a multiple of 8 and an even page_size (got {self.head_dim}, "
+                             f"{self.page_size}); use record='int8'")
         if self.group_pages and not (2 <= self.group_pages <= 256 and "oval" in self.summary_kinds):
             raise ValueError(f"group_pages={self.group_pages} needs the oval records and must be 0 (flat scoring) or "
                              "in [2, 256] pages per coarse group")
@@ -136,13 +137,13 @@ class KVGeometry:
 
     def oval_record_bytes(self) -> int:
         """Bytes of one oval record (one page, one KV head): mean mu [D], basis B^T [r, D], coordinates R^T [r, P],
-        in the pool's dtype, or quantized (int8: a byte a value; int4: two values a byte, the mean int8) with
-        1 + 2r fp32 scales."""
+        in the pool's dtype, or quantized (int8: a byte a value; int4: coordinates two a byte, basis rows of 5-bit
+        values in dim / 2 + dim / 8 bytes, the mean int8) with 1 + r fp32 scales (kv/page_record.py)."""
         d, p, r = self.head_dim, self.page_size, self.rank
         if self.record == "float":
             return (d + r * d + r * p) * self.dtype_bytes
-        packed = r * (d + p) if self.record == "int8" else -(-r * d // 2) + -(-r * p // 2)
-        return d + packed + (1 + 2 * r) * RECORD_SCALE_BYTES
+        packed = r * (d + p) if self.record == "int8" else r * (d // 2 + d // 8) + -(-r * p // 2)
+        return d + packed + (1 + r) * RECORD_SCALE_BYTES
 
     def group_record_bytes(self) -> int:
         """Bytes of one coarse record (a group of group_pages pages, one KV head): the group's key mean [D] and the

@@ -143,9 +143,15 @@ def test_compiled_step_decodes_300_to_1300_tokens_without_recompiles(tiny_folder
 
     nf4 goes through the 4-bit custom op. It runs with aot_eager (the same trace, eager kernels): inductor's fused
     fp32 reductions differ from eager ones by ~1e-7, which the bf16 input of the 4-bit kernel turns into one bf16 ulp
-    of the logits (7.8e-3 measured), above this test's 1e-4; fp32 (quant none) stays within it under inductor. For
+    of the logits (7.8e-3 measured), above this test's 1e-4 (fp32, quant none, does not have it). For
     the same reason the nf4 case runs with the native CPU kernels off: the eager step's C RMSNorm and the traced
-    step's torch one sum in different orders (test_native_kernels.py compares the kernels with torch)."""
+    step's torch one sum in different orders (test_native_kernels.py compares the kernels with torch).
+    Under inductor a sealed page's record is not bit-equal either: its fused reductions move the record's fp32
+    values by ~1e-7, the logits drift by ~1e-4, and the int4 record rounds a few values to the neighbouring level
+    (~300 of its codes over these 1000 steps, measured), which now and then flips a near-tie in the top-k and moves
+    that step's logits by ~1e-2 (6 steps of 1000, measured; the next step reads the same pages again). So under
+    inductor 99% of the steps must agree within 1e-3 and none by more than 0.1; aot_eager must agree on every step.
+    The int4 records go through the same compiled graph in both cases."""
     if quant == "nf4":
         monkeypatch.setenv(NATIVE_ENV, "0")
     torch._dynamo.reset()
@@ -154,13 +160,16 @@ def test_compiled_step_decodes_300_to_1300_tokens_without_recompiles(tiny_folder
     compiled.static = StaticDecoder(compiled.runner, 1, compiled.token_limit(), compile_backend=backend)
     for engine in (eager, compiled):
         prefill(engine, "r", 300)
-    token, worst = 5, 0.0
+    token, gaps = 5, []
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(1000):
             want, _ = static_step(eager, ["r"], [token])
             got, _ = static_step(compiled, ["r"], [token])
-            worst = max(worst, float((got - want).abs().max()))
+            gaps.append(float((got - want).abs().max()))
             token = int(want[0].argmax())
     assert compiled.pool.length("r") == 1300
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one graph for all 1000 steps
-    assert worst <= 1e-4
+    if backend == "aot_eager":
+        assert max(gaps) <= 1e-4
+    else:
+        assert sum(gap <= 1e-3 for gap in gaps) >= 990 and max(gaps) <= 0.1

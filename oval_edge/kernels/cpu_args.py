@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from oval_edge.kv.page_record import int5_row_bytes
+
 # The C kernels' return codes: shapes above their fixed limits, an index outside the pool, no memory for scratch.
 REFUSED, OUT_OF_RANGE, NO_MEMORY = 1, 2, 3
 
@@ -34,12 +36,15 @@ def scales_fit(scales, quantized: bool, rows: int) -> bool:
 
 def records_fit(records) -> bool:
     """One layer's oval records (page_record.LayerRecords) as the scoring kernels read them in place: on the CPU,
-    contiguous, and either float ones of one dtype or quantized ones with fp32 scales."""
+    contiguous, and either float ones of one dtype or quantized ones with fp32 scales, in page_record's shapes."""
     mean, basis, coords, scales = records
     quantized = scales is not None
+    dim, rank = mean.shape[-1], basis.shape[-2]
+    row = int5_row_bytes(dim) if basis.dtype == torch.uint8 else dim
     return (on_cpu(mean, basis, coords) and all(t.is_contiguous() for t in records if t is not None)
-            and quantized == (basis.dtype in (torch.int8, torch.uint8))
-            and (scales.dtype == torch.float32 if quantized else mean.dtype == coords.dtype == basis.dtype))
+            and quantized == (basis.dtype in (torch.int8, torch.uint8)) and basis.shape[-1] == row
+            and (scales.dtype == torch.float32 and scales.shape[-1] == 1 + rank if quantized
+                 else mean.dtype == coords.dtype == basis.dtype))
 
 
 def record_page_size(records) -> int:

@@ -47,6 +47,26 @@ static inline __attribute__((always_inline)) void widen_row(float *restrict dst,
     }
 }
 
+/* One int4 record's basis row (dim 5-bit levels in INT5_ROW_BYTES(dim) bytes, score_kernels.c) widened to fp32. */
+static inline __attribute__((always_inline)) void widen_int5_row(float *restrict dst, const uint8_t *row, int64_t dim) {
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m256i bias = _mm256_set1_epi32(16), one = _mm256_set1_epi32(1);
+    const __m256i first_bits = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), next_bits = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t i = 0; i < dim; i += 16) {
+        __m128i bytes = _mm_loadl_epi64((const __m128i *)(row + i / 2));
+        __m128i ordered = _mm_unpacklo_epi8(_mm_and_si128(bytes, nibble), _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+        uint16_t fifth;
+        memcpy(&fifth, row + dim / 2 + i / 8, sizeof fifth); /* element i + m's fifth bit is bit m */
+        const __m256i high = _mm256_set1_epi32(fifth);
+        __m256i first8 = _mm256_or_si256(_mm256_cvtepu8_epi32(ordered),
+                                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, first_bits), one), 4));
+        __m256i next8 = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_srli_si128(ordered, 8)),
+                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, next_bits), one), 4));
+        _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_sub_epi32(first8, bias)));
+        _mm256_storeu_ps(dst + i + 8, _mm256_cvtepi32_ps(_mm256_sub_epi32(next8, bias)));
+    }
+}
+
 /* row . q_g for the G4 padded queries qs [G4, dim] -> out [G4] (a chunk of 3 real queries skips the padded one). */
 static inline __attribute__((always_inline)) void dot_group(float *restrict out, const float *restrict row,
                                                             const float *restrict qs, int64_t group, int64_t group4,
@@ -94,14 +114,17 @@ static inline __attribute__((always_inline)) float score_page_avx2(
     widen_row(row, mean, record * dim, dim, mean_fmt);
     dot_group(offset, row, qs, group, group4, dim);
     for (int64_t i = 0; i < rank; i++) {
-        widen_row(row, basis, (record * rank + i) * dim, dim, fmt);
+        if (fmt == FMT_INT4)
+            widen_int5_row(row, (const uint8_t *)basis + (record * rank + i) * INT5_ROW_BYTES(dim), dim);
+        else
+            widen_row(row, basis, (record * rank + i) * dim, dim, fmt);
         dot_group(projected + i * group4, row, qbs, group, group4, dim);
     }
     widen_row(coord, coords, record * rank * page_size, rank * page_size, fmt);
-    if (sc) { /* quantized: value = scale * level; the basis and coordinate scales of row i fold into one factor */
+    if (sc) { /* quantized: value = scale * level; rank i's basis and coordinate scales are stored as one product */
         for (int64_t g = 0; g < group; g++) offset[g] *= sc[0];
         for (int64_t i = 0; i < rank; i++)
-            for (int64_t g = 0; g < group; g++) projected[i * group4 + g] *= sc[1 + i] * sc[1 + rank + i];
+            for (int64_t g = 0; g < group; g++) projected[i * group4 + g] *= sc[1 + i];
     }
     float logits[MAX_GROUP * AVX2_MAX_PAGE] __attribute__((aligned(32))); /* [G, P] */
     __m256 peak8 = _mm256_set1_ps(-3.0e38f);
@@ -166,12 +189,15 @@ static inline __attribute__((always_inline)) void score_range(const struct score
             if (n + RECORD_PREFETCH_PAGES < count) {
                 const int64_t ahead = h * job->pages_total + job->page_table[b * num_pages + n + RECORD_PREFETCH_PAGES];
                 prefetch_record(job->mean, ahead * dim, dim, fmt >= FMT_INT8 ? FMT_INT8 : fmt);
-                prefetch_record(job->basis, ahead * rank * dim, rank * dim, fmt);
+                if (fmt == FMT_INT4) /* its basis rows' bytes, counted as int8 elements */
+                    prefetch_record(job->basis, ahead * rank * INT5_ROW_BYTES(dim), rank * INT5_ROW_BYTES(dim), FMT_INT8);
+                else
+                    prefetch_record(job->basis, ahead * rank * dim, rank * dim, fmt);
                 prefetch_record(job->coords, ahead * rank * page_size, rank * page_size, fmt);
-                if (fmt >= FMT_INT8) prefetch_record(job->scales, ahead * (1 + 2 * rank), 1 + 2 * rank, FMT_F32);
+                if (fmt >= FMT_INT8) prefetch_record(job->scales, ahead * (1 + rank), 1 + rank, FMT_F32);
             }
             int64_t record = h * job->pages_total + job->page_table[b * num_pages + n];
-            const float *sc = fmt >= FMT_INT8 ? job->scales + record * (1 + 2 * rank) : NULL;
+            const float *sc = fmt >= FMT_INT8 ? job->scales + record * (1 + rank) : NULL;
 #ifdef SCORE_INT4_WIDE_READY
             if (fmt == FMT_INT4 && int4_wide_takes(dim, rank, page_size))
                 job->out[item] = score_page_int4_wide(job->qs + bh * group4 * dim, job->qbs + bh * group4 * dim,

@@ -8,7 +8,8 @@
  * 16 32-bit lanes, the low nibbles (the even elements) by a mask and the high ones (the odd elements) by a shift,
  * and go straight into the FMAs. The nibbles come out in the order "16 even elements, then 16 odd ones" per 32
  * values; the basis rows' queries are stored in that order once per call (deinterleave_int4) and a page's logits
- * are summed in any order, so nothing is shuffled per page.
+ * are summed in any order, so nothing is shuffled per page. The basis rows' fifth bits (score_kernels.c's layout)
+ * are one 32-bit load per 32 values, shifted into each lane by its element index (widen32_int5).
  * Takes: head dim and page size multiples of 32 (the rest of avx2_takes); anything else takes score_page_avx2. */
 #define SCORE_INT4_WIDE_READY 1
 
@@ -36,19 +37,36 @@ static inline __attribute__((always_inline)) void widen32_int4(const uint8_t *sr
     *odd = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), bias));
 }
 
+/* 32 5-bit levels of an int4 record's basis row (score_kernels.c's layout): 16 bytes of low nibbles and the 32
+ * fifth bits `fifth` (element j's is bit j), in widen32_int4's order: even elements' levels, then odd ones'. */
+static inline __attribute__((always_inline)) void widen32_int5(const uint8_t *src, uint32_t fifth, __m512 *even,
+                                                               __m512 *odd) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+    const __m512i bias = _mm512_set1_epi32(16), one = _mm512_set1_epi32(1), high = _mm512_set1_epi32((int)fifth);
+    const __m512i even_bits = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd_bits = _mm512_add_epi32(even_bits, one);
+    const __m512i even_high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(high, even_bits), one), 4);
+    const __m512i odd_high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(high, odd_bits), one), 4);
+    *even = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), even_high), bias));
+    *odd = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(_mm512_srli_epi32(bytes, 4), odd_high), bias));
+}
+
 /* Four 16-lane sums -> [4]: each folded to 8 lanes, then three horizontal adds. */
 static inline __attribute__((always_inline)) __m128 reduce4_wide(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(fold16(a0), fold16(a1)), _mm256_hadd_ps(fold16(a2), fold16(a3)));
     return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
 }
 
-/* One int4 row [dim] (levels) dotted with n (3 or 4, a constant) queries q [n, dim] in deinterleaved order -> [4]. */
-static inline __attribute__((always_inline)) __m128 dot_int4_row(const uint8_t *row, const float *q, int64_t n,
+/* One int4 record's basis row [INT5_ROW_BYTES(dim)] (5-bit levels) dotted with n (3 or 4, a constant) queries
+ * q [n, dim] in deinterleaved order -> [4]. */
+static inline __attribute__((always_inline)) __m128 dot_int5_row(const uint8_t *row, const float *q, int64_t n,
                                                                  int64_t dim) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t d = 0; d < dim; d += 32) {
         __m512 even, odd;
-        widen32_int4(row + d / 2, &even, &odd);
+        uint32_t fifth;
+        memcpy(&fifth, row + dim / 2 + d / 8, sizeof fifth);
+        widen32_int5(row + d / 2, fifth, &even, &odd);
         a0 = _mm512_fmadd_ps(odd, _mm512_loadu_ps(q + d + 16), _mm512_fmadd_ps(even, _mm512_loadu_ps(q + d), a0));
         a1 = _mm512_fmadd_ps(odd, _mm512_loadu_ps(q + dim + d + 16),
                              _mm512_fmadd_ps(even, _mm512_loadu_ps(q + dim + d), a1));
@@ -95,7 +113,7 @@ static inline __attribute__((always_inline)) float score_page_int4_wide(
     float coord[AVX2_MAX_RANK * AVX2_MAX_PAGE] __attribute__((aligned(64))); /* [r, P], tokens deinterleaved */
     float logits[MAX_GROUP * AVX2_MAX_PAGE] __attribute__((aligned(64)));    /* [G, P], the same token order */
     const int8_t *mean_row = (const int8_t *)mean + record * dim;
-    const uint8_t *basis_rows = (const uint8_t *)basis + record * rank * dim / 2;
+    const uint8_t *basis_rows = (const uint8_t *)basis + record * rank * INT5_ROW_BYTES(dim);
     const uint8_t *coord_rows = (const uint8_t *)coords + record * rank * page_size / 2;
     for (int64_t g = 0; g < group4; g += 4) {
         const int64_t n = group - g == 3 ? 3 : 4;
@@ -103,8 +121,8 @@ static inline __attribute__((always_inline)) float score_page_int4_wide(
                                         : dot_int8_row(mean_row, qs + g * dim, 4, dim));
         for (int64_t i = 0; i < rank; i++)
             _mm_store_ps(projected + i * group4 + g,
-                         n == 3 ? dot_int4_row(basis_rows + i * dim / 2, qbs + g * dim, 3, dim)
-                                : dot_int4_row(basis_rows + i * dim / 2, qbs + g * dim, 4, dim));
+                         n == 3 ? dot_int5_row(basis_rows + i * INT5_ROW_BYTES(dim), qbs + g * dim, 3, dim)
+                                : dot_int5_row(basis_rows + i * INT5_ROW_BYTES(dim), qbs + g * dim, 4, dim));
     }
     for (int64_t j = 0; j < rank * page_size; j += 32) {
         __m512 even, odd;
@@ -114,7 +132,7 @@ static inline __attribute__((always_inline)) float score_page_int4_wide(
     }
     for (int64_t g = 0; g < group; g++) offset[g] *= sc[0]; /* value = scale * level (score_page_avx2) */
     for (int64_t i = 0; i < rank; i++)
-        for (int64_t g = 0; g < group; g++) projected[i * group4 + g] *= sc[1 + i] * sc[1 + rank + i];
+        for (int64_t g = 0; g < group; g++) projected[i * group4 + g] *= sc[1 + i]; /* rank i's folded scale */
     __m512 peak16 = _mm512_set1_ps(-3.0e38f);
     for (int64_t g = 0; g < group; g++) {
         const __m512 base = _mm512_set1_ps(offset[g]);

@@ -33,7 +33,10 @@
 #define FMT_F32 0
 #define FMT_BF16 1
 #define FMT_INT8 2
-#define FMT_INT4 3 /* two values a byte, the even element in the low nibble, stored as q + 8 */
+#define FMT_INT4 3 /* coordinates: two values a byte, the even element in the low nibble, stored as q + 8; basis
+                    * rows: 5-bit levels stored as q + 16, a row's dim / 2 bytes of low nibbles (the same packing)
+                    * then dim / 8 bytes of fifth bits (bit i % 8 of byte i / 8 is element i's) */
+#define INT5_ROW_BYTES(dim) ((dim) / 2 + (dim) / 8)
 
 /* Element i of a record tensor in format fmt, before its scale (int formats give the integer level). */
 static inline __attribute__((always_inline)) float load_record(const void *base, int64_t i, int fmt) {
@@ -42,6 +45,13 @@ static inline __attribute__((always_inline)) float load_record(const void *base,
     if (fmt == FMT_INT8) return (float)((const int8_t *)base)[i];
     uint8_t byte = ((const uint8_t *)base)[i >> 1];
     return (float)((int)((i & 1) ? byte >> 4 : byte & 15) - 8);
+}
+
+/* Element d of basis row `row` (the row's index in the layer's basis tensor) of an int4 record: its 5-bit level. */
+static inline __attribute__((always_inline)) float load_int5(const void *basis, int64_t row, int64_t d, int64_t dim) {
+    const uint8_t *bytes = (const uint8_t *)basis + row * INT5_ROW_BYTES(dim);
+    const int low = (d & 1) ? bytes[d >> 1] >> 4 : bytes[d >> 1] & 15, high = (bytes[dim / 2 + d / 8] >> (d & 7)) & 1;
+    return (float)((low | high << 4) - 16);
 }
 
 /* A page's score from its log-sum-exp parts: total = sum of 2^(logit - peak), logits in log2 units -> natural log.
@@ -54,6 +64,7 @@ static int check_scores(const int64_t *page_table, const int64_t *counts, const 
                         int64_t pages_total, int fmt) {
     if (dim > MAX_DIM || group > MAX_GROUP || rank > MAX_RANK || page_size > MAX_PAGE) return 1;
     if (fmt >= FMT_INT8 && !scales) return 1;
+    if (fmt == FMT_INT4 && (dim % 8 || page_size % 2)) return 1;
     for (int64_t b = 0; b < batch; b++)
         for (int64_t n = 0; n < row_count(counts, b, num_pages); n++)
             if (page_table[b * num_pages + n] < 0 || page_table[b * num_pages + n] >= pages_total) return 2;
@@ -84,9 +95,10 @@ static void hadamard_rotate(float *x, int64_t dim) {
 /* Page scores (scoring.oval_scores): for each row b, KV head h and listed page n,
  *   out[b, h, n] = ln( sum over the group's heads g and the page's tokens p of exp(scale * (mu . q_g + R[p] . (B^T q_g))) )
  * q [B, Hkv, G, D] fp32 (qb: the queries the basis rows are dotted with: q, or H q for the int4 record); one layer's records (page_record.py), head-major: mean [Hkv, pages_total, D], basis B^T
- * [Hkv, pages_total, r, D], coords R^T [Hkv, pages_total, r, P], scales [Hkv, pages_total, 1 + 2r] fp32 (int
- * formats; NULL for float ones): value = scale * level, the mean's scale first, then each basis row's, then each
- * coordinate row's. The scales fold into the projections, so the inner loops are those of the float record.
+ * [Hkv, pages_total, r, D] (int4: [.., r, INT5_ROW_BYTES(D)] bytes), coords R^T [Hkv, pages_total, r, P], scales
+ * [Hkv, pages_total, 1 + r] fp32 (int formats; NULL for float ones): the mean's scale (value = scale * level),
+ * then per rank i the product of basis row i's and coordinate row i's. The scales fold into the projections, so
+ * the inner loops are those of the float record.
  * page_table [B, Np] physical pages; out [B, Hkv, Np] fp32.
  * counts [B] (or NULL: all Np): how many leading pages of each row to score. Why: the static decode step pads every
  * page table to the longest allowed sequence; pages past a row's count are not read and get UNSCORED (callers mask
@@ -116,13 +128,15 @@ static inline __attribute__((always_inline)) void oval_scores_plain(
         const float *qh = q + bh * group * dim, *qbh = qb + bh * group * dim;
         int64_t record = h * pages_total + page_table[b * num_pages + n];
         int64_t u = record * rank * dim, c = record * rank * page_size;
-        const float *sc = fmt >= FMT_INT8 ? scales + record * (1 + 2 * rank) : NULL;
+        const float *sc = fmt >= FMT_INT8 ? scales + record * (1 + rank) : NULL;
         float unit = scale * LOG2_E;
         for (int64_t d = 0; d < dim; d++) row[d] = load_record(mean, record * dim + d, mean_fmt);
         for (int64_t g = 0; g < group; g++) offset[g] = unit * (sc ? sc[0] : 1.0f) * dot(qh + g * dim, row, dim);
         for (int64_t i = 0; i < rank; i++) {
-            for (int64_t d = 0; d < dim; d++) row[d] = load_record(basis, u + i * dim + d, fmt);
-            float folded = sc ? unit * sc[1 + i] * sc[1 + rank + i] : unit;
+            for (int64_t d = 0; d < dim; d++)
+                row[d] = fmt == FMT_INT4 ? load_int5(basis, record * rank + i, d, dim)
+                                         : load_record(basis, u + i * dim + d, fmt);
+            float folded = sc ? unit * sc[1 + i] : unit;
             for (int64_t g = 0; g < group; g++) projected[g * rank + i] = folded * dot(qbh + g * dim, row, dim);
         }
         float peak = -3.0e38f;

@@ -42,6 +42,19 @@ def _record_values(ptr, offsets, mask, FMT: tl.constexpr):
 
 
 @triton.jit
+def _int5_values(ptr, rows, d, dim, mask):
+    """An int4 record's basis rows (page_record.py): `rows` [N] row indices, d [D] element indices -> [N, D] fp32
+    5-bit levels. A row is dim / 2 bytes of low nibbles (stored as q + 16, the even element in the low nibble),
+    then dim / 8 bytes of fifth bits (bit d % 8 of byte d / 8)."""
+    start = rows[:, None] * (dim // 2 + dim // 8)
+    byte = tl.load(ptr + start + d[None, :] // 2, mask=mask, other=0).to(tl.int32)
+    low = tl.where(d[None, :] % 2 == 1, byte >> 4, byte & 15)
+    bits = tl.load(ptr + start + dim // 2 + d[None, :] // 8, mask=mask, other=0).to(tl.int32)
+    high = (bits >> (d[None, :] % 8)) & 1
+    return tl.where(mask, (low | (high << 4)) - 16, 0).to(tl.float32)
+
+
+@triton.jit
 def _oval_kernel(q_ptr, qb_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, table_ptr, counts_ptr, out_ptr,
                  kv_heads, group, dim, rank, num_pages, pages_total, scale_log2,
                  HAS_COUNTS: tl.constexpr, FMT: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -50,11 +63,12 @@ def _oval_kernel(q_ptr, qb_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, tab
 
     q [B, Hkv, G, D]; qb: the queries the basis rows are dotted with (q, or H q for the int4 record, whose rows
     are stored rotated: page_record.py); one layer's records (page_record.py): mean [Hkv, pages_total, D], basis B^T [Hkv,
-    pages_total, r, D], coords R^T [Hkv, pages_total, r, P], scales [Hkv, pages_total, 1 + 2r] (FMT > 0);
+    pages_total, r, D] (int4: 5-bit rows of D / 2 + D / 8 bytes), coords R^T [Hkv, pages_total, r, P], scales [Hkv,
+    pages_total, 1 + r] (FMT > 0: the mean's, then per rank the product of its basis and coordinate scales);
     table [B, Np] int64; counts [B] int64 (HAS_COUNTS); out [B, Hkv, Np] fp32.
     logits[n, g, p] = mu[n] . q_g + sum_i (q_g . B^T[n, i]) * R^T[n, i, p] in log2 units, accumulated over the rank
     i (r is small: 1..16), so the tiles stay [BLOCK_N, G, D] and [BLOCK_N, G, P] whatever r is. Quantized records
-    fold each row's scales into the projections.
+    fold each rank's scale into the projections.
     """
     bh = tl.program_id(0)
     b = bh // kv_heads
@@ -79,16 +93,17 @@ def _oval_kernel(q_ptr, qb_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, tab
                           1 if FMT > 0 else 0)  # [N, D]; the int4 record keeps an int8 mean
     offset = tl.reduce(mean[:, None, :] * q[None, :, :], 2, SUM)  # [N, G]: mu . q_g
     if FMT > 0:
-        offset = offset * tl.load(scales_ptr + entry * (1 + 2 * rank), mask=inside, other=0.0)[:, None]
+        offset = offset * tl.load(scales_ptr + entry * (1 + rank), mask=inside, other=0.0)[:, None]
     logits = tl.full([BLOCK_N, BLOCK_G, PAGE], 0.0, dtype=tl.float32) + offset[:, :, None]
     for i in range(rank):
-        u = _record_values(basis_ptr, (record + i)[:, None] * dim + d[None, :], inside[:, None] & d_ok[None, :],
-                           FMT)  # [N, D]
+        if FMT == 2:
+            u = _int5_values(basis_ptr, record + i, d, dim, inside[:, None] & d_ok[None, :])  # [N, D]
+        else:
+            u = _record_values(basis_ptr, (record + i)[:, None] * dim + d[None, :], inside[:, None] & d_ok[None, :],
+                               FMT)  # [N, D]
         proj = tl.reduce(u[:, None, :] * qb[None, :, :], 2, SUM)  # [N, G]: the group's queries on basis vector i
         if FMT > 0:
-            folded = tl.load(scales_ptr + entry * (1 + 2 * rank) + 1 + i, mask=inside, other=0.0) * tl.load(
-                scales_ptr + entry * (1 + 2 * rank) + 1 + rank + i, mask=inside, other=0.0)
-            proj = proj * folded[:, None]
+            proj = proj * tl.load(scales_ptr + entry * (1 + rank) + 1 + i, mask=inside, other=0.0)[:, None]
         c = _record_values(coords_ptr, (record + i)[:, None] * PAGE + p[None, :], inside[:, None], FMT)  # [N, P]
         logits += proj[:, :, None] * c[:, None, :]
     logits = tl.where(g_ok[None, :, None], logits, float("-inf"))  # padded query heads take no mass

@@ -5,21 +5,27 @@ and the centred keys' coordinates R^T [r, P], so that a key k_t ~= mu + B R_t an
 
 Layout, head-major per layer (a sequence's pages of one KV head are contiguous blocks; see pool.py):
     mean    [L, Hkv, pages, D]
-    basis   [L, Hkv, pages, r, D]      (int4: [.., r, D / 2])
+    basis   [L, Hkv, pages, r, D]      (int4: [.., r, D / 2 + D / 8], see below)
     coords  [L, Hkv, pages, r, P]      (int4: [.., r, P / 2])
-    scales  [L, Hkv, pages, 1 + 2r]    fp32, quantized formats only: the mean's, then each basis row's, then each
-                                       coordinate row's
+    scales  [L, Hkv, pages, 1 + r]     fp32, quantized formats only: the mean's, then per rank i the product of
+                                       basis row i's and coordinate row i's. Why one product: the score reads
+                                       them only as (b_i . q) * R_i,t, so a separate pair would be 4r bytes that
+                                       say nothing more (at r = 8 they kept the int4 record above a third of bf16's).
 Formats (geometry.RECORD_FORMATS):
     float  in the pool's dtype; no scales.
     int8   symmetric int8, x ~= s * q with s = max|x| / 127 per row (the mean, each basis row, each coordinate row).
-    int4   basis and coordinates as symmetric int4 (s = max|x| / 7, q in [-7, 7]) stored as q + 8 in a nibble, two a
-           byte, the even element in the low nibble; the mean stays int8 (its error moves every token's logit).
+    int4   coordinates as symmetric int4 (s = max|x| / 7, q in [-7, 7]) stored as q + 8 in a nibble, two a byte,
+           the even element in the low nibble. The basis rows carry a fifth bit: symmetric 5-bit levels
+           (s = max|x| / 15, q in [-15, 15]) stored as q + 16, a row being its D / 2 bytes of low nibbles (the
+           coordinates' packing) then D / 8 bytes of fifth bits (bit i % 8 of byte i / 8 is element i's).
+           Why: measured on SmolLM2 (teacher-forced KL at k = 8 on Alice, docs/oval-index.md), the all-4-bit
+           record was 2.4-3.1% above the float record and the basis held half of that; the fifth bit brings it
+           to +0.7% for 32 bytes (r = 8, D = 64), still 3.04x below bf16. The mean stays int8 (its error moves
+           every token's logit; int4 measured +3%).
            The basis rows are stored rotated, b H with H the orthonormal Hadamard matrix of the head dim
            (`rotation`), so b . q = (b H) . (H q): a row's absmax is set by a few large channels of the keys,
-           and at 15 levels that leaves the rest coarse; the rotation spreads every channel over all of them.
-           The kernels rotate the query once per step (H is its own inverse). Measured on SmolLM2 (tools/calibrate,
-           r = 8): the int4 record's attention-output error over the float record's fell from +2.0-2.9% to
-           +1.2-1.7% (docs/oval-index.md).
+           and at few levels that leaves the rest coarse; the rotation spreads every channel over all of them.
+           The kernels rotate the query once per step (H is its own inverse).
 The format is read off the basis dtype (record_format), so kernels and scorers need no extra argument.
 """
 
@@ -32,7 +38,7 @@ import torch
 from .huge_pages import pool_tensor
 
 RECORD_NAMES = ("mean", "basis", "coords", "scales")
-INT8_LEVELS, INT4_LEVELS = 127, 7
+INT8_LEVELS, INT4_LEVELS, INT5_LEVELS = 127, 7, 15
 
 
 class LayerRecords(NamedTuple):
@@ -52,12 +58,19 @@ def allocate_records(geometry, num_pages: int, dtype: torch.dtype, device: torch
         return {"mean": pool_tensor(lead + (g.head_dim,), dtype, device),
                 "basis": pool_tensor(lead + (g.rank, g.head_dim), dtype, device),
                 "coords": pool_tensor(lead + (g.rank, g.page_size), dtype, device)}
-    packed = torch.int8 if g.record == "int8" else torch.uint8
-    width = 1 if g.record == "int8" else 2
+    if g.record == "int8":
+        basis_shape, coords_shape, packed = (g.rank, g.head_dim), (g.rank, g.page_size), torch.int8
+    else:
+        basis_shape, coords_shape, packed = (g.rank, int5_row_bytes(g.head_dim)), (g.rank, g.page_size // 2), torch.uint8
     return {"mean": pool_tensor(lead + (g.head_dim,), torch.int8, device),
-            "basis": pool_tensor(lead + (g.rank, g.head_dim // width), packed, device),
-            "coords": pool_tensor(lead + (g.rank, g.page_size // width), packed, device),
-            "scales": pool_tensor(lead + (1 + 2 * g.rank,), torch.float32, device)}
+            "basis": pool_tensor(lead + basis_shape, packed, device),
+            "coords": pool_tensor(lead + coords_shape, packed, device),
+            "scales": pool_tensor(lead + (1 + g.rank,), torch.float32, device)}
+
+
+def int5_row_bytes(dim: int) -> int:
+    """Bytes of one int4 record's basis row of `dim` 5-bit values: dim / 2 of low nibbles, dim / 8 of fifth bits."""
+    return dim // 2 + dim // 8
 
 
 def record_format(basis: torch.Tensor) -> str:
@@ -111,37 +124,59 @@ def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return pairs.reshape(*packed.shape[:-1], -1).float()
 
 
+def _pack_int5(q: torch.Tensor) -> torch.Tensor:
+    """q [..., n] int8 in [-15, 15], n a multiple of 8 -> [..., n / 2 + n / 8] uint8: the low nibbles of q + 16 as
+    _pack_int4 packs them, then its fifth bits, bit i % 8 of byte i / 8 for element i."""
+    biased = q.to(torch.int16) + 16
+    nibbles = biased & 15
+    low = (nibbles.view(*q.shape[:-1], -1, 2)[..., 0] | (nibbles.view(*q.shape[:-1], -1, 2)[..., 1] << 4))
+    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.int16, device=q.device)
+    high = ((biased >> 4).view(*q.shape[:-1], -1, 8) * weights).sum(-1)
+    return torch.cat((low, high), dim=-1).to(torch.uint8)
+
+
+def _unpack_int5(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n / 2 + n / 8] uint8 -> [..., n] float32 in [-15, 15] (the inverse of _pack_int5)."""
+    n = packed.shape[-1] * 8 // 5
+    wide = packed.to(torch.int16)
+    nibbles = torch.stack((wide[..., : n // 2] & 15, wide[..., : n // 2] >> 4), dim=-1).reshape(*packed.shape[:-1], n)
+    shifts = torch.arange(8, dtype=torch.int16, device=packed.device)
+    high = ((wide[..., n // 2:, None] >> shifts) & 1).reshape(*packed.shape[:-1], n)
+    return (nibbles + (high << 4) - 16).float()
+
+
 def encode(mean: torch.Tensor, basis_t: torch.Tensor, coords_t: torch.Tensor, fmt: str, dtype: torch.dtype) -> dict:
     """Float records -> stored tensors. mean [..., D], basis_t [..., r, D], coords_t [..., r, P] fp32."""
     if fmt == "float":
         return {"mean": mean.to(dtype), "basis": basis_t.to(dtype), "coords": coords_t.to(dtype)}
-    levels = INT8_LEVELS if fmt == "int8" else INT4_LEVELS
-    if fmt == "int4":
+    int4 = fmt == "int4"
+    if int4:
         basis_t = basis_t.float() @ rotation(basis_t.shape[-1], basis_t.device)  # rows b -> b H
     q_mean, s_mean = _quantize(mean, INT8_LEVELS)
-    q_basis, s_basis = _quantize(basis_t, levels)
-    q_coords, s_coords = _quantize(coords_t, levels)
-    if fmt == "int4":
-        q_basis, q_coords = _pack_int4(q_basis), _pack_int4(q_coords)
-    scales = torch.cat((s_mean[..., None], s_basis, s_coords), dim=-1).float()
+    q_basis, s_basis = _quantize(basis_t, INT5_LEVELS if int4 else INT8_LEVELS)
+    q_coords, s_coords = _quantize(coords_t, INT4_LEVELS if int4 else INT8_LEVELS)
+    if int4:
+        q_basis, q_coords = _pack_int5(q_basis), _pack_int4(q_coords)
+    scales = torch.cat((s_mean[..., None], s_basis * s_coords), dim=-1).float()
     return {"mean": q_mean, "basis": q_basis, "coords": q_coords, "scales": scales}
 
 
 def decode(mean: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor,
            scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stored records (any leading shape) -> fp32 (mean [..., D], basis_t [..., r, D], coords_t [..., r, P])."""
+    """Stored records (any leading shape) -> fp32 (mean [..., D], basis_t [..., r, D], coords_t [..., r, P]).
+    Quantized records keep one scale per rank (the product), so basis_t rows carry it and coords_t are levels:
+    basis_t^T coords_t and the scores are the record's; the rows alone are no longer orthonormal."""
     fmt = record_format(basis)
     if fmt == "float":
         return mean.float(), basis.float(), coords.float()
-    rank = basis.shape[-2]
     if fmt == "int4":
-        basis_q, coords_q = _unpack_int4(basis), _unpack_int4(coords)
+        basis_q, coords_q = _unpack_int5(basis), _unpack_int4(coords)
     else:
         basis_q, coords_q = basis.float(), coords.float()
-    basis_t = basis_q * scales[..., 1:1 + rank, None]
+    basis_t = basis_q * scales[..., 1:, None]  # the rank's folded scale goes with the basis row (either would do)
     if fmt == "int4":  # stored rotated: (b H) H = b
         basis_t = basis_t @ rotation(basis_t.shape[-1], basis_t.device)
-    return mean.float() * scales[..., :1], basis_t, coords_q * scales[..., 1 + rank:, None]
+    return mean.float() * scales[..., :1], basis_t, coords_q
 
 
 def store(summaries: dict[str, torch.Tensor], pages: torch.Tensor, stored: dict[str, torch.Tensor]) -> None:
