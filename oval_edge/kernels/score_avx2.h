@@ -51,17 +51,19 @@ static inline __attribute__((always_inline)) void widen_row(float *restrict dst,
 static inline __attribute__((always_inline)) void widen_int5_row(float *restrict dst, const uint8_t *row, int64_t dim) {
     const __m128i nibble = _mm_set1_epi8(0x0F);
     const __m256i bias = _mm256_set1_epi32(16), one = _mm256_set1_epi32(1);
-    const __m256i first_bits = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), next_bits = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i first_bits = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i next_bits = _mm256_add_epi32(first_bits, _mm256_set1_epi32(8));
     for (int64_t i = 0; i < dim; i += 16) {
         __m128i bytes = _mm_loadl_epi64((const __m128i *)(row + i / 2));
-        __m128i ordered = _mm_unpacklo_epi8(_mm_and_si128(bytes, nibble), _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+        __m128i ordered = _mm_unpacklo_epi8(_mm_and_si128(bytes, nibble),
+                                            _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
         uint16_t fifth;
         memcpy(&fifth, row + dim / 2 + i / 8, sizeof fifth); /* element i + m's fifth bit is bit m */
         const __m256i high = _mm256_set1_epi32(fifth);
-        __m256i first8 = _mm256_or_si256(_mm256_cvtepu8_epi32(ordered),
-                                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, first_bits), one), 4));
-        __m256i next8 = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_srli_si128(ordered, 8)),
-                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, next_bits), one), 4));
+        const __m256i high_first = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, first_bits), one), 4);
+        const __m256i high_next = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, next_bits), one), 4);
+        __m256i first8 = _mm256_or_si256(_mm256_cvtepu8_epi32(ordered), high_first);
+        __m256i next8 = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_srli_si128(ordered, 8)), high_next);
         _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_sub_epi32(first8, bias)));
         _mm256_storeu_ps(dst + i + 8, _mm256_cvtepi32_ps(_mm256_sub_epi32(next8, bias)));
     }

@@ -47,7 +47,8 @@ static inline __attribute__((always_inline)) void widen32_int5(const uint8_t *sr
     const __m512i odd_bits = _mm512_add_epi32(even_bits, one);
     const __m512i even_high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(high, even_bits), one), 4);
     const __m512i odd_high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(high, odd_bits), one), 4);
-    *even = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), even_high), bias));
+    const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(15));
+    *even = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(low, even_high), bias));
     *odd = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(_mm512_srli_epi32(bytes, 4), odd_high), bias));
 }
 

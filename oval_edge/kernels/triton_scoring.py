@@ -62,9 +62,10 @@ def _oval_kernel(q_ptr, qb_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, tab
     """One program: row b, KV head h (axis 0 = b * Hkv + h), BLOCK_N listed pages (axis 1).
 
     q [B, Hkv, G, D]; qb: the queries the basis rows are dotted with (q, or H q for the int4 record, whose rows
-    are stored rotated: page_record.py); one layer's records (page_record.py): mean [Hkv, pages_total, D], basis B^T [Hkv,
-    pages_total, r, D] (int4: 5-bit rows of D / 2 + D / 8 bytes), coords R^T [Hkv, pages_total, r, P], scales [Hkv,
-    pages_total, 1 + r] (FMT > 0: the mean's, then per rank the product of its basis and coordinate scales);
+    are stored rotated: page_record.py); one layer's records (page_record.py): mean [Hkv, pages_total, D], basis
+    B^T [Hkv, pages_total, r, D] (int4: 5-bit rows of D / 2 + D / 8 bytes), coords R^T [Hkv, pages_total, r, P],
+    scales [Hkv, pages_total, 1 + r] (FMT > 0: the mean's, then per rank the product of its basis and coordinate
+    scales);
     table [B, Np] int64; counts [B] int64 (HAS_COUNTS); out [B, Hkv, Np] fp32.
     logits[n, g, p] = mu[n] . q_g + sum_i (q_g . B^T[n, i]) * R^T[n, i, p] in log2 units, accumulated over the rank
     i (r is small: 1..16), so the tiles stay [BLOCK_N, G, D] and [BLOCK_N, G, P] whatever r is. Quantized records

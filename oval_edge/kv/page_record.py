@@ -61,7 +61,8 @@ def allocate_records(geometry, num_pages: int, dtype: torch.dtype, device: torch
     if g.record == "int8":
         basis_shape, coords_shape, packed = (g.rank, g.head_dim), (g.rank, g.page_size), torch.int8
     else:
-        basis_shape, coords_shape, packed = (g.rank, int5_row_bytes(g.head_dim)), (g.rank, g.page_size // 2), torch.uint8
+        basis_shape, coords_shape = (g.rank, int5_row_bytes(g.head_dim)), (g.rank, g.page_size // 2)
+        packed = torch.uint8
     return {"mean": pool_tensor(lead + (g.head_dim,), torch.int8, device),
             "basis": pool_tensor(lead + basis_shape, packed, device),
             "coords": pool_tensor(lead + coords_shape, packed, device),
