@@ -15,6 +15,13 @@ static inline int avx2_takes(int64_t dim, int64_t rank, int64_t page_size) {
     return dim % 16 == 0 && page_size % 16 == 0 && rank >= 1 && rank <= AVX2_MAX_RANK && page_size <= AVX2_MAX_PAGE;
 }
 
+/* 16 4-bit codes from 8 bytes (value 2j in byte j's low nibble, 2j + 1 in its high one) -> 16 bytes, element
+ * order. */
+static inline __attribute__((always_inline)) __m128i nibbles16(const uint8_t *src) {
+    const __m128i nibble = _mm_set1_epi8(0x0F), bytes = _mm_loadl_epi64((const __m128i *)src);
+    return _mm_unpacklo_epi8(_mm_and_si128(bytes, nibble), _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+}
+
 /* n values (a multiple of 16) of a record tensor from element `first` (even), widened to fp32 levels in dst. */
 static inline __attribute__((always_inline)) void widen_row(float *restrict dst, const void *base, int64_t first,
                                                             int64_t n, int fmt) {
@@ -33,12 +40,9 @@ static inline __attribute__((always_inline)) void widen_row(float *restrict dst,
             _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)))));
     } else { /* int4: byte j holds value 2j in its low nibble and 2j + 1 in its high one, each stored as q + 8 */
         const uint8_t *src = (const uint8_t *)base + first / 2;
-        const __m128i nibble = _mm_set1_epi8(0x0F);
         const __m256i bias = _mm256_set1_epi32(8);
         for (int64_t i = 0; i < n; i += 16) {
-            __m128i bytes = _mm_loadl_epi64((const __m128i *)(src + i / 2));
-            __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-            __m128i ordered = _mm_unpacklo_epi8(low, high); /* the 16 values in element order */
+            __m128i ordered = nibbles16(src + i / 2);
             __m256i first8 = _mm256_sub_epi32(_mm256_cvtepu8_epi32(ordered), bias);
             __m256i next8 = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(ordered, 8)), bias);
             _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(first8));
@@ -49,14 +53,11 @@ static inline __attribute__((always_inline)) void widen_row(float *restrict dst,
 
 /* One int4 record's basis row (dim 5-bit levels in INT5_ROW_BYTES(dim) bytes, score_kernels.c) widened to fp32. */
 static inline __attribute__((always_inline)) void widen_int5_row(float *restrict dst, const uint8_t *row, int64_t dim) {
-    const __m128i nibble = _mm_set1_epi8(0x0F);
     const __m256i bias = _mm256_set1_epi32(16), one = _mm256_set1_epi32(1);
     const __m256i first_bits = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i next_bits = _mm256_add_epi32(first_bits, _mm256_set1_epi32(8));
     for (int64_t i = 0; i < dim; i += 16) {
-        __m128i bytes = _mm_loadl_epi64((const __m128i *)(row + i / 2));
-        __m128i ordered = _mm_unpacklo_epi8(_mm_and_si128(bytes, nibble),
-                                            _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+        __m128i ordered = nibbles16(row + i / 2);
         uint16_t fifth;
         memcpy(&fifth, row + dim / 2 + i / 8, sizeof fifth); /* element i + m's fifth bit is bit m */
         const __m256i high = _mm256_set1_epi32(fifth);

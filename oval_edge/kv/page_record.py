@@ -112,38 +112,43 @@ def _quantize(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.round(x / scale[..., None]).clamp_(-levels, levels).to(torch.int8), scale
 
 
+def _pair_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """[..., n] int16 in [0, 15], n even -> [..., n / 2]: element 2j in the low nibble of byte j, 2j + 1 in its high."""
+    pairs = nibbles.view(*nibbles.shape[:-1], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _split_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., m] int16 bytes -> [..., 2m] in [0, 15] (the inverse of _pair_nibbles)."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
+
+
 def _pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q [..., n] int8 in [-7, 7], n even -> [..., n / 2] uint8: (q[2j] + 8) | (q[2j+1] + 8) << 4."""
-    biased = (q.to(torch.int16) + 8).view(*q.shape[:-1], -1, 2)
-    return (biased[..., 0] | (biased[..., 1] << 4)).to(torch.uint8)
+    return _pair_nibbles(q.to(torch.int16) + 8).to(torch.uint8)
 
 
 def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """[..., n / 2] uint8 -> [..., n] float32 in [-7, 7] (the inverse of _pack_int4)."""
-    wide = packed.to(torch.int16)
-    pairs = torch.stack((wide & 15, wide >> 4), dim=-1) - 8
-    return pairs.reshape(*packed.shape[:-1], -1).float()
+    return (_split_nibbles(packed.to(torch.int16)) - 8).float()
 
 
 def _pack_int5(q: torch.Tensor) -> torch.Tensor:
     """q [..., n] int8 in [-15, 15], n a multiple of 8 -> [..., n / 2 + n / 8] uint8: the low nibbles of q + 16 as
     _pack_int4 packs them, then its fifth bits, bit i % 8 of byte i / 8 for element i."""
     biased = q.to(torch.int16) + 16
-    nibbles = biased & 15
-    low = (nibbles.view(*q.shape[:-1], -1, 2)[..., 0] | (nibbles.view(*q.shape[:-1], -1, 2)[..., 1] << 4))
-    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.int16, device=q.device)
-    high = ((biased >> 4).view(*q.shape[:-1], -1, 8) * weights).sum(-1)
-    return torch.cat((low, high), dim=-1).to(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.int16, device=q.device)
+    fifth = ((biased >> 4).view(*q.shape[:-1], -1, 8) << shifts).sum(-1)  # distinct bits: the sum is their OR
+    return torch.cat((_pair_nibbles(biased & 15), fifth), dim=-1).to(torch.uint8)
 
 
 def _unpack_int5(packed: torch.Tensor) -> torch.Tensor:
     """[..., n / 2 + n / 8] uint8 -> [..., n] float32 in [-15, 15] (the inverse of _pack_int5)."""
     n = packed.shape[-1] * 8 // 5
     wide = packed.to(torch.int16)
-    nibbles = torch.stack((wide[..., : n // 2] & 15, wide[..., : n // 2] >> 4), dim=-1).reshape(*packed.shape[:-1], n)
     shifts = torch.arange(8, dtype=torch.int16, device=packed.device)
-    high = ((wide[..., n // 2:, None] >> shifts) & 1).reshape(*packed.shape[:-1], n)
-    return (nibbles + (high << 4) - 16).float()
+    fifth = ((wide[..., n // 2:, None] >> shifts) & 1).reshape(*packed.shape[:-1], n)
+    return (_split_nibbles(wide[..., : n // 2]) + (fifth << 4) - 16).float()
 
 
 def encode(mean: torch.Tensor, basis_t: torch.Tensor, coords_t: torch.Tensor, fmt: str, dtype: torch.dtype) -> dict:
