@@ -11,15 +11,25 @@ from .units import format_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SUMMARY_KINDS = ("oval", "quest")
-# How an oval page record (mean, basis, coordinates) is stored: in the pool's dtype, or quantized with one fp32 scale
-# per page and head for the mean and one per basis vector and coordinate row (oval_edge/kv/page_record.py).
+# How an oval page record (mean, basis, coordinates) is stored: in the pool's dtype, or quantized with one fp16 scale
+# per page and head for the mean and one per rank (oval_edge/kv/page_record.py). The coarse records of two-level
+# scoring keep an fp32 scale per basis row (kv/group_record.py).
 RECORD_FORMATS = ("float", "int8", "int4")
-RECORD_SCALE_BYTES = 4
+RECORD_SCALE_BYTES, GROUP_SCALE_BYTES = 2, 4
 # Two-level scoring's coarse record slots (kv/group_slots.py): this many per group_pages pages, and an int64 entry
 # per page in the page -> slot map.
 SLOTS_PER_GROUP, GROUP_SLOT_MAP_BYTES = 2, 8
 # kv_int8: each K and V row (one token, one KV head: head_dim values) is stored as int8 codes and one fp32 scale.
 KV_SCALE_BYTES = 4
+
+
+def coord_fifth_ranks(rank: int) -> int:
+    """How many of an int4 record's coordinate rows carry a fifth bit: the first three quarters of the ranks (the
+    basis is ordered by singular value, so these hold most of a page's key energy). Why three quarters: at r = 8
+    (D = 64, P = 32) that spends what fp16 scales free and keeps the record within a third of the bf16 one (554
+    of 1,664 bytes); measured, the fifth bits on these ranks take the record's KL over float's from +2.6-2.8% to
+    +0.7-1.9% on Alice's second 4k window (docs/oval-index.md)."""
+    return 3 * rank // 4
 
 
 @dataclass(frozen=True)
@@ -62,9 +72,9 @@ class KVGeometry:
                              f"span at most page_size - 1 directions; lower rank or raise page_size")
         if self.record not in RECORD_FORMATS:
             raise ValueError(f"record={self.record!r} is unknown; allowed: {', '.join(RECORD_FORMATS)}")
-        if self.record == "int4" and (self.head_dim % 8 or self.page_size % 2):
-            raise ValueError(f"record='int4' packs basis rows 8 values at a time and coordinates two a byte: it needs "
-                             f"a head_dim that is a multiple of 8 and an even page_size (got {self.head_dim}, "
+        if self.record == "int4" and (self.head_dim % 8 or self.page_size % 8):
+            raise ValueError(f"record='int4' packs basis rows and coordinate rows with fifth bits 8 values a byte: it "
+                             f"needs a head_dim and a page_size that are multiples of 8 (got {self.head_dim}, "
                              f"{self.page_size}); use record='int8'")
         if self.group_pages and not (2 <= self.group_pages <= 256 and "oval" in self.summary_kinds):
             raise ValueError(f"group_pages={self.group_pages} needs the oval records and must be 0 (flat scoring) or "
@@ -137,12 +147,16 @@ class KVGeometry:
 
     def oval_record_bytes(self) -> int:
         """Bytes of one oval record (one page, one KV head): mean mu [D], basis B^T [r, D], coordinates R^T [r, P],
-        in the pool's dtype, or quantized (int8: a byte a value; int4: coordinates two a byte, basis rows of 5-bit
-        values in dim / 2 + dim / 8 bytes, the mean int8) with 1 + r fp32 scales (kv/page_record.py)."""
+        in the pool's dtype, or quantized with 1 + r fp16 scales (kv/page_record.py): int8, a byte a value; int4,
+        the mean int8, basis rows of 5-bit values (D / 2 + D / 8 bytes each), coordinates 4-bit (P / 2 bytes a
+        rank) with a fifth bit for the first coord_fifth_ranks(r) ranks (P / 8 bytes each)."""
         d, p, r = self.head_dim, self.page_size, self.rank
         if self.record == "float":
             return (d + r * d + r * p) * self.dtype_bytes
-        packed = r * (d + p) if self.record == "int8" else r * (d // 2 + d // 8) + -(-r * p // 2)
+        if self.record == "int8":
+            packed = r * (d + p)
+        else:
+            packed = r * (d // 2 + d // 8) + r * p // 2 + coord_fifth_ranks(r) * p // 8
         return d + packed + (1 + r) * RECORD_SCALE_BYTES
 
     def group_record_bytes(self) -> int:
@@ -150,7 +164,7 @@ class KVGeometry:
         coordinates' min and max [2, r] in the pool's dtype, its basis B^T [r, D] as int8 codes with an fp32 scale
         per row (0 without groups)."""
         d, r = self.head_dim, self.rank
-        return (d + 2 * r) * self.dtype_bytes + r * d + r * RECORD_SCALE_BYTES if self.group_pages else 0
+        return (d + 2 * r) * self.dtype_bytes + r * d + r * GROUP_SCALE_BYTES if self.group_pages else 0
 
     def summary_bytes_per_head(self) -> int:
         """Summary bytes scoring reads for one (layer, page, KV head) with flat scoring, for the kinds kept."""

@@ -12,6 +12,7 @@ import torch
 from oval_reference import make_pool, prefill, structured_kv
 
 from oval_edge.config import OvalConfig
+from oval_edge import geometry
 from oval_edge.geometry import KVGeometry
 from oval_edge.kv import page_record
 from oval_edge.sparse.scoring import group_queries, score_pages
@@ -42,16 +43,18 @@ def test_record_bytes_are_what_the_pool_allocates(pools, fmt):
     assert allocated == g.paged_layers * g.kv_heads * pool.num_pages * g.oval_record_bytes()
 
 
-@pytest.mark.parametrize("rank,expected", [(8, {"float": 1664, "int8": 868, "int4": 548}),
-                                           (4, {"float": 896, "int8": 468, "int4": 308})])
+@pytest.mark.parametrize("rank,expected", [(8, {"float": 1664, "int8": 850, "int4": 554}),
+                                           (4, {"float": 896, "int8": 458, "int4": 310})])
 def test_quantized_records_are_3x_smaller_than_bf16_ones(rank, expected):
     """D = 64, P = 32 (SmolLM2), per page and KV head: mean D + basis r*D + coordinates r*P values, in bf16 or in
-    int8 codes / int4 ones (5-bit basis rows: D/2 + D/8 bytes each; the mean int8) plus 1 + r fp32 scales. r = 8
-    (the default): 1664, 868 and 548 bytes (64 + 8*40 + 8*16 + 9*4)."""
+    int8 codes / int4 ones (5-bit basis rows: D/2 + D/8 bytes each; 4-bit coordinates, P/2 bytes a rank, with P/8
+    bytes of fifth bits for the first 3r/4 ranks; the mean int8) plus 1 + r fp16 scales. r = 8 (the default):
+    1664, 850 and 554 bytes (64 + 8*40 + 8*16 + 6*4 + 9*2)."""
     sizes = {fmt: KVGeometry.for_oval(30, 3, 64, OvalConfig(record=fmt, rank=rank), "bfloat16").oval_record_bytes()
              for fmt in ("float", "int8", "int4")}
     assert sizes == expected
-    if rank == 8:  # the default; at r = 4 the mean's fixed 64 + 4 bytes weigh more: 896 / 308 = 2.9x
+    assert geometry.coord_fifth_ranks(rank) == 3 * rank // 4
+    if rank == 8:  # the default; at r = 4 the mean's fixed 64 + 2 bytes weigh more: 896 / 310 = 2.9x
         assert sizes["float"] / sizes["int4"] >= 3.0
 
 
@@ -66,15 +69,22 @@ def test_quantized_records_decode_close_to_the_float_record(pools, fmt, toleranc
     if fmt == "int4":  # its basis rows are quantized as b H (H: the Hadamard rotation): bound them in that frame
         turn = page_record.rotation(DIM)
         basis, want_basis = basis @ turn, want_basis @ turn
-    basis_levels, coord_levels = ((page_record.INT5_LEVELS, page_record.INT4_LEVELS) if fmt == "int4"
-                                  else (page_record.INT8_LEVELS, page_record.INT8_LEVELS))
+    rank = want_coords.shape[-2]
+    fifth = geometry.coord_fifth_ranks(rank) if fmt == "int4" else rank
+    basis_levels = page_record.INT5_LEVELS if fmt == "int4" else page_record.INT8_LEVELS
+    low_levels = page_record.INT4_LEVELS if fmt == "int4" else page_record.INT8_LEVELS
+    coord_levels = torch.tensor([page_record.INT5_LEVELS if fmt == "int4" else page_record.INT8_LEVELS] * fifth
+                                + [low_levels] * (rank - fifth), dtype=torch.float32)  # [r]
+    fp16 = 2.0**-11  # the scales are stored in fp16: their rounding adds this much of each value
     mean_want = exact["mean"].float()
     mean_step = mean_want.abs().amax(-1, keepdim=True) / page_record.INT8_LEVELS
-    assert bool(((mean - mean_want).abs() <= mean_step / 2 + 1e-6).all())
+    assert bool(((mean - mean_want).abs() <= mean_step / 2 + fp16 * mean_want.abs().amax(-1, keepdim=True)
+                 + 1e-6).all())
     # decoded basis row i = s_b,i * s_c,i * levels and coords = levels: undo the coordinate scale from the float rows
     coord_scale = want_coords.abs().amax(-1) / coord_levels  # [..., r]
     got_basis = basis / coord_scale.clamp_min(1e-30)[..., None]
-    bound = want_basis.abs().amax(-1, keepdim=True) / basis_levels / 2 + 1e-5
+    absmax = want_basis.abs().amax(-1, keepdim=True)
+    bound = absmax / basis_levels / 2 + fp16 * absmax + 1e-5
     assert bool(((got_basis - want_basis).abs() <= bound).all())
     got_coords = coords * coord_scale[..., None]
     assert bool(((got_coords - want_coords).abs() <= coord_scale[..., None] / 2 + 1e-5).all())
@@ -116,8 +126,10 @@ def test_quantized_records_rank_pages_as_the_float_record(pools, fmt, decode_ker
 def test_unknown_record_format_is_a_clear_error():
     with pytest.raises(ValueError, match=r"record='int2' is unknown; allowed: float, int8, int4"):
         OvalConfig(record="int2")
-    with pytest.raises(ValueError, match=r"needs a head_dim that is a multiple of 8"):
+    with pytest.raises(ValueError, match=r"needs a head_dim and a page_size that are multiples of 8 \(got 63, 16\)"):
         KVGeometry(1, 1, 63, 16, "float32", ("oval",), 4, "int4")
+    with pytest.raises(ValueError, match=r"multiples of 8 \(got 64, 12\)"):
+        KVGeometry(1, 1, 64, 12, "float32", ("oval",), 4, "int4")
 
 
 @pytest.mark.parametrize("decode_step", ["static", "eager"])

@@ -37,7 +37,7 @@ def test_fixed_cost_brings_smollm2_on_orin_nano_below_the_bytes_only_roofline():
     # Batch 1: bytes alone gave 519 tok/s with the 16-bit head (the figure), 640 with the int8 table CUDA
     # holds now (the tied head reads 32 instead of 57 MB a step), 632 since the page records scoring reads count
     # too, 657 with the int4 rank-8 records (516 instead of 896 bytes a page and KV head), 654 since their basis
-    # rows carry a fifth bit (548 bytes); llama.cpp measures ~165 on the faster Nano Super.
+    # rows and most coordinate rows carry a fifth bit (554 bytes); llama.cpp measures ~165 on the faster Nano Super.
     one = next(r for r in _smollm2_plan().rows if r.page_size == 32)
     assert one.roofline_tok_s == pytest.approx(654.4, abs=0.5) and 100 < one.decode_tok_s < 200
     assert 1333 == graphed["ops_per_step"]  # docs/static-step.md's count for SmolLM2 (30 layers, nf4)

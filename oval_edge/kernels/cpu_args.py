@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from oval_edge.kv.page_record import int5_row_bytes
+from oval_edge.kv.page_record import int4_coord_bytes, int5_row_bytes, record_page_size as _page_size
 
 # The C kernels' return codes: shapes above their fixed limits, an index outside the pool, no memory for scratch.
 REFUSED, OUT_OF_RANGE, NO_MEMORY = 1, 2, 3
@@ -36,21 +36,23 @@ def scales_fit(scales, quantized: bool, rows: int) -> bool:
 
 def records_fit(records) -> bool:
     """One layer's oval records (page_record.LayerRecords) as the scoring kernels read them in place: on the CPU,
-    contiguous, and either float ones of one dtype or quantized ones with fp32 scales, in page_record's shapes."""
+    contiguous, and either float ones of one dtype or quantized ones with fp16 scales, in page_record's shapes."""
     mean, basis, coords, scales = records
     quantized = scales is not None
     dim, rank = mean.shape[-1], basis.shape[-2]
-    row = int5_row_bytes(dim) if basis.dtype == torch.uint8 else dim
+    int4 = basis.dtype == torch.uint8
+    row = int5_row_bytes(dim) if int4 else dim
     return (on_cpu(mean, basis, coords) and all(t.is_contiguous() for t in records if t is not None)
             and quantized == (basis.dtype in (torch.int8, torch.uint8)) and basis.shape[-1] == row
-            and (scales.dtype == torch.float32 and scales.shape[-1] == 1 + rank if quantized
+            and (not int4 or coords.shape[-1] == int4_coord_bytes(rank, _page_size(basis, coords)))
+            and (scales.dtype == torch.float16 and scales.shape[-1] == 1 + rank if quantized
                  else mean.dtype == coords.dtype == basis.dtype))
 
 
 def record_page_size(records) -> int:
-    """Tokens per page of one layer's records: the coordinates' last axis (int4 packs two a byte)."""
+    """Tokens per page of one layer's records (page_record.record_page_size)."""
     _, basis, coords, _ = records
-    return coords.shape[-1] * (2 if basis.dtype == torch.uint8 else 1)
+    return _page_size(basis, coords)
 
 
 def on_cpu(*tensors: torch.Tensor) -> bool:

@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from oval_edge.kv.page_record import record_page_size
+
 TRITON_ENV = "OVAL_EDGE_TRITON"  # "0": never use the Triton kernels (A/B measurements, debugging)
 INTERPRET_ENV = "TRITON_INTERPRET"  # "1": Triton runs kernels in its interpreter, on CPU tensors
 FLOAT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
@@ -40,7 +42,7 @@ class TritonKernels:
         """q [B, Hkv, G, D]; records: page_record.LayerRecords of one layer (any format); page_table [B, Np]
         -> [B, Hkv, Np] fp32. counts [B]: pages at or past counts[b] score -3e38, unread."""
         mean, basis, coords, scales = records
-        page = coords.shape[-1]
+        page = record_page_size(basis, coords)
         present = [t for t in records if t is not None]
         if not (_same_device(q, *present, page_table, counts) and _floats(q)
                 and (_floats(mean, basis, coords) or scales is not None)

@@ -23,7 +23,7 @@
 #define MIN_GROUPS_PER_THREAD 16 /* coarse items a thread forks for: each is (r + 1) G dot products of D */
 
 /* score_kernels.c's entry points, one per fine record format (FMT_F32 .. FMT_INT4 there), all of this type. */
-typedef int fine_scorer(const float *q, const void *mean, const void *basis, const void *coords, const float *scales,
+typedef int fine_scorer(const float *q, const void *mean, const void *basis, const void *coords, const uint16_t *scales,
                         const int64_t *page_table, const int64_t *counts, int64_t batch, int64_t kv_heads,
                         int64_t group, int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages,
                         int64_t pages_total, float scale, float *out, int64_t threads);
@@ -172,7 +172,7 @@ static void top_groups_of(const float *mass, int64_t n, int64_t keep, int64_t *p
 int oval_grouped_scores(const float *q, const void *group_mean, const void *group_basis, const void *group_bounds,
                         const float *group_scales, int64_t group_bf16, const int64_t *group_slot,
                         int64_t slots_total, const void *mean, const void *basis,
-                        const void *coords, const float *scales, int64_t fine_fmt, const int64_t *page_table,
+                        const void *coords, const uint16_t *scales, int64_t fine_fmt, const int64_t *page_table,
                         const int64_t *sealed, int64_t batch, int64_t kv_heads, int64_t group, int64_t dim,
                         int64_t rank, int64_t page_size, int64_t num_pages, int64_t pages_total, int64_t group_pages,
                         int64_t top_groups, float scale, float *out, int64_t threads) {

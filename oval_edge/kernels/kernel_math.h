@@ -21,6 +21,20 @@ static inline float widen_bf16(uint16_t h) {
     return f;
 }
 
+/* IEEE half -> float (the quantized oval records' scales, page_record.py), without F16C: a subnormal half is its
+ * mantissa times 2^-24; a normal one moves its exponent from bias 15 to bias 127; inf and NaN stay so. */
+static inline float widen_fp16(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    if (exponent == 0) {
+        const float tiny = (float)mantissa * 5.9604644775390625e-08f;
+        return sign ? -tiny : tiny;
+    }
+    const uint32_t bits = sign | ((exponent == 31 ? 255u : exponent + 112u) << 23) | (mantissa << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* 2^x for x <= 0 without libm, so the compiler vectorises the loops that call it. x = n + f with n = round(x),
  * |f| <= 1/2, 2^f by its Taylor series to degree 6 (relative error < 1.3e-7, about fp32's rounding), 2^n from
  * the exponent bits. x is clamped at -126, so terms below 2^-126 count as 2^-126 (~1e-38): next to the largest

@@ -70,6 +70,32 @@ static inline __attribute__((always_inline)) void widen_int5_row(float *restrict
     }
 }
 
+/* One int4 record's coordinates (INT4_COORD_BYTES(rank, page) bytes at src, score_kernels.c) widened to fp32
+ * levels dst [rank, page]: every row as 4-bit (nibble - 8), then each row with fifth bits adds 16 * bit - 8. */
+static inline __attribute__((always_inline)) void widen_int4_coords(float *restrict dst, const uint8_t *src,
+                                                                    int64_t rank, int64_t page) {
+    widen_row(dst, src, 0, rank * page, FMT_INT4);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+    const __m256 sixteen = _mm256_set1_ps(16.0f), eight = _mm256_set1_ps(8.0f);
+    const uint8_t *fifth = src + rank * page / 2;
+    for (int64_t j = 0; j < FIFTH_RANKS(rank) * page; j += 8) { /* row i's token p is bit p % 8 of byte (i P + p) / 8 */
+        const __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(fifth[j / 8]), lanes), one);
+        const __m256 level = _mm256_sub_ps(_mm256_loadu_ps(dst + j), eight);
+        _mm256_storeu_ps(dst + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(bits), sixteen, level));
+    }
+}
+
+/* n fp16 scales -> fp32 (F16C where the build targets it). */
+static inline __attribute__((always_inline)) void widen_scales(float *restrict dst, const uint16_t *src, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++) dst[i] = _cvtsh_ss(src[i]);
+#else
+    for (; i < n; i++) dst[i] = widen_fp16(src[i]);
+#endif
+}
+
 /* row . q_g for the G4 padded queries qs [G4, dim] -> out [G4] (a chunk of 3 real queries skips the padded one). */
 static inline __attribute__((always_inline)) void dot_group(float *restrict out, const float *restrict row,
                                                             const float *restrict qs, int64_t group, int64_t group4,
@@ -123,7 +149,10 @@ static inline __attribute__((always_inline)) float score_page_avx2(
             widen_row(row, basis, (record * rank + i) * dim, dim, fmt);
         dot_group(projected + i * group4, row, qbs, group, group4, dim);
     }
-    widen_row(coord, coords, record * rank * page_size, rank * page_size, fmt);
+    if (fmt == FMT_INT4)
+        widen_int4_coords(coord, (const uint8_t *)coords + record * INT4_COORD_BYTES(rank, page_size), rank, page_size);
+    else
+        widen_row(coord, coords, record * rank * page_size, rank * page_size, fmt);
     if (sc) { /* quantized: value = scale * level; rank i's basis and coordinate scales are stored as one product */
         for (int64_t g = 0; g < group; g++) offset[g] *= sc[0];
         for (int64_t i = 0; i < rank; i++)
@@ -170,7 +199,7 @@ static inline __attribute__((always_inline)) void prefetch_record(const void *ba
 struct score_job {
     const float *qs, *qbs;            /* [B * Hkv, G4, D]: the scaled, padded queries (qbs: the basis rows') */
     const void *mean, *basis, *coords;
-    const float *scales;
+    const uint16_t *scales;           /* fp16 bits */
     const int64_t *page_table, *counts;
     int64_t kv_heads, group, group4, dim, rank, page_size, num_pages, pages_total;
     float *out;
@@ -196,11 +225,21 @@ static inline __attribute__((always_inline)) void score_range(const struct score
                     prefetch_record(job->basis, ahead * rank * INT5_ROW_BYTES(dim), rank * INT5_ROW_BYTES(dim), FMT_INT8);
                 else
                     prefetch_record(job->basis, ahead * rank * dim, rank * dim, fmt);
-                prefetch_record(job->coords, ahead * rank * page_size, rank * page_size, fmt);
-                if (fmt >= FMT_INT8) prefetch_record(job->scales, ahead * (1 + rank), 1 + rank, FMT_F32);
+                if (fmt == FMT_INT4) /* its coordinates' bytes, likewise */
+                    prefetch_record(job->coords, ahead * INT4_COORD_BYTES(rank, page_size),
+                                    INT4_COORD_BYTES(rank, page_size), FMT_INT8);
+                else
+                    prefetch_record(job->coords, ahead * rank * page_size, rank * page_size, fmt);
+                if (fmt >= FMT_INT8) /* fp16: 2-byte elements like bf16 */
+                    prefetch_record(job->scales, ahead * (1 + rank), 1 + rank, FMT_BF16);
             }
             int64_t record = h * job->pages_total + job->page_table[b * num_pages + n];
-            const float *sc = fmt >= FMT_INT8 ? job->scales + record * (1 + rank) : NULL;
+            float sc_values[1 + AVX2_MAX_RANK] __attribute__((aligned(32)));
+            const float *sc = NULL;
+            if (fmt >= FMT_INT8) {
+                widen_scales(sc_values, job->scales + record * (1 + rank), 1 + rank);
+                sc = sc_values;
+            }
 #ifdef SCORE_INT4_WIDE_READY
             if (fmt == FMT_INT4 && int4_wide_takes(dim, rank, page_size))
                 job->out[item] = score_page_int4_wide(job->qs + bh * group4 * dim, job->qbs + bh * group4 * dim,
@@ -252,7 +291,7 @@ RANGE_FNS(FMT_INT4, int4)
 
 /* Returns 0, or 3 without memory for the padded queries. */
 static int oval_scores_avx2(const float *restrict q, const float *restrict qb, const void *mean, const void *basis,
-                            const void *coords, const float *scales, const int64_t *restrict page_table,
+                            const void *coords, const uint16_t *scales, const int64_t *restrict page_table,
                             const int64_t *restrict counts, int64_t batch, int64_t kv_heads, int64_t group,
                             int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages, int64_t pages_total,
                             float scale, float *restrict out, int64_t threads, int fmt) {

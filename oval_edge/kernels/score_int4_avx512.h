@@ -8,8 +8,9 @@
  * 16 32-bit lanes, the low nibbles (the even elements) by a mask and the high ones (the odd elements) by a shift,
  * and go straight into the FMAs. The nibbles come out in the order "16 even elements, then 16 odd ones" per 32
  * values; the basis rows' queries are stored in that order once per call (deinterleave_int4) and a page's logits
- * are summed in any order, so nothing is shuffled per page. The basis rows' fifth bits (score_kernels.c's layout)
- * are one 32-bit load per 32 values, shifted into each lane by its element index (widen32_int5).
+ * are summed in any order, so nothing is shuffled per page. The fifth bits of the basis rows and of the first
+ * coordinate rows (score_kernels.c's layout) are one 32-bit load per 32 values, shifted into each lane by its
+ * element index (widen32_int5).
  * Takes: head dim and page size multiples of 32 (the rest of avx2_takes); anything else takes score_page_avx2. */
 #define SCORE_INT4_WIDE_READY 1
 
@@ -115,7 +116,7 @@ static inline __attribute__((always_inline)) float score_page_int4_wide(
     float logits[MAX_GROUP * AVX2_MAX_PAGE] __attribute__((aligned(64)));    /* [G, P], the same token order */
     const int8_t *mean_row = (const int8_t *)mean + record * dim;
     const uint8_t *basis_rows = (const uint8_t *)basis + record * rank * INT5_ROW_BYTES(dim);
-    const uint8_t *coord_rows = (const uint8_t *)coords + record * rank * page_size / 2;
+    const uint8_t *coord_rows = (const uint8_t *)coords + record * INT4_COORD_BYTES(rank, page_size);
     for (int64_t g = 0; g < group4; g += 4) {
         const int64_t n = group - g == 3 ? 3 : 4;
         _mm_store_ps(offset + g, n == 3 ? dot_int8_row(mean_row, qs + g * dim, 3, dim)
@@ -125,9 +126,15 @@ static inline __attribute__((always_inline)) float score_page_int4_wide(
                          n == 3 ? dot_int5_row(basis_rows + i * INT5_ROW_BYTES(dim), qbs + g * dim, 3, dim)
                                 : dot_int5_row(basis_rows + i * INT5_ROW_BYTES(dim), qbs + g * dim, 4, dim));
     }
-    for (int64_t j = 0; j < rank * page_size; j += 32) {
+    for (int64_t j = 0; j < rank * page_size; j += 32) { /* 32 tokens of rank j / P's row */
         __m512 even, odd;
-        widen32_int4(coord_rows + j / 2, &even, &odd);
+        if (j < FIFTH_RANKS(rank) * page_size) { /* a row with fifth bits: its 32 tokens' bits in 4 bytes */
+            uint32_t fifth;
+            memcpy(&fifth, coord_rows + rank * page_size / 2 + j / 8, sizeof fifth);
+            widen32_int5(coord_rows + j / 2, fifth, &even, &odd);
+        } else {
+            widen32_int4(coord_rows + j / 2, &even, &odd);
+        }
         _mm512_store_ps(coord + j, even);
         _mm512_store_ps(coord + j + 16, odd);
     }

@@ -33,10 +33,14 @@
 #define FMT_F32 0
 #define FMT_BF16 1
 #define FMT_INT8 2
-#define FMT_INT4 3 /* coordinates: two values a byte, the even element in the low nibble, stored as q + 8; basis
-                    * rows: 5-bit levels stored as q + 16, a row's dim / 2 bytes of low nibbles (the same packing)
-                    * then dim / 8 bytes of fifth bits (bit i % 8 of byte i / 8 is element i's) */
+#define FMT_INT4 3 /* basis rows: 5-bit levels stored as q + 16, a row's dim / 2 bytes of low nibbles (two a byte,
+                    * the even element in the low nibble) then dim / 8 bytes of fifth bits (bit i % 8 of byte i / 8
+                    * is element i's). Coordinates: a record's r * P / 2 bytes of nibbles, rank-major, then P / 8
+                    * bytes of fifth bits for each of its first FIFTH_RANKS(r) ranks; every row's level is its
+                    * nibble - 8, and a row with fifth bits adds 16 * bit - 8 (page_record.py) */
 #define INT5_ROW_BYTES(dim) ((dim) / 2 + (dim) / 8)
+#define FIFTH_RANKS(rank) (3 * (rank) / 4) /* geometry.coord_fifth_ranks */
+#define INT4_COORD_BYTES(rank, page) ((rank) * (page) / 2 + FIFTH_RANKS(rank) * (page) / 8)
 
 /* Element i of a record tensor in format fmt, before its scale (int formats give the integer level). */
 static inline __attribute__((always_inline)) float load_record(const void *base, int64_t i, int fmt) {
@@ -45,6 +49,17 @@ static inline __attribute__((always_inline)) float load_record(const void *base,
     if (fmt == FMT_INT8) return (float)((const int8_t *)base)[i];
     uint8_t byte = ((const uint8_t *)base)[i >> 1];
     return (float)((int)((i & 1) ? byte >> 4 : byte & 15) - 8);
+}
+
+/* Token p of rank i's coordinate row of the int4 record `record` (its index in the layer's [Hkv * pages] records):
+ * its level. */
+static inline __attribute__((always_inline)) float load_int4_coord(const void *coords, int64_t record, int64_t i,
+                                                                   int64_t p, int64_t rank, int64_t page) {
+    const uint8_t *bytes = (const uint8_t *)coords + record * INT4_COORD_BYTES(rank, page);
+    const int64_t j = i * page + p;
+    const int nibble = (j & 1) ? bytes[j >> 1] >> 4 : bytes[j >> 1] & 15;
+    if (i >= FIFTH_RANKS(rank)) return (float)(nibble - 8);
+    return (float)(nibble + 16 * ((bytes[rank * page / 2 + j / 8] >> (p & 7)) & 1) - 16);
 }
 
 /* Element d of basis row `row` (the row's index in the layer's basis tensor) of an int4 record: its 5-bit level. */
@@ -59,12 +74,12 @@ static inline __attribute__((always_inline)) float load_int5(const void *basis, 
 static inline float page_score(float total, float peak) { return (log2f(total) + peak) * LN_2; }
 
 /* Checks shared by both bodies: 1 for shapes above the limits, 2 for a page index outside the pool, else 0. */
-static int check_scores(const int64_t *page_table, const int64_t *counts, const float *scales, int64_t batch,
+static int check_scores(const int64_t *page_table, const int64_t *counts, const uint16_t *scales, int64_t batch,
                         int64_t group, int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages,
                         int64_t pages_total, int fmt) {
     if (dim > MAX_DIM || group > MAX_GROUP || rank > MAX_RANK || page_size > MAX_PAGE) return 1;
     if (fmt >= FMT_INT8 && !scales) return 1;
-    if (fmt == FMT_INT4 && (dim % 8 || page_size % 2)) return 1;
+    if (fmt == FMT_INT4 && (dim % 8 || page_size % 8)) return 1;
     for (int64_t b = 0; b < batch; b++)
         for (int64_t n = 0; n < row_count(counts, b, num_pages); n++)
             if (page_table[b * num_pages + n] < 0 || page_table[b * num_pages + n] >= pages_total) return 2;
@@ -95,8 +110,9 @@ static void hadamard_rotate(float *x, int64_t dim) {
 /* Page scores (scoring.oval_scores): for each row b, KV head h and listed page n,
  *   out[b, h, n] = ln( sum over the group's heads g and the page's tokens p of exp(scale * (mu . q_g + R[p] . (B^T q_g))) )
  * q [B, Hkv, G, D] fp32 (qb: the queries the basis rows are dotted with: q, or H q for the int4 record); one layer's records (page_record.py), head-major: mean [Hkv, pages_total, D], basis B^T
- * [Hkv, pages_total, r, D] (int4: [.., r, INT5_ROW_BYTES(D)] bytes), coords R^T [Hkv, pages_total, r, P], scales
- * [Hkv, pages_total, 1 + r] fp32 (int formats; NULL for float ones): the mean's scale (value = scale * level),
+ * [Hkv, pages_total, r, D] (int4: [.., r, INT5_ROW_BYTES(D)] bytes), coords R^T [Hkv, pages_total, r, P] (int4:
+ * [.., INT4_COORD_BYTES(r, P)] bytes), scales [Hkv, pages_total, 1 + r] fp16 bits (int formats; NULL for float
+ * ones): the mean's scale (value = scale * level),
  * then per rank i the product of basis row i's and coordinate row i's. The scales fold into the projections, so
  * the inner loops are those of the float record.
  * page_table [B, Np] physical pages; out [B, Hkv, Np] fp32.
@@ -106,7 +122,7 @@ static void hadamard_rotate(float *x, int64_t dim) {
  * threads: the OpenMP team's size to split the pages over (1 without OpenMP; short tables stay on one thread). */
 static inline __attribute__((always_inline)) void oval_scores_plain(
     const float *restrict q, const float *restrict qb, const void *restrict mean, const void *restrict basis, const void *restrict coords,
-    const float *restrict scales, const int64_t *restrict page_table, const int64_t *restrict counts, int64_t batch,
+    const uint16_t *restrict scales, const int64_t *restrict page_table, const int64_t *restrict counts, int64_t batch,
     int64_t kv_heads, int64_t group, int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages,
     int64_t pages_total, float scale, float *restrict out, int64_t threads, int fmt) {
     const int mean_fmt = fmt >= FMT_INT8 ? FMT_INT8 : fmt; /* the int4 record keeps an int8 mean */
@@ -128,7 +144,12 @@ static inline __attribute__((always_inline)) void oval_scores_plain(
         const float *qh = q + bh * group * dim, *qbh = qb + bh * group * dim;
         int64_t record = h * pages_total + page_table[b * num_pages + n];
         int64_t u = record * rank * dim, c = record * rank * page_size;
-        const float *sc = fmt >= FMT_INT8 ? scales + record * (1 + rank) : NULL;
+        float sc_values[1 + MAX_RANK];
+        const float *sc = NULL;
+        if (fmt >= FMT_INT8) {
+            for (int64_t i = 0; i <= rank; i++) sc_values[i] = widen_fp16(scales[record * (1 + rank) + i]);
+            sc = sc_values;
+        }
         float unit = scale * LOG2_E;
         for (int64_t d = 0; d < dim; d++) row[d] = load_record(mean, record * dim + d, mean_fmt);
         for (int64_t g = 0; g < group; g++) offset[g] = unit * (sc ? sc[0] : 1.0f) * dot(qh + g * dim, row, dim);
@@ -141,7 +162,9 @@ static inline __attribute__((always_inline)) void oval_scores_plain(
         }
         float peak = -3.0e38f;
         for (int64_t i = 0; i < rank; i++) { /* logits [G, P] = offset [G] + projected [G, r] x R^T [r, P] */
-            for (int64_t p = 0; p < page_size; p++) row[p] = load_record(coords, c + i * page_size + p, fmt);
+            for (int64_t p = 0; p < page_size; p++)
+                row[p] = fmt == FMT_INT4 ? load_int4_coord(coords, record, i, p, rank, page_size)
+                                         : load_record(coords, c + i * page_size + p, fmt);
             for (int64_t g = 0; g < group; g++) {
                 float z = projected[g * rank + i], *lg = logits + g * page_size;
                 if (i == 0) {
@@ -172,7 +195,7 @@ static inline __attribute__((always_inline)) void oval_scores_plain(
     oval_scores_plain(q, qb, mean, basis, coords, scales, page_table, counts, batch, kv_heads, group, DIM,    \
                       rank, PAGE, num_pages, pages_total, scale, out, threads, fmt)
 static inline __attribute__((always_inline)) int oval_scores(
-    const float *q, const void *mean, const void *basis, const void *coords, const float *scales,
+    const float *q, const void *mean, const void *basis, const void *coords, const uint16_t *scales,
     const int64_t *page_table, const int64_t *counts, int64_t batch, int64_t kv_heads, int64_t group, int64_t dim,
     int64_t rank, int64_t page_size, int64_t num_pages, int64_t pages_total, float scale, float *out,
     int64_t threads, int fmt) {
@@ -208,7 +231,7 @@ static inline __attribute__((always_inline)) int oval_scores(
 }
 
 #define SCORE_ARGS                                                                                            \
-    const float *q, const void *mean, const void *basis, const void *coords, const float *scales,            \
+    const float *q, const void *mean, const void *basis, const void *coords, const uint16_t *scales,         \
         const int64_t *page_table, const int64_t *counts, int64_t batch, int64_t kv_heads, int64_t group,     \
         int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages, int64_t pages_total, float scale,    \
         float *out, int64_t threads

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from oval_edge.kv.page_record import rotation
+from oval_edge.geometry import coord_fifth_ranks
+from oval_edge.kv.page_record import record_page_size, rotation
 
 from .triton_ops import MAX, SUM
 
@@ -33,11 +34,8 @@ _UNSCORED = tl.constexpr(UNSCORED)  # the kernels' copy: Triton reads only const
 
 @triton.jit
 def _record_values(ptr, offsets, mask, FMT: tl.constexpr):
-    """Record elements at logical `offsets` as fp32 levels: FMT 0 float (any float dtype), 1 int8, 2 int4 (two a
-    byte, the even element in the low nibble, stored as q + 8)."""
-    if FMT == 2:
-        byte = tl.load(ptr + offsets // 2, mask=mask, other=136).to(tl.int32)  # 136 = two zeros (8 | 8 << 4)
-        return (tl.where(offsets % 2 == 1, byte >> 4, byte & 15) - 8).to(tl.float32)
+    """Record elements at `offsets` as fp32 (levels for FMT 1, int8). The int4 record's packed rows have their
+    own readers (_int5_values, _int4_coord_values)."""
     return tl.load(ptr + offsets, mask=mask, other=0).to(tl.float32)
 
 
@@ -55,8 +53,23 @@ def _int5_values(ptr, rows, d, dim, mask):
 
 
 @triton.jit
+def _int4_coord_values(ptr, entry, i, p, rank, fifth, PAGE: tl.constexpr, mask):
+    """Rank i's coordinate row of the int4 records `entry` [N] (page_record.py) -> [N, P] fp32 levels: the record's
+    r * P / 2 bytes of nibbles (rank-major, the even element in the low nibble; level = nibble - 8), then P / 8 bytes
+    of fifth bits for each of its first `fifth` ranks (such a row adds 16 * bit - 8)."""
+    start = entry[:, None] * (rank * PAGE // 2 + fifth * PAGE // 8)
+    j = i * PAGE + p[None, :]  # [1, P]: the token's index in the record's rank-major nibbles
+    byte = tl.load(ptr + start + j // 2, mask=mask[:, None], other=0).to(tl.int32)
+    level = tl.where(j % 2 == 1, byte >> 4, byte & 15) - 8
+    has_fifth = j < fifth * PAGE  # [1, P]: rank i < fifth, as a tensor (a mask must be one)
+    bits = tl.load(ptr + start + rank * PAGE // 2 + j // 8, mask=mask[:, None] & has_fifth, other=0).to(tl.int32)
+    level = tl.where(has_fifth, level + 16 * ((bits >> (j % 8)) & 1) - 8, level)
+    return tl.where(mask[:, None], level, 0).to(tl.float32)
+
+
+@triton.jit
 def _oval_kernel(q_ptr, qb_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, table_ptr, counts_ptr, out_ptr,
-                 kv_heads, group, dim, rank, num_pages, pages_total, scale_log2,
+                 kv_heads, group, dim, rank, fifth, num_pages, pages_total, scale_log2,
                  HAS_COUNTS: tl.constexpr, FMT: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program: row b, KV head h (axis 0 = b * Hkv + h), BLOCK_N listed pages (axis 1).
@@ -94,7 +107,7 @@ def _oval_kernel(q_ptr, qb_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, tab
                           1 if FMT > 0 else 0)  # [N, D]; the int4 record keeps an int8 mean
     offset = tl.reduce(mean[:, None, :] * q[None, :, :], 2, SUM)  # [N, G]: mu . q_g
     if FMT > 0:
-        offset = offset * tl.load(scales_ptr + entry * (1 + rank), mask=inside, other=0.0)[:, None]
+        offset = offset * tl.load(scales_ptr + entry * (1 + rank), mask=inside, other=0.0).to(tl.float32)[:, None]
     logits = tl.full([BLOCK_N, BLOCK_G, PAGE], 0.0, dtype=tl.float32) + offset[:, :, None]
     for i in range(rank):
         if FMT == 2:
@@ -104,8 +117,12 @@ def _oval_kernel(q_ptr, qb_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, tab
                                FMT)  # [N, D]
         proj = tl.reduce(u[:, None, :] * qb[None, :, :], 2, SUM)  # [N, G]: the group's queries on basis vector i
         if FMT > 0:
-            proj = proj * tl.load(scales_ptr + entry * (1 + rank) + 1 + i, mask=inside, other=0.0)[:, None]
-        c = _record_values(coords_ptr, (record + i)[:, None] * PAGE + p[None, :], inside[:, None], FMT)  # [N, P]
+            proj = proj * tl.load(scales_ptr + entry * (1 + rank) + 1 + i, mask=inside,
+                                  other=0.0).to(tl.float32)[:, None]
+        if FMT == 2:
+            c = _int4_coord_values(coords_ptr, entry, i, p, rank, fifth, PAGE, inside)  # [N, P]
+        else:
+            c = _record_values(coords_ptr, (record + i)[:, None] * PAGE + p[None, :], inside[:, None], FMT)
         logits += proj[:, :, None] * c[:, None, :]
     logits = tl.where(g_ok[None, :, None], logits, float("-inf"))  # padded query heads take no mass
     peak = tl.reduce(tl.reduce(logits, 2, MAX), 1, MAX)  # [N]
@@ -184,7 +201,7 @@ def oval_scores(q: torch.Tensor, records, page_table: torch.Tensor, scale: float
     fmt = FORMAT_CODES.get(basis.dtype, 0)
     b, hkv, group, dim = q.shape
     pages_total, rank = basis.shape[1], basis.shape[2]
-    page = coords.shape[-1] * (2 if fmt == 2 else 1)
+    page = record_page_size(basis, coords)
     table = _table_arg(page_table)
     num_pages = table.shape[1]
     out = torch.empty((b, hkv, num_pages), dtype=torch.float32, device=q.device)
@@ -194,7 +211,8 @@ def oval_scores(q: torch.Tensor, records, page_table: torch.Tensor, scale: float
     q = q.contiguous()
     qb = q.float() @ rotation(dim, q.device) if fmt == 2 else q  # H is symmetric: q H = H q per row
     _oval_kernel[grid](q, qb.contiguous(), mean, basis, coords, scales if scales is not None else mean, table,
-                       _counts_arg(counts, table), out, hkv, group, dim, rank, num_pages, pages_total,
+                       _counts_arg(counts, table), out, hkv, group, dim, rank, coord_fifth_ranks(rank), num_pages,
+                       pages_total,
                        float(scale) * LOG2_E, HAS_COUNTS=counts is not None, FMT=fmt, PAGE=page, BLOCK_N=block_n,
                        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d)
     return out

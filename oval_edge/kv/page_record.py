@@ -6,22 +6,29 @@ and the centred keys' coordinates R^T [r, P], so that a key k_t ~= mu + B R_t an
 Layout, head-major per layer (a sequence's pages of one KV head are contiguous blocks; see pool.py):
     mean    [L, Hkv, pages, D]
     basis   [L, Hkv, pages, r, D]      (int4: [.., r, D / 2 + D / 8], see below)
-    coords  [L, Hkv, pages, r, P]      (int4: [.., r, P / 2])
-    scales  [L, Hkv, pages, 1 + r]     fp32, quantized formats only: the mean's, then per rank i the product of
+    coords  [L, Hkv, pages, r, P]      (int4: [.., r * P / 2 + f * P / 8], see below)
+    scales  [L, Hkv, pages, 1 + r]     fp16, quantized formats only: the mean's, then per rank i the product of
                                        basis row i's and coordinate row i's. Why one product: the score reads
-                                       them only as (b_i . q) * R_i,t, so a separate pair would be 4r bytes that
-                                       say nothing more (at r = 8 they kept the int4 record above a third of bf16's).
+                                       them only as (b_i . q) * R_i,t, so a separate pair would be 2r bytes that
+                                       say nothing more. Why fp16: its 11-bit mantissa is far finer than the
+                                       levels it scales, and its 18 bytes (r = 8) pay for the coordinates' fifth
+                                       bits below.
 Formats (geometry.RECORD_FORMATS):
     float  in the pool's dtype; no scales.
     int8   symmetric int8, x ~= s * q with s = max|x| / 127 per row (the mean, each basis row, each coordinate row).
-    int4   coordinates as symmetric int4 (s = max|x| / 7, q in [-7, 7]) stored as q + 8 in a nibble, two a byte,
-           the even element in the low nibble. The basis rows carry a fifth bit: symmetric 5-bit levels
-           (s = max|x| / 15, q in [-15, 15]) stored as q + 16, a row being its D / 2 bytes of low nibbles (the
-           coordinates' packing) then D / 8 bytes of fifth bits (bit i % 8 of byte i / 8 is element i's).
-           Why: measured on SmolLM2 (teacher-forced KL at k = 8 on Alice, docs/oval-index.md), the all-4-bit
-           record was 2.4-3.1% above the float record and the basis held half of that; the fifth bit brings it
-           to +0.7% for 32 bytes (r = 8, D = 64), still 3.04x below bf16. The mean stays int8 (its error moves
-           every token's logit; int4 measured +3%).
+    int4   the mean int8. Basis rows in symmetric 5-bit levels (s = max|x| / 15, q in [-15, 15]) stored as q + 16,
+           a row being its D / 2 bytes of low nibbles (element 2j in the low nibble of byte j, 2j + 1 in its
+           high one) then D / 8 bytes of fifth bits (bit i % 8 of byte i / 8 is element i's).
+           Coordinates: the first f = geometry.coord_fifth_ranks(r) ranks (three quarters) in 5-bit levels, the
+           rest in 4-bit ones (s = max|x| / 7, q in [-7, 7], stored as q + 8). The record's coords bytes are the
+           low nibbles of all r rows, rank-major, packed as the basis rows' (r * P / 2 bytes; a 5-bit row's nibble
+           is that of q + 16), then the fifth bits of the first f rows (P / 8 bytes each, bit t % 8 of byte t / 8
+           for token t). So every row widens as a 4-bit one (nibble - 8), and a 5-bit row adds 16 * bit - 8.
+           Why these bits: measured on SmolLM2 (docs/oval-index.md), a basis bit moves the scores more than a
+           coordinate bit (a basis row's error shifts every token of the page alike), so the basis gets five
+           everywhere, and the coordinates get a fifth where the singular values are large; the all-4-bit
+           record was 2.4-3.1% above the float record in KL. The mean stays int8 (its error moves every token's
+           logit; int4 and 5-bit means measured +3%).
            The basis rows are stored rotated, b H with H the orthonormal Hadamard matrix of the head dim
            (`rotation`), so b . q = (b H) . (H q): a row's absmax is set by a few large channels of the keys,
            and at few levels that leaves the rest coarse; the rotation spreads every channel over all of them.
@@ -34,6 +41,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from oval_edge.geometry import coord_fifth_ranks
 
 from .huge_pages import pool_tensor
 
@@ -61,17 +70,32 @@ def allocate_records(geometry, num_pages: int, dtype: torch.dtype, device: torch
     if g.record == "int8":
         basis_shape, coords_shape, packed = (g.rank, g.head_dim), (g.rank, g.page_size), torch.int8
     else:
-        basis_shape, coords_shape = (g.rank, int5_row_bytes(g.head_dim)), (g.rank, g.page_size // 2)
+        basis_shape, coords_shape = (g.rank, int5_row_bytes(g.head_dim)), (int4_coord_bytes(g.rank, g.page_size),)
         packed = torch.uint8
     return {"mean": pool_tensor(lead + (g.head_dim,), torch.int8, device),
             "basis": pool_tensor(lead + basis_shape, packed, device),
             "coords": pool_tensor(lead + coords_shape, packed, device),
-            "scales": pool_tensor(lead + (1 + g.rank,), torch.float32, device)}
+            "scales": pool_tensor(lead + (1 + g.rank,), torch.float16, device)}
 
 
 def int5_row_bytes(dim: int) -> int:
     """Bytes of one int4 record's basis row of `dim` 5-bit values: dim / 2 of low nibbles, dim / 8 of fifth bits."""
     return dim // 2 + dim // 8
+
+
+def int4_coord_bytes(rank: int, page_size: int) -> int:
+    """Bytes of one int4 record's coordinates: every rank's low nibbles, then the fifth bits of the first
+    coord_fifth_ranks(rank) ranks."""
+    return rank * page_size // 2 + coord_fifth_ranks(rank) * page_size // 8
+
+
+def record_page_size(basis: torch.Tensor, coords: torch.Tensor) -> int:
+    """Tokens per page of records stored as `basis`, `coords` (any leading shape): the coordinates' last axis, or
+    for int4 what int4_coord_bytes inverts to."""
+    if record_format(basis) != "int4":
+        return coords.shape[-1]
+    rank = basis.shape[-2]
+    return coords.shape[-1] * 8 // (4 * rank + coord_fifth_ranks(rank))
 
 
 def record_format(basis: torch.Tensor) -> str:
@@ -123,48 +147,68 @@ def _split_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
-def _pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q [..., n] int8 in [-7, 7], n even -> [..., n / 2] uint8: (q[2j] + 8) | (q[2j+1] + 8) << 4."""
-    return _pair_nibbles(q.to(torch.int16) + 8).to(torch.uint8)
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """[..., n] int16 in {0, 1}, n a multiple of 8 -> [..., n / 8]: bit i % 8 of byte i / 8 is element i."""
+    shifts = torch.arange(8, dtype=torch.int16, device=bits.device)
+    return (bits.view(*bits.shape[:-1], -1, 8) << shifts).sum(-1)  # distinct bits: the sum is their OR
 
 
-def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """[..., n / 2] uint8 -> [..., n] float32 in [-7, 7] (the inverse of _pack_int4)."""
-    return (_split_nibbles(packed.to(torch.int16)) - 8).float()
+def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
+    """[..., m] int16 bytes -> [..., 8m] in {0, 1} (the inverse of _pack_bits)."""
+    shifts = torch.arange(8, dtype=torch.int16, device=packed.device)
+    return ((packed[..., None] >> shifts) & 1).reshape(*packed.shape[:-1], -1)
 
 
 def _pack_int5(q: torch.Tensor) -> torch.Tensor:
-    """q [..., n] int8 in [-15, 15], n a multiple of 8 -> [..., n / 2 + n / 8] uint8: the low nibbles of q + 16 as
-    _pack_int4 packs them, then its fifth bits, bit i % 8 of byte i / 8 for element i."""
+    """q [..., n] int8 in [-15, 15], n a multiple of 8 -> [..., n / 2 + n / 8] uint8: the low nibbles of q + 16 paired
+    by _pair_nibbles, then its fifth bits, bit i % 8 of byte i / 8 for element i."""
     biased = q.to(torch.int16) + 16
-    shifts = torch.arange(8, dtype=torch.int16, device=q.device)
-    fifth = ((biased >> 4).view(*q.shape[:-1], -1, 8) << shifts).sum(-1)  # distinct bits: the sum is their OR
-    return torch.cat((_pair_nibbles(biased & 15), fifth), dim=-1).to(torch.uint8)
+    return torch.cat((_pair_nibbles(biased & 15), _pack_bits(biased >> 4)), dim=-1).to(torch.uint8)
 
 
 def _unpack_int5(packed: torch.Tensor) -> torch.Tensor:
     """[..., n / 2 + n / 8] uint8 -> [..., n] float32 in [-15, 15] (the inverse of _pack_int5)."""
     n = packed.shape[-1] * 8 // 5
     wide = packed.to(torch.int16)
-    shifts = torch.arange(8, dtype=torch.int16, device=packed.device)
-    fifth = ((wide[..., n // 2:, None] >> shifts) & 1).reshape(*packed.shape[:-1], n)
-    return (_split_nibbles(wide[..., : n // 2]) + (fifth << 4) - 16).float()
+    return (_split_nibbles(wide[..., : n // 2]) + (_unpack_bits(wide[..., n // 2:]) << 4) - 16).float()
+
+
+def _pack_coords(q5: torch.Tensor, q4: torch.Tensor) -> torch.Tensor:
+    """An int4 record's coordinates: q5 [..., f, P] in [-15, 15], q4 [..., r - f, P] in [-7, 7] ->
+    [..., r * P / 2 + f * P / 8] uint8 (the layout in this module's docstring)."""
+    biased5, biased4 = q5.to(torch.int16) + 16, q4.to(torch.int16) + 8
+    nibbles = torch.cat((biased5 & 15, biased4), dim=-2).flatten(-2)  # [..., r * P], rank-major
+    return torch.cat((_pair_nibbles(nibbles), _pack_bits((biased5 >> 4).flatten(-2))), dim=-1).to(torch.uint8)
+
+
+def _unpack_coords(packed: torch.Tensor, rank: int) -> torch.Tensor:
+    """[..., r * P / 2 + f * P / 8] uint8 -> levels [..., r, P] float32 (the inverse of _pack_coords)."""
+    fifth = coord_fifth_ranks(rank)
+    page = packed.shape[-1] * 8 // (4 * rank + fifth)
+    wide = packed.to(torch.int16)
+    levels = _split_nibbles(wide[..., : rank * page // 2]).view(*packed.shape[:-1], rank, page) - 8
+    bits = _unpack_bits(wide[..., rank * page // 2:]).view(*packed.shape[:-1], fifth, page)
+    return torch.cat((levels[..., :fifth, :] + 16 * bits - 8, levels[..., fifth:, :]), dim=-2).float()
 
 
 def encode(mean: torch.Tensor, basis_t: torch.Tensor, coords_t: torch.Tensor, fmt: str, dtype: torch.dtype) -> dict:
     """Float records -> stored tensors. mean [..., D], basis_t [..., r, D], coords_t [..., r, P] fp32."""
     if fmt == "float":
         return {"mean": mean.to(dtype), "basis": basis_t.to(dtype), "coords": coords_t.to(dtype)}
-    int4 = fmt == "int4"
-    if int4:
-        basis_t = basis_t.float() @ rotation(basis_t.shape[-1], basis_t.device)  # rows b -> b H
     q_mean, s_mean = _quantize(mean, INT8_LEVELS)
-    q_basis, s_basis = _quantize(basis_t, INT5_LEVELS if int4 else INT8_LEVELS)
-    q_coords, s_coords = _quantize(coords_t, INT4_LEVELS if int4 else INT8_LEVELS)
-    if int4:
-        q_basis, q_coords = _pack_int5(q_basis), _pack_int4(q_coords)
+    if fmt == "int4":
+        basis_t = basis_t.float() @ rotation(basis_t.shape[-1], basis_t.device)  # rows b -> b H
+        fifth = coord_fifth_ranks(basis_t.shape[-2])
+        q_basis, s_basis = _quantize(basis_t, INT5_LEVELS)
+        q5, s5 = _quantize(coords_t[..., :fifth, :], INT5_LEVELS)
+        q4, s4 = _quantize(coords_t[..., fifth:, :], INT4_LEVELS)
+        q_basis, q_coords, s_coords = _pack_int5(q_basis), _pack_coords(q5, q4), torch.cat((s5, s4), dim=-1)
+    else:
+        q_basis, s_basis = _quantize(basis_t, INT8_LEVELS)
+        q_coords, s_coords = _quantize(coords_t, INT8_LEVELS)
     scales = torch.cat((s_mean[..., None], s_basis * s_coords), dim=-1).float()
-    return {"mean": q_mean, "basis": q_basis, "coords": q_coords, "scales": scales}
+    return {"mean": q_mean, "basis": q_basis, "coords": q_coords,
+            "scales": scales.clamp(max=torch.finfo(torch.float16).max).to(torch.float16)}
 
 
 def decode(mean: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor,
@@ -176,9 +220,10 @@ def decode(mean: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor,
     if fmt == "float":
         return mean.float(), basis.float(), coords.float()
     if fmt == "int4":
-        basis_q, coords_q = _unpack_int5(basis), _unpack_int4(coords)
+        basis_q, coords_q = _unpack_int5(basis), _unpack_coords(coords, basis.shape[-2])
     else:
         basis_q, coords_q = basis.float(), coords.float()
+    scales = scales.float()
     basis_t = basis_q * scales[..., 1:, None]  # the rank's folded scale goes with the basis row (either would do)
     if fmt == "int4":  # stored rotated: (b H) H = b
         basis_t = basis_t @ rotation(basis_t.shape[-1], basis_t.device)

@@ -17,7 +17,7 @@ reported too. The lowest calibration error wins; a smaller rank wins when its er
 Each (eta, r) is also scored through every stored record format (`records`: the pool's int8 / int4 encodings,
 page_record.encode then decode, exactly what the kernels read). The frozen (eta, r) is chosen on the float record;
 the frozen format is the most compact one whose error at that (eta, r) is within `record_tolerance` of the float
-record's (the formats read 0.54x (int8) and 0.31x (int4) the bytes of a bf16 record at D = 64, P = 32, r = 8).
+record's (the formats read 0.51x (int8) and 0.33x (int4) the bytes of a bf16 record at D = 64, P = 32, r = 8).
 """
 
 from __future__ import annotations
