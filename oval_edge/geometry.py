@@ -32,6 +32,17 @@ def coord_fifth_ranks(rank: int) -> int:
     return 3 * rank // 4
 
 
+def int5_row_bytes(dim: int) -> int:
+    """Bytes of one int4 record's basis row of `dim` 5-bit values: dim / 2 of low nibbles, dim / 8 of fifth bits."""
+    return dim // 2 + dim // 8
+
+
+def int4_coord_bytes(rank: int, page_size: int) -> int:
+    """Bytes of one int4 record's coordinates: every rank's low nibbles, then the fifth bits of the first
+    coord_fifth_ranks(rank) ranks."""
+    return rank * page_size // 2 + coord_fifth_ranks(rank) * page_size // 8
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     """Shape of one model's KV cache in pages; the unit every budget figure is computed from."""
@@ -156,7 +167,7 @@ class KVGeometry:
         if self.record == "int8":
             packed = r * (d + p)
         else:
-            packed = r * (d // 2 + d // 8) + r * p // 2 + coord_fifth_ranks(r) * p // 8
+            packed = r * int5_row_bytes(d) + int4_coord_bytes(r, p)
         return d + packed + (1 + r) * RECORD_SCALE_BYTES
 
     def group_record_bytes(self) -> int:

@@ -51,16 +51,19 @@ static inline __attribute__((always_inline)) void widen_row(float *restrict dst,
     }
 }
 
-/* One int4 record's basis row (dim 5-bit levels in INT5_ROW_BYTES(dim) bytes, score_kernels.c) widened to fp32. */
-static inline __attribute__((always_inline)) void widen_int5_row(float *restrict dst, const uint8_t *row, int64_t dim) {
+/* n (a multiple of 16) 5-bit levels of an int4 record widened to fp32: their low nibbles packed two a byte at
+ * `nibbles`, their fifth bits at `fifth` (element m's is bit m % 8 of byte m / 8). A basis row has its fifth bits
+ * right after its nibbles; a coordinate row's are in the record's bit plane (score_kernels.c). */
+static inline __attribute__((always_inline)) void widen_int5(float *restrict dst, const uint8_t *nibbles,
+                                                             const uint8_t *fifth, int64_t n) {
     const __m256i bias = _mm256_set1_epi32(16), one = _mm256_set1_epi32(1);
     const __m256i first_bits = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i next_bits = _mm256_add_epi32(first_bits, _mm256_set1_epi32(8));
-    for (int64_t i = 0; i < dim; i += 16) {
-        __m128i ordered = nibbles16(row + i / 2);
-        uint16_t fifth;
-        memcpy(&fifth, row + dim / 2 + i / 8, sizeof fifth); /* element i + m's fifth bit is bit m */
-        const __m256i high = _mm256_set1_epi32(fifth);
+    for (int64_t i = 0; i < n; i += 16) {
+        __m128i ordered = nibbles16(nibbles + i / 2);
+        uint16_t bits;
+        memcpy(&bits, fifth + i / 8, sizeof bits); /* element i + m's fifth bit is bit m */
+        const __m256i high = _mm256_set1_epi32(bits);
         const __m256i high_first = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, first_bits), one), 4);
         const __m256i high_next = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(high, next_bits), one), 4);
         __m256i first8 = _mm256_or_si256(_mm256_cvtepu8_epi32(ordered), high_first);
@@ -71,18 +74,12 @@ static inline __attribute__((always_inline)) void widen_int5_row(float *restrict
 }
 
 /* One int4 record's coordinates (INT4_COORD_BYTES(rank, page) bytes at src, score_kernels.c) widened to fp32
- * levels dst [rank, page]: every row as 4-bit (nibble - 8), then each row with fifth bits adds 16 * bit - 8. */
+ * levels dst [rank, page]: the rows with fifth bits as 5-bit levels, the rest as 4-bit ones. */
 static inline __attribute__((always_inline)) void widen_int4_coords(float *restrict dst, const uint8_t *src,
                                                                     int64_t rank, int64_t page) {
-    widen_row(dst, src, 0, rank * page, FMT_INT4);
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
-    const __m256 sixteen = _mm256_set1_ps(16.0f), eight = _mm256_set1_ps(8.0f);
-    const uint8_t *fifth = src + rank * page / 2;
-    for (int64_t j = 0; j < FIFTH_RANKS(rank) * page; j += 8) { /* row i's token p is bit p % 8 of byte (i P + p) / 8 */
-        const __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(fifth[j / 8]), lanes), one);
-        const __m256 level = _mm256_sub_ps(_mm256_loadu_ps(dst + j), eight);
-        _mm256_storeu_ps(dst + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(bits), sixteen, level));
-    }
+    const int64_t wide = FIFTH_RANKS(rank) * page; /* values in the rows with fifth bits */
+    widen_int5(dst, src, src + rank * page / 2, wide);
+    widen_row(dst + wide, src, wide, rank * page - wide, FMT_INT4);
 }
 
 /* n fp16 scales -> fp32 (F16C where the build targets it). */
@@ -143,10 +140,12 @@ static inline __attribute__((always_inline)) float score_page_avx2(
     widen_row(row, mean, record * dim, dim, mean_fmt);
     dot_group(offset, row, qs, group, group4, dim);
     for (int64_t i = 0; i < rank; i++) {
-        if (fmt == FMT_INT4)
-            widen_int5_row(row, (const uint8_t *)basis + (record * rank + i) * INT5_ROW_BYTES(dim), dim);
-        else
+        if (fmt == FMT_INT4) {
+            const uint8_t *packed = (const uint8_t *)basis + (record * rank + i) * INT5_ROW_BYTES(dim);
+            widen_int5(row, packed, packed + dim / 2, dim);
+        } else {
             widen_row(row, basis, (record * rank + i) * dim, dim, fmt);
+        }
         dot_group(projected + i * group4, row, qbs, group, group4, dim);
     }
     if (fmt == FMT_INT4)
@@ -188,7 +187,7 @@ static inline __attribute__((always_inline)) float score_page_avx2(
  * samples on the records' first loads; at 32k two-level scoring took 3.4 ms a step without it, 2.7 ms with it). */
 static inline __attribute__((always_inline)) void prefetch_record(const void *base, int64_t first, int64_t count,
                                                                   int fmt) {
-    const int64_t bits = fmt == FMT_F32 ? 32 : fmt == FMT_BF16 ? 16 : fmt == FMT_INT8 ? 8 : 4;
+    const int64_t bits = fmt == FMT_F32 ? 32 : fmt == FMT_BF16 ? 16 : 8; /* int4 records' bytes come as FMT_INT8 */
     const char *start = (const char *)base + first * bits / 8;
     for (int64_t off = 0; off < count * bits / 8; off += 64) __builtin_prefetch(start + off, 0, 3);
 }

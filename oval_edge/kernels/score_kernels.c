@@ -42,13 +42,21 @@
 #define FIFTH_RANKS(rank) (3 * (rank) / 4) /* geometry.coord_fifth_ranks */
 #define INT4_COORD_BYTES(rank, page) ((rank) * (page) / 2 + FIFTH_RANKS(rank) * (page) / 8)
 
-/* Element i of a record tensor in format fmt, before its scale (int formats give the integer level). */
+/* Element i of a float or int8 record tensor, before its scale (int8 gives the integer level). The int4 record's
+ * packed rows are read by load_int5 and load_int4_coord. */
 static inline __attribute__((always_inline)) float load_record(const void *base, int64_t i, int fmt) {
     if (fmt == FMT_F32) return ((const float *)base)[i];
     if (fmt == FMT_BF16) return widen_bf16(((const uint16_t *)base)[i]);
-    if (fmt == FMT_INT8) return (float)((const int8_t *)base)[i];
-    uint8_t byte = ((const uint8_t *)base)[i >> 1];
-    return (float)((int)((i & 1) ? byte >> 4 : byte & 15) - 8);
+    return (float)((const int8_t *)base)[i];
+}
+
+/* Element j of packed nibbles (two a byte, the even element in the low nibble) and bit j of a bit plane (bit j % 8
+ * of byte j / 8): the int4 record's two packings (page_record.py). */
+static inline __attribute__((always_inline)) int nibble_at(const uint8_t *bytes, int64_t j) {
+    return (j & 1) ? bytes[j >> 1] >> 4 : bytes[j >> 1] & 15;
+}
+static inline __attribute__((always_inline)) int bit_at(const uint8_t *plane, int64_t j) {
+    return (plane[j >> 3] >> (j & 7)) & 1;
 }
 
 /* Token p of rank i's coordinate row of the int4 record `record` (its index in the layer's [Hkv * pages] records):
@@ -57,16 +65,14 @@ static inline __attribute__((always_inline)) float load_int4_coord(const void *c
                                                                    int64_t p, int64_t rank, int64_t page) {
     const uint8_t *bytes = (const uint8_t *)coords + record * INT4_COORD_BYTES(rank, page);
     const int64_t j = i * page + p;
-    const int nibble = (j & 1) ? bytes[j >> 1] >> 4 : bytes[j >> 1] & 15;
-    if (i >= FIFTH_RANKS(rank)) return (float)(nibble - 8);
-    return (float)(nibble + 16 * ((bytes[rank * page / 2 + j / 8] >> (p & 7)) & 1) - 16);
+    if (i >= FIFTH_RANKS(rank)) return (float)(nibble_at(bytes, j) - 8);
+    return (float)(nibble_at(bytes, j) + 16 * bit_at(bytes + rank * page / 2, j) - 16);
 }
 
 /* Element d of basis row `row` (the row's index in the layer's basis tensor) of an int4 record: its 5-bit level. */
 static inline __attribute__((always_inline)) float load_int5(const void *basis, int64_t row, int64_t d, int64_t dim) {
     const uint8_t *bytes = (const uint8_t *)basis + row * INT5_ROW_BYTES(dim);
-    const int low = (d & 1) ? bytes[d >> 1] >> 4 : bytes[d >> 1] & 15, high = (bytes[dim / 2 + d / 8] >> (d & 7)) & 1;
-    return (float)((low | high << 4) - 16);
+    return (float)(nibble_at(bytes, d) + 16 * bit_at(bytes + dim / 2, d) - 16);
 }
 
 /* A page's score from its log-sum-exp parts: total = sum of 2^(logit - peak), logits in log2 units -> natural log.

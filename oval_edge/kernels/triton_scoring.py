@@ -40,31 +40,34 @@ def _record_values(ptr, offsets, mask, FMT: tl.constexpr):
 
 
 @triton.jit
+def _nibble_and_bit(ptr, nibbles, plane, j, mask, bit_mask):
+    """The int4 record's two packings (page_record.py) at element indices j: the nibble of element j from `nibbles`
+    (two a byte, the even element in the low nibble) and its bit from the bit plane at `plane` (bit j % 8 of byte
+    j / 8); offsets in bytes from ptr. Bits outside bit_mask read as 0."""
+    byte = tl.load(ptr + nibbles + j // 2, mask=mask, other=0).to(tl.int32)
+    bits = tl.load(ptr + plane + j // 8, mask=bit_mask, other=0).to(tl.int32)
+    return tl.where(j % 2 == 1, byte >> 4, byte & 15), (bits >> (j % 8)) & 1
+
+
+@triton.jit
 def _int5_values(ptr, rows, d, dim, mask):
     """An int4 record's basis rows (page_record.py): `rows` [N] row indices, d [D] element indices -> [N, D] fp32
-    5-bit levels. A row is dim / 2 bytes of low nibbles (stored as q + 16, the even element in the low nibble),
-    then dim / 8 bytes of fifth bits (bit d % 8 of byte d / 8)."""
+    5-bit levels. A row is dim / 2 bytes of low nibbles (stored as q + 16), then dim / 8 bytes of fifth bits."""
     start = rows[:, None] * (dim // 2 + dim // 8)
-    byte = tl.load(ptr + start + d[None, :] // 2, mask=mask, other=0).to(tl.int32)
-    low = tl.where(d[None, :] % 2 == 1, byte >> 4, byte & 15)
-    bits = tl.load(ptr + start + dim // 2 + d[None, :] // 8, mask=mask, other=0).to(tl.int32)
-    high = (bits >> (d[None, :] % 8)) & 1
-    return tl.where(mask, (low | (high << 4)) - 16, 0).to(tl.float32)
+    low, high = _nibble_and_bit(ptr, start, start + dim // 2, d[None, :], mask, mask)
+    return tl.where(mask, low + 16 * high - 16, 0).to(tl.float32)
 
 
 @triton.jit
 def _int4_coord_values(ptr, entry, i, p, rank, fifth, PAGE: tl.constexpr, mask):
     """Rank i's coordinate row of the int4 records `entry` [N] (page_record.py) -> [N, P] fp32 levels: the record's
-    r * P / 2 bytes of nibbles (rank-major, the even element in the low nibble; level = nibble - 8), then P / 8 bytes
-    of fifth bits for each of its first `fifth` ranks (such a row adds 16 * bit - 8)."""
+    r * P / 2 bytes of nibbles (rank-major; level = nibble - 8), then P / 8 bytes of fifth bits for each of its
+    first `fifth` ranks (such a row adds 16 * bit - 8)."""
     start = entry[:, None] * (rank * PAGE // 2 + fifth * PAGE // 8)
     j = i * PAGE + p[None, :]  # [1, P]: the token's index in the record's rank-major nibbles
-    byte = tl.load(ptr + start + j // 2, mask=mask[:, None], other=0).to(tl.int32)
-    level = tl.where(j % 2 == 1, byte >> 4, byte & 15) - 8
     has_fifth = j < fifth * PAGE  # [1, P]: rank i < fifth, as a tensor (a mask must be one)
-    bits = tl.load(ptr + start + rank * PAGE // 2 + j // 8, mask=mask[:, None] & has_fifth, other=0).to(tl.int32)
-    level = tl.where(has_fifth, level + 16 * ((bits >> (j % 8)) & 1) - 8, level)
-    return tl.where(mask[:, None], level, 0).to(tl.float32)
+    low, high = _nibble_and_bit(ptr, start, start + rank * PAGE // 2, j, mask[:, None], mask[:, None] & has_fifth)
+    return tl.where(mask[:, None], tl.where(has_fifth, low + 16 * high - 16, low - 8), 0).to(tl.float32)
 
 
 @triton.jit
@@ -76,8 +79,8 @@ def _oval_kernel(q_ptr, qb_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, tab
 
     q [B, Hkv, G, D]; qb: the queries the basis rows are dotted with (q, or H q for the int4 record, whose rows
     are stored rotated: page_record.py); one layer's records (page_record.py): mean [Hkv, pages_total, D], basis
-    B^T [Hkv, pages_total, r, D] (int4: 5-bit rows of D / 2 + D / 8 bytes), coords R^T [Hkv, pages_total, r, P],
-    scales [Hkv, pages_total, 1 + r] (FMT > 0: the mean's, then per rank the product of its basis and coordinate
+    B^T [Hkv, pages_total, r, D] (int4: 5-bit rows of D / 2 + D / 8 bytes), coords R^T [Hkv, pages_total, r, P]
+    (int4: [Hkv, pages_total, r * P / 2 + fifth * P / 8] bytes), scales [Hkv, pages_total, 1 + r] fp16 (FMT > 0: the mean's, then per rank the product of its basis and coordinate
     scales);
     table [B, Np] int64; counts [B] int64 (HAS_COUNTS); out [B, Hkv, Np] fp32.
     logits[n, g, p] = mu[n] . q_g + sum_i (q_g . B^T[n, i]) * R^T[n, i, p] in log2 units, accumulated over the rank

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from oval_edge.geometry import coord_fifth_ranks
+from oval_edge.geometry import coord_fifth_ranks, int4_coord_bytes, int5_row_bytes
 
 from .huge_pages import pool_tensor
 
@@ -76,17 +76,6 @@ def allocate_records(geometry, num_pages: int, dtype: torch.dtype, device: torch
             "basis": pool_tensor(lead + basis_shape, packed, device),
             "coords": pool_tensor(lead + coords_shape, packed, device),
             "scales": pool_tensor(lead + (1 + g.rank,), torch.float16, device)}
-
-
-def int5_row_bytes(dim: int) -> int:
-    """Bytes of one int4 record's basis row of `dim` 5-bit values: dim / 2 of low nibbles, dim / 8 of fifth bits."""
-    return dim // 2 + dim // 8
-
-
-def int4_coord_bytes(rank: int, page_size: int) -> int:
-    """Bytes of one int4 record's coordinates: every rank's low nibbles, then the fifth bits of the first
-    coord_fifth_ranks(rank) ranks."""
-    return rank * page_size // 2 + coord_fifth_ranks(rank) * page_size // 8
 
 
 def record_page_size(basis: torch.Tensor, coords: torch.Tensor) -> int:
@@ -181,10 +170,9 @@ def _pack_coords(q5: torch.Tensor, q4: torch.Tensor) -> torch.Tensor:
     return torch.cat((_pair_nibbles(nibbles), _pack_bits((biased5 >> 4).flatten(-2))), dim=-1).to(torch.uint8)
 
 
-def _unpack_coords(packed: torch.Tensor, rank: int) -> torch.Tensor:
+def _unpack_coords(packed: torch.Tensor, rank: int, page: int) -> torch.Tensor:
     """[..., r * P / 2 + f * P / 8] uint8 -> levels [..., r, P] float32 (the inverse of _pack_coords)."""
     fifth = coord_fifth_ranks(rank)
-    page = packed.shape[-1] * 8 // (4 * rank + fifth)
     wide = packed.to(torch.int16)
     levels = _split_nibbles(wide[..., : rank * page // 2]).view(*packed.shape[:-1], rank, page) - 8
     bits = _unpack_bits(wide[..., rank * page // 2:]).view(*packed.shape[:-1], fifth, page)
@@ -220,7 +208,7 @@ def decode(mean: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor,
     if fmt == "float":
         return mean.float(), basis.float(), coords.float()
     if fmt == "int4":
-        basis_q, coords_q = _unpack_int5(basis), _unpack_coords(coords, basis.shape[-2])
+        basis_q, coords_q = _unpack_int5(basis), _unpack_coords(coords, basis.shape[-2], record_page_size(basis, coords))
     else:
         basis_q, coords_q = basis.float(), coords.float()
     scales = scales.float()
