@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .record_layout import int4_coord_bytes, int5_row_bytes
 from .units import format_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -21,26 +22,6 @@ RECORD_SCALE_BYTES, GROUP_SCALE_BYTES = 2, 4
 SLOTS_PER_GROUP, GROUP_SLOT_MAP_BYTES = 2, 8
 # kv_int8: each K and V row (one token, one KV head: head_dim values) is stored as int8 codes and one fp32 scale.
 KV_SCALE_BYTES = 4
-
-
-def coord_fifth_ranks(rank: int) -> int:
-    """How many of an int4 record's coordinate rows carry a fifth bit: the first three quarters of the ranks (the
-    basis is ordered by singular value, so these hold most of a page's key energy). Why three quarters: at r = 8
-    (D = 64, P = 32) that spends what fp16 scales free and keeps the record within a third of the bf16 one (554
-    of 1,664 bytes); measured, the fifth bits on these ranks take the record's KL over float's from +2.6-2.8% to
-    +0.7-1.9% on Alice's second 4k window (docs/oval-index.md)."""
-    return 3 * rank // 4
-
-
-def int5_row_bytes(dim: int) -> int:
-    """Bytes of one int4 record's basis row of `dim` 5-bit values: dim / 2 of low nibbles, dim / 8 of fifth bits."""
-    return dim // 2 + dim // 8
-
-
-def int4_coord_bytes(rank: int, page_size: int) -> int:
-    """Bytes of one int4 record's coordinates: every rank's low nibbles, then the fifth bits of the first
-    coord_fifth_ranks(rank) ranks."""
-    return rank * page_size // 2 + coord_fifth_ranks(rank) * page_size // 8
 
 
 @dataclass(frozen=True)
@@ -160,7 +141,7 @@ class KVGeometry:
         """Bytes of one oval record (one page, one KV head): mean mu [D], basis B^T [r, D], coordinates R^T [r, P],
         in the pool's dtype, or quantized with 1 + r fp16 scales (kv/page_record.py): int8, a byte a value; int4,
         the mean int8, basis rows of 5-bit values (D / 2 + D / 8 bytes each), coordinates 4-bit (P / 2 bytes a
-        rank) with a fifth bit for the first coord_fifth_ranks(r) ranks (P / 8 bytes each)."""
+        rank) with a fifth bit for the first record_layout.coord_fifth_ranks(r) ranks (P / 8 bytes each)."""
         d, p, r = self.head_dim, self.page_size, self.rank
         if self.record == "float":
             return (d + r * d + r * p) * self.dtype_bytes

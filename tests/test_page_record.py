@@ -11,8 +11,8 @@ import pytest
 import torch
 from oval_reference import make_pool, prefill, structured_kv
 
+from oval_edge import record_layout
 from oval_edge.config import OvalConfig
-from oval_edge import geometry
 from oval_edge.geometry import KVGeometry
 from oval_edge.kv import page_record
 from oval_edge.sparse.scoring import group_queries, score_pages
@@ -53,7 +53,7 @@ def test_quantized_records_are_3x_smaller_than_bf16_ones(rank, expected):
     sizes = {fmt: KVGeometry.for_oval(30, 3, 64, OvalConfig(record=fmt, rank=rank), "bfloat16").oval_record_bytes()
              for fmt in ("float", "int8", "int4")}
     assert sizes == expected
-    assert geometry.coord_fifth_ranks(rank) == 3 * rank // 4
+    assert record_layout.coord_fifth_ranks(rank) == 3 * rank // 4
     if rank == 8:  # the default; at r = 4 the mean's fixed 64 + 2 bytes weigh more: 896 / 310 = 2.9x
         assert sizes["float"] / sizes["int4"] >= 3.0
 
@@ -70,7 +70,7 @@ def test_quantized_records_decode_close_to_the_float_record(pools, fmt, toleranc
         turn = page_record.rotation(DIM)
         basis, want_basis = basis @ turn, want_basis @ turn
     rank = want_coords.shape[-2]
-    fifth = geometry.coord_fifth_ranks(rank) if fmt == "int4" else rank
+    fifth = record_layout.coord_fifth_ranks(rank) if fmt == "int4" else rank
     basis_levels = page_record.INT5_LEVELS if fmt == "int4" else page_record.INT8_LEVELS
     low_levels = page_record.INT4_LEVELS if fmt == "int4" else page_record.INT8_LEVELS
     coord_levels = torch.tensor([page_record.INT5_LEVELS if fmt == "int4" else page_record.INT8_LEVELS] * fifth

@@ -39,7 +39,7 @@
                     * bytes of fifth bits for each of its first FIFTH_RANKS(r) ranks; every row's level is its
                     * nibble - 8, and a row with fifth bits adds 16 * bit - 8 (page_record.py) */
 #define INT5_ROW_BYTES(dim) ((dim) / 2 + (dim) / 8)
-#define FIFTH_RANKS(rank) (3 * (rank) / 4) /* geometry.coord_fifth_ranks */
+#define FIFTH_RANKS(rank) (3 * (rank) / 4) /* record_layout.coord_fifth_ranks */
 #define INT4_COORD_BYTES(rank, page) ((rank) * (page) / 2 + FIFTH_RANKS(rank) * (page) / 8)
 
 /* Element i of a float or int8 record tensor, before its scale (int8 gives the integer level). The int4 record's

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oval_edge.geometry import coord_fifth_ranks
+from oval_edge.record_layout import coord_fifth_ranks
 from oval_edge.kv.page_record import record_page_size, rotation
 
 from .triton_ops import MAX, SUM

@@ -19,7 +19,7 @@ Formats (geometry.RECORD_FORMATS):
     int4   the mean int8. Basis rows in symmetric 5-bit levels (s = max|x| / 15, q in [-15, 15]) stored as q + 16,
            a row being its D / 2 bytes of low nibbles (element 2j in the low nibble of byte j, 2j + 1 in its
            high one) then D / 8 bytes of fifth bits (bit i % 8 of byte i / 8 is element i's).
-           Coordinates: the first f = geometry.coord_fifth_ranks(r) ranks (three quarters) in 5-bit levels, the
+           Coordinates: the first f = record_layout.coord_fifth_ranks(r) ranks (three quarters) in 5-bit levels, the
            rest in 4-bit ones (s = max|x| / 7, q in [-7, 7], stored as q + 8). The record's coords bytes are the
            low nibbles of all r rows, rank-major, packed as the basis rows' (r * P / 2 bytes; a 5-bit row's nibble
            is that of q + 16), then the fifth bits of the first f rows (P / 8 bytes each, bit t % 8 of byte t / 8
@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from oval_edge.geometry import coord_fifth_ranks, int4_coord_bytes, int5_row_bytes
+from oval_edge.record_layout import coord_fifth_ranks, int4_coord_bytes, int5_row_bytes
 
 from .huge_pages import pool_tensor
 
