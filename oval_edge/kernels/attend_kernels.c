@@ -73,6 +73,11 @@ static inline __attribute__((always_inline)) void attend_piece(
     for (int64_t j = 0; j < group * dim; j++) qs[j] = scale * LOG2_E * qh[j];
     int64_t seen = 0;
     /* Logits in log2 units. Unread slots get -3e38: weight ~1e-38, and their values are never read. */
+#ifdef KEYS_BLOCKED_READY
+    if (attend_avx2_takes(dim)) /* a constant test for dims 64 and 128 */
+        seen = key_logits_blocked(weights, peak, qs, k_rows, k_scales, idx, ok, first, last, group, dim, slots, kv);
+    else
+#endif
     for (int64_t t = first; t < last; t++) {
         if (!ok[t]) {
             for (int64_t g = 0; g < group; g++) weights[g * slots + t] = -3.0e38f;
