@@ -99,23 +99,6 @@ static inline __attribute__((always_inline)) void key_logits_avx2(float *restric
 #define KEYS_BLOCKED_READY 1
 #define KEY_BLOCK 8
 
-/* lane i of the result (i < 8) = the sum of the 16 lanes of x[i]: pairs of vectors are folded into one, twice by
- * 128-bit quarters and twice within them, then one permute puts the sums in order. */
-static inline __attribute__((always_inline)) __m256 sum8_lanes(const __m512 *x) {
-    __m512 y[4], z[2];
-    for (int k = 0; k < 4; k++) /* y_k: x[2k] folded to 8 lanes, then x[2k+1] */
-        y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x44),
-                             _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xEE));
-    for (int k = 0; k < 2; k++) /* quarter j of z_k: x[4k + j] folded to 4 lanes */
-        z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * k], y[2 * k + 1], 0x88),
-                             _mm512_shuffle_f32x4(y[2 * k], y[2 * k + 1], 0xDD));
-    /* quarter j: x[j] in 2 lanes, x[4 + j] in 2; then each pair summed into both of its lanes */
-    __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x44), _mm512_shuffle_ps(z[0], z[1], 0xEE));
-    w = _mm512_add_ps(w, _mm512_shuffle_ps(w, w, 0xB1));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, w));
-}
-
 /* Slots [t0, t0 + n) (n <= KEY_BLOCK) of n_q (1 to 3, a constant after inlining) queries q [n_q, dim]: logits
  * into w[i * slots + t] (UNSCORED where !ok[t]), peaks into peak8[i]; returns the mask of valid slots. */
 static inline __attribute__((always_inline)) unsigned key_block(

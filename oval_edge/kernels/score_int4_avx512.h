@@ -95,6 +95,32 @@ static inline __attribute__((always_inline)) __m128 dot_int8_row(const int8_t *r
     return reduce4_wide(a0, a1, a2, a3);
 }
 
+#if defined(__AVX512VL__)
+/* projected[(g + i) * 8 + j] = basis row j . q_{g+i} for the n (1 to 3, a constant) queries from g, at rank 8: the
+ * 8 x n accumulators stay in registers over the rows and each query's eight sums end in one sum8_lanes. */
+static inline __attribute__((always_inline)) void project8_int5(float *projected, const uint8_t *basis_rows,
+                                                                const float *qbs, int64_t g, int n, int64_t dim) {
+    __m512 a[3][8];
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < 8; j++) a[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *row = basis_rows + j * INT5_ROW_BYTES(dim);
+        for (int64_t d = 0; d < dim; d += 32) {
+            __m512 even, odd;
+            uint32_t fifth;
+            memcpy(&fifth, row + dim / 2 + d / 8, sizeof fifth);
+            widen32_int5(row + d / 2, fifth, &even, &odd);
+            for (int i = 0; i < n; i++) {
+                const float *q = qbs + (g + i) * dim;
+                a[i][j] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(q + d + 16),
+                                          _mm512_fmadd_ps(even, _mm512_loadu_ps(q + d), a[i][j]));
+            }
+        }
+    }
+    for (int i = 0; i < n; i++) _mm256_storeu_ps(projected + (g + i) * 8, sum8_lanes(a[i]));
+}
+#endif
+
 /* exp2_nonpositive on 16 lanes (the same polynomial). */
 static inline __m512 exp2_nonpositive16(__m512 x) {
     const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
@@ -117,15 +143,27 @@ static inline __attribute__((always_inline)) float score_page_int4_wide(
     const int8_t *mean_row = (const int8_t *)mean + record * dim;
     const uint8_t *basis_rows = (const uint8_t *)basis + record * rank * INT5_ROW_BYTES(dim);
     const uint8_t *coord_rows = (const uint8_t *)coords + record * INT4_COORD_BYTES(rank, page_size);
-    for (int64_t g = 0; g < group4; g += 4) {
-        const int64_t n = group - g == 3 ? 3 : 4;
-        _mm_store_ps(offset + g, n == 3 ? dot_int8_row(mean_row, qs + g * dim, 3, dim)
-                                        : dot_int8_row(mean_row, qs + g * dim, 4, dim));
+    /* projected[i * rank_stride + g * group_stride]: [r, G4], or [G, 8] where rank 8 takes project8_int5 */
+    int64_t rank_stride = group4, group_stride = 1;
+    for (int64_t g = 0; g < group4; g += 4)
+        _mm_store_ps(offset + g, group - g == 3 ? dot_int8_row(mean_row, qs + g * dim, 3, dim)
+                                                : dot_int8_row(mean_row, qs + g * dim, 4, dim));
+#if defined(__AVX512VL__)
+    if (rank == 8) {
+        rank_stride = 1, group_stride = 8;
+        for (int64_t g = 0; g < group; g += 3)
+            switch (group - g) { /* one instantiation per chunk size */
+            case 1: project8_int5(projected, basis_rows, qbs, g, 1, dim); break;
+            case 2: project8_int5(projected, basis_rows, qbs, g, 2, dim); break;
+            default: project8_int5(projected, basis_rows, qbs, g, 3, dim);
+            }
+    } else
+#endif
+    for (int64_t g = 0; g < group4; g += 4)
         for (int64_t i = 0; i < rank; i++)
             _mm_store_ps(projected + i * group4 + g,
-                         n == 3 ? dot_int5_row(basis_rows + i * INT5_ROW_BYTES(dim), qbs + g * dim, 3, dim)
-                                : dot_int5_row(basis_rows + i * INT5_ROW_BYTES(dim), qbs + g * dim, 4, dim));
-    }
+                         group - g == 3 ? dot_int5_row(basis_rows + i * INT5_ROW_BYTES(dim), qbs + g * dim, 3, dim)
+                                        : dot_int5_row(basis_rows + i * INT5_ROW_BYTES(dim), qbs + g * dim, 4, dim));
     for (int64_t j = 0; j < rank * page_size; j += 32) { /* 32 tokens of rank j / P's row */
         __m512 even, odd;
         if (j < FIFTH_RANKS(rank) * page_size) { /* a row with fifth bits: its 32 tokens' bits in 4 bytes */
@@ -140,14 +178,15 @@ static inline __attribute__((always_inline)) float score_page_int4_wide(
     }
     for (int64_t g = 0; g < group; g++) offset[g] *= sc[0]; /* value = scale * level (score_page_avx2) */
     for (int64_t i = 0; i < rank; i++)
-        for (int64_t g = 0; g < group; g++) projected[i * group4 + g] *= sc[1 + i]; /* rank i's folded scale */
+        for (int64_t g = 0; g < group; g++) /* rank i's folded scale */
+            projected[i * rank_stride + g * group_stride] *= sc[1 + i];
     __m512 peak16 = _mm512_set1_ps(-3.0e38f);
     for (int64_t g = 0; g < group; g++) {
         const __m512 base = _mm512_set1_ps(offset[g]);
         for (int64_t p = 0; p < page_size; p += 16) {
             __m512 acc = base;
             for (int64_t i = 0; i < rank; i++)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(projected[i * group4 + g]),
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(projected[i * rank_stride + g * group_stride]),
                                       _mm512_load_ps(coord + i * page_size + p), acc);
             _mm512_store_ps(logits + g * page_size + p, acc);
             peak16 = _mm512_max_ps(peak16, acc);
