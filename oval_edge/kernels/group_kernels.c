@@ -94,6 +94,10 @@ static inline __attribute__((always_inline)) void dot_queries(float *restrict ou
     for (int64_t g = 0; g < group; g++) out[g] = dot(q + g * dim, row, dim);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+#include "group_avx512.h"
+#endif
+
 /* Prefetch the coarse basis codes of every KV head of slot (they sit together: [pages, Hkv, r, D]). Why: groups are
  * group_pages pages apart in the pool, so the hardware prefetcher, which follows a stream within a 4 KiB page,
  * misses the start of each record; unprefetched, the coarse level ran at half its in-cache speed (measured). */
@@ -119,6 +123,18 @@ static inline __attribute__((always_inline)) float group_mass(
         widen_group(box, bounds, record * 2 * rank, 2 * rank, bf16);
         float p[MAX_GROUP];
         dot_queries(bh, mean, record * dim, qh, group, dim, bf16 ? ROW_BF16 : ROW_F32);
+#ifdef GROUP_BOUND8_READY
+        if (rank == 8 && dim % 16 == 0) {
+            const int8_t *rows = (const int8_t *)basis + record * rank * dim;
+            for (int64_t g = 0; g < group; g += 3)
+                switch (group - g) { /* one instantiation per chunk size */
+                case 1: box_bound8(bh, qh, rows, scales + record * rank, box, g, 1, dim); break;
+                case 2: box_bound8(bh, qh, rows, scales + record * rank, box, g, 2, dim); break;
+                default: box_bound8(bh, qh, rows, scales + record * rank, box, g, 3, dim);
+                }
+            continue;
+        }
+#endif
         for (int64_t i = 0; i < rank; i++) {
             dot_queries(p, basis, (record * rank + i) * dim, qh, group, dim, ROW_INT8);
             const float unit = scales[record * rank + i]; /* the row's scale folds into its projections */

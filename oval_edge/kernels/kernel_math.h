@@ -74,6 +74,13 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+/* The sum of 8 lanes. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 #if defined(__AVX512F__)
 /* 16 lanes folded to 8 (pairwise sums): where a 512-bit sum meets the 256-bit horizontal adds. */
 static inline __attribute__((always_inline)) __m256 fold16(__m512 v) {

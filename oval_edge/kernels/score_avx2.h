@@ -120,12 +120,6 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* One page's score. qs [G4, dim]: the group's queries times scale * log2 e, zero rows past G up to G4 (a multiple
  * of 4); qbs: the same for the basis rows (H q for the int4 record). record: the page's index in the layer's
  * head-major record tensors. */
