@@ -149,12 +149,7 @@ static inline __attribute__((always_inline)) int64_t key_logits_blocked(
             }
             if (g == 0) seen += __builtin_popcount(valid);
         }
-        for (int i = 0; i < n_q; i++) {
-            float lanes[8];
-            _mm256_storeu_ps(lanes, peak8[i]);
-            peak[g + i] = UNSCORED;
-            for (int l = 0; l < 8; l++) peak[g + i] = lanes[l] > peak[g + i] ? lanes[l] : peak[g + i];
-        }
+        for (int i = 0; i < n_q; i++) peak[g + i] = hmax8(peak8[i]);
     }
     return seen;
 }

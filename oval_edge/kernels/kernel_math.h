@@ -74,6 +74,13 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+/* The largest of 8 lanes. */
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 /* The sum of 8 lanes. */
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -114,12 +114,6 @@ static inline __m256 exp2_nonpositive8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
 /* One page's score. qs [G4, dim]: the group's queries times scale * log2 e, zero rows past G up to G4 (a multiple
  * of 4); qbs: the same for the basis rows (H q for the int4 record). record: the page's index in the layer's
  * head-major record tensors. */
