@@ -19,8 +19,8 @@ import subprocess
 
 import torch
 
-from .cpu_args import (OUT_OF_RANGE, as_dtype, kernel_result, on_cpu, record_page_size, records_fit, row_bounds,
-                       scales_fit)
+from .cpu_args import OUT_OF_RANGE, as_dtype, kernel_result, on_cpu, row_bounds, scales_fit
+from .cpu_bound import BoundGroupedScorer, BoundPageScorer
 from .cpu_build import built_library
 from .gpu import TritonKernels, describe_gpu_kernels, gpu_kernels
 
@@ -39,7 +39,6 @@ _SCORE_ARGS = [_ptr] * 7 + [_i64] * 8 + [ctypes.c_float, _ptr, _i64]
 # page table, sealed, then B, Hkv, G, D, r, P, Np, pages, group_pages, top_groups, scale, out, threads.
 _GROUPED_ARGS = ([_ptr] * 5 + [_i64, _ptr, _i64] + [_ptr] * 4 + [_i64] + [_ptr] * 2 + [_i64] * 10
                  + [ctypes.c_float, _ptr, _i64])
-RECORD_FORMAT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # group_kernels.c's fmt
 _ATTEND_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
                 _ptr, _ptr, _i64]
 # attend_slots by K/V row storage: fp32, bf16, int8 codes with an fp32 scale per row (kv_dtype='int8').
@@ -90,21 +89,13 @@ class NativeKernels:
         scales; any record format) -> scores [B, Hkv, Np] fp32.
         counts [B] int64: score only each row's first counts[b] pages (the rest get -3e38 and are not read).
         """
-        mean, basis, coords, scales = records
-        kernel = self._scores.get(basis.dtype)
-        b, hkv, group, dim = q.shape
-        pages_total, rank = basis.shape[1], basis.shape[2]
-        quantized = scales is not None
-        if kernel is None or not records_fit(records) or not on_cpu(q, page_table):
-            return None
-        page_size = record_page_size(records)
-        q = as_dtype(q, torch.float32).contiguous()
-        table = as_dtype(page_table, torch.int64).contiguous()
-        out = torch.empty((b, hkv, table.shape[1]), dtype=torch.float32)
-        code = kernel(q.data_ptr(), mean.data_ptr(), basis.data_ptr(), coords.data_ptr(),
-                      scales.data_ptr() if quantized else None, table.data_ptr(), row_bounds(counts), b, hkv, group,
-                      dim, rank, page_size, table.shape[1], pages_total, float(scale), out.data_ptr(), _team())
-        return kernel_result(code, out, "oval_scores", "page table holds a page outside 0..{}", pages_total - 1)
+        scorer = self.bind_oval_scores(records)
+        return None if scorer is None else scorer(q, page_table, scale, counts)
+
+    def bind_oval_scores(self, records) -> BoundPageScorer | None:
+        """oval_scores with `records` checked once (cpu_bound.py): a callable (q, page_table, scale, counts=None),
+        or None for records the kernels do not read."""
+        return BoundPageScorer.bind(self._scores, records, _team)
 
     def grouped_scores(self, q: torch.Tensor, coarse: tuple[torch.Tensor, ...], records, page_table: torch.Tensor,
                        sealed: torch.Tensor, scale: float, group_pages: int, top_groups: int) -> torch.Tensor | None:
@@ -114,30 +105,14 @@ class NativeKernels:
         int64 (-1: no record); records: that layer's fine LayerRecords;
         page_table [B, Np]; sealed [B] -> scores [B, Hkv, Np] fp32, -inf on pages not scored finely. None for
         inputs it does not take (the caller runs the torch code)."""
-        mean, basis, coords, scales = records
-        g_mean, g_basis, g_bounds, g_scales, g_slot = coarse
-        b, hkv, group, dim = q.shape
-        quantized = scales is not None
-        if (basis.dtype not in RECORD_FORMAT_CODE or not records_fit(records)
-                or not on_cpu(q, page_table, sealed, *coarse) or not all(t.is_contiguous() for t in coarse) or g_mean.dtype not in ELEMENT_SUFFIX
-                or g_bounds.dtype != g_mean.dtype or g_basis.dtype != torch.int8 or g_scales.dtype != torch.float32
-                or g_slot.dtype != torch.int64):
-            return None
-        pages_total, rank = basis.shape[1], basis.shape[2]
-        page_size = record_page_size(records)
-        q = as_dtype(q, torch.float32).contiguous()
-        table = as_dtype(page_table, torch.int64).contiguous()
-        done = as_dtype(sealed, torch.int64).contiguous()
-        out = torch.empty((b, hkv, table.shape[1]), dtype=torch.float32)
-        code = self._grouped(q.data_ptr(), g_mean.data_ptr(), g_basis.data_ptr(), g_bounds.data_ptr(),
-                             g_scales.data_ptr(), int(g_mean.dtype == torch.bfloat16), g_slot.data_ptr(),
-                             g_mean.shape[0],
-                             mean.data_ptr(), basis.data_ptr(), coords.data_ptr(),
-                             scales.data_ptr() if quantized else None, RECORD_FORMAT_CODE[basis.dtype],
-                             table.data_ptr(), done.data_ptr(), b, hkv, group, dim, rank, page_size, table.shape[1],
-                             pages_total, group_pages, top_groups, float(scale), out.data_ptr(), _team())
-        return kernel_result(code, out, "oval_grouped_scores", "page table holds a page outside 0..{}",
-                             pages_total - 1)
+        scorer = self.bind_grouped_scores(coarse, records, group_pages, top_groups)
+        return None if scorer is None else scorer(q, page_table, sealed, scale)
+
+    def bind_grouped_scores(self, coarse: tuple[torch.Tensor, ...], records, group_pages: int,
+                            top_groups: int) -> BoundGroupedScorer | None:
+        """grouped_scores with the layer's records and the group settings checked once (cpu_bound.py): a callable
+        (q, page_table, sealed, scale), or None for records the kernel does not read."""
+        return BoundGroupedScorer.bind(self._grouped, coarse, records, group_pages, top_groups, _team)
 
     def attend_slots(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
                      valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None,

@@ -25,9 +25,11 @@ from __future__ import annotations
 import torch
 
 from oval_edge.kernels.cpu import cpu_kernels
-from oval_edge.kv.page_record import RECORD_NAMES
+from oval_edge.kv.group_record import GROUP_NAMES, GROUP_SLOT
+from oval_edge.kv.page_record import RECORD_NAMES, layer_records
 
 from .attention import as_dtype, attend_rows
+from .grouped import uses_groups
 from .scoring import score_pages
 from .selection import DecodePlan, window_slots
 
@@ -108,6 +110,23 @@ def page_scores(pool, layer: int, q: torch.Tensor, page_table: torch.Tensor, cou
     if torch.compiler.is_compiling():
         return torch.ops.oval_edge.page_scores(q, *records, layer, page_table, counts, scale)
     return _page_scores(q, *records, layer, page_table, counts, scale)
+
+
+def bind_scorer(pool, layer: int, config, width: int):
+    """The static step's native scorer of model layer `layer` over [B, width] page tables, with the layer's records
+    bound once (kernels/cpu_bound.py): (q [B, Hkv, G, D], page_table, sealed [B], scale) -> scores [B, Hkv, width]
+    as page_scores (flat; sealed bounds the pages read) or grouped.grouped_scores (two levels) computes them; or
+    None where no native kernel scores (another device, no kernels, the quest scorer): the caller's torch path."""
+    kernels = cpu_kernels() if pool.device.type == "cpu" and config.scorer == "oval" else None
+    row = pool.paged_index[layer]
+    if kernels is None or row < 0:
+        return None
+    records = layer_records(pool.summaries, row)
+    if uses_groups(width, config.group_pages, config.top_groups):
+        coarse = tuple(pool.summaries[name][row] for name in GROUP_NAMES) + (pool.summaries[GROUP_SLOT],)
+        return kernels.bind_grouped_scores(coarse, records, config.group_pages, config.top_groups)
+    flat = kernels.bind_oval_scores(records)
+    return None if flat is None else lambda q, page_table, sealed, scale: flat(q, page_table, scale, sealed)
 
 
 def attend_slots(pool, layer: int, q: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor,

@@ -31,7 +31,7 @@ from oval_edge.sparse.grouped import grouped_scores, uses_groups
 from oval_edge.sparse.scoring import group_queries, score_pages
 from oval_edge.sparse.selection import DecodePlan, slots_per_step
 from oval_edge.sparse.sliding import ring_slots
-from oval_edge.sparse.step_ops import attend_slots, page_scores, select_slots, write_kv
+from oval_edge.sparse.step_ops import attend_slots, bind_scorer, page_scores, select_slots, write_kv
 
 from .paged_llama import PagedLlama
 from .step_rows import StepStats
@@ -74,6 +74,11 @@ class StaticStep:
         self.run = self.forward if compile_backend is None else torch.compile(
             self.forward, fullgraph=True, dynamic=False, backend=compile_backend)
         self.lengths_list: list[int] = []
+        # Each sparse layer's page scorer with its records checked once (oval_edge/kernels/cpu_bound.py): a callable
+        # (q, page_table, sealed, scale), or None where the torch code scores (no native kernels, another scorer).
+        # Bound here, not in a step, so every step dispatches the same ops; the pool never replaces its records.
+        self.scorers = [None if self.dense[i] or self.sliding[i] else bind_scorer(pool, i, config, width)
+                        for i in range(len(runner.layers))]
 
     def load(self, seq_ids: list, tokens: list[int]) -> None:
         """Write this step's inputs for the rows (one new token each) into the buffer: one copy to the device."""
@@ -171,6 +176,11 @@ class StaticAttention:
         """Page scores [B, Hkv, W] of one sparse layer from the records (pages past `sealed` are not candidates)."""
         runner, step = self.runner, self.step
         grouped = group_queries(q, runner.kv_heads)  # [B, Hkv, G, D]
+        scorer = None if torch.compiler.is_compiling() else step.scorers[layer]
+        if scorer is not None:
+            scores = scorer(grouped, step.page_table, step.sealed, runner.scale)
+            if scores is not None:
+                return scores
         config = runner.config
         if config.scorer == "oval" and uses_groups(step.page_table.shape[1], config.group_pages, config.top_groups):
             return grouped_scores(grouped, self.pool.summaries, self.pool.paged_index[layer], step.page_table,

@@ -1,0 +1,73 @@
+"""Page scorers with one layer's records bound once (oval_edge/kernels/cpu_bound.py): the static step binds one per
+sparse layer when it is built, each scores as the unbound call does, and a call with a query of another shape is
+refused (None: the torch code runs) instead of reading the records with the wrong strides."""
+
+from __future__ import annotations
+
+import torch
+from test_grouped_scoring import GROUPED
+from test_static_step import engine_for, prefill, tiny_folder  # noqa: F401
+
+from oval_edge.kernels.cpu_check import random_records
+from oval_edge.kv.group_record import GROUP_NAMES, GROUP_SLOT, group_record, stored_group_record
+from oval_edge.kv.page_record import layer_records
+from oval_edge.sparse.step_ops import page_scores
+
+
+def test_bound_page_scorer_equals_the_call_and_refuses_other_shapes(kernels):
+    gen = torch.Generator().manual_seed(5)
+    hkv, group, dim, rank, page_size, pages = 3, 3, 64, 8, 32, 40
+    q = torch.randn(2, hkv, group, dim, generator=gen)
+    table = torch.stack([torch.randperm(pages, generator=gen)[:24] for _ in range(2)])
+    counts = torch.tensor([24, 9])
+    for fmt in ("float", "int8", "int4"):
+        records = random_records(gen, hkv, pages, rank, dim, page_size, fmt, torch.float32)
+        bound = kernels.bind_oval_scores(records)
+        want = kernels.oval_scores(q, records, table, 0.125, counts)
+        assert bound is not None and torch.equal(bound(q, table, 0.125, counts), want)
+        assert bound(q[:, :2], table, 0.125) is None  # two KV heads against three heads' records
+        assert bound(q[..., :32], table, 0.125) is None  # another head dim
+        assert bound(q, table.float(), 0.125).shape == (2, hkv, 24)  # page indices in another dtype: converted
+    records = random_records(gen, hkv, pages, rank, dim, page_size, "float", torch.float32)
+    assert kernels.bind_oval_scores((records[0], records[1], records[2][:, :, :, :16], None)) is None  # not P wide
+
+
+def test_bound_grouped_scorer_equals_the_call(kernels):
+    gen = torch.Generator().manual_seed(6)
+    hkv, group, dim, rank, page_size, pages = 3, 3, 64, 8, 32, 200
+    records = random_records(gen, hkv, pages, rank, dim, page_size, "int4", torch.float32)
+    slots = pages // 2
+    record = group_record(torch.randn(slots * hkv, 256, dim, generator=gen), rank)
+    coarse = (*stored_group_record(*(t.view(slots, hkv, *t.shape[1:]) for t in record), torch.bfloat16),
+              torch.randint(0, slots, (pages,), generator=gen))
+    table = torch.randperm(pages, generator=gen)[:192][None]
+    sealed = torch.tensor([150])
+    q = torch.randn(1, hkv, group, dim, generator=gen)
+    bound = kernels.bind_grouped_scores(coarse, records, 8, 5)
+    want = kernels.grouped_scores(q, coarse, records, table, sealed, 0.125, 8, 5)
+    got = bound(q, table, sealed, 0.125)
+    assert torch.equal(got, want) and int((got[0, 0] > float("-inf")).sum()) == 5 * 8 + 6
+    assert bound(q[:, :1], table, sealed, 0.125) is None
+    assert kernels.bind_grouped_scores((coarse[0].float(), *coarse[1:]), records, 8, 5) is None  # mixed coarse dtypes
+
+
+def test_the_static_step_binds_each_sparse_layer_once(tiny_folder, kernels):  # noqa: F811
+    for oval, flat in ((None, True), (GROUPED, False)):
+        engine = engine_for(tiny_folder, **({} if oval is None else {"oval": oval}))
+        step = engine.static.step_for(1)
+        config = engine.runner.config
+        dense = [i < config.dense_layers for i in range(len(step.scorers))]
+        assert [s is None for s in step.scorers] == dense  # bound for every sparse layer, none for dense ones
+        prefill(engine, "s", 700)
+        q = torch.randn(1, 2, 2, 32)
+        step.load(["s"], [5])
+        layer = config.dense_layers
+        got = step.scorers[layer](q, step.page_table, step.sealed, 0.17)
+        if flat:  # the unbound path of the same layer: the pool's records through the op the step used before
+            want = page_scores(engine.pool, layer, q, step.page_table, step.sealed, 0.17)
+        else:
+            summaries, row = engine.pool.summaries, engine.pool.paged_index[layer]
+            coarse = tuple(summaries[name][row] for name in GROUP_NAMES) + (summaries[GROUP_SLOT],)
+            want = kernels.grouped_scores(q, coarse, layer_records(summaries, row), step.page_table, step.sealed,
+                                          0.17, config.group_pages, config.top_groups)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
