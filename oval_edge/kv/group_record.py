@@ -34,6 +34,12 @@ GROUP_NAMES = ("group_mean", "group_basis", "group_bounds", "group_scales")
 GROUP_SLOT = "group_slot"  # the pool's page -> slot map [pages] int64 (GroupSlots.slot_of), -1: no record
 
 
+def layer_coarse(summaries: dict[str, torch.Tensor], layer: int) -> tuple[torch.Tensor, ...]:
+    """One layer's coarse records in GROUP_NAMES' order, then the pool's page -> slot map (what the two-level
+    kernels take)."""
+    return tuple(summaries[name][layer] for name in GROUP_NAMES) + (summaries[GROUP_SLOT],)
+
+
 def allocate_group_records(geometry, slots: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     """`slots` coarse record slots per layer and KV head, allocated once with the pool ({} if flat)."""
     g = geometry

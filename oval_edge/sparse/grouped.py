@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from oval_edge.kernels.cpu import decode_kernels
-from oval_edge.kv.group_record import GROUP_NAMES, GROUP_SLOT, float_basis
+from oval_edge.kv.group_record import GROUP_SLOT, float_basis, layer_coarse
 from oval_edge.kv.page_record import layer_records
 
 LOG2_E, LN_2 = 1.0 / math.log(2.0), math.log(2.0)  # base-2 logits as in scoring.oval_scores (exp2 is cheaper)
@@ -59,9 +59,8 @@ def grouped_scores(q: torch.Tensor, summaries: dict[str, torch.Tensor], layer: i
     if not torch.compiler.is_compiling():
         kernels = decode_kernels(q.device)
         if kernels is not None:  # coarse bounds, the choice of groups and the fine records, read in place
-            coarse = tuple(summaries[name][layer] for name in GROUP_NAMES) + (summaries[GROUP_SLOT],)
-            scores = kernels.grouped_scores(q, coarse, layer_records(summaries, layer), page_table, sealed, scale,
-                                            group_pages, top_groups)
+            scores = kernels.grouped_scores(q, layer_coarse(summaries, layer), layer_records(summaries, layer),
+                                            page_table, sealed, scale, group_pages, top_groups)
             if scores is not None:
                 return scores
     return grouped_reference(q, summaries, layer, page_table, sealed, scale, group_pages, top_groups, fine)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from oval_edge.kernels.cpu import cpu_kernels
-from oval_edge.kv.group_record import GROUP_NAMES, GROUP_SLOT
+from oval_edge.kv.group_record import layer_coarse
 from oval_edge.kv.page_record import RECORD_NAMES, layer_records
 
 from .attention import as_dtype, attend_rows
@@ -123,8 +123,8 @@ def bind_scorer(pool, layer: int, config, width: int):
         return None
     records = layer_records(pool.summaries, row)
     if uses_groups(width, config.group_pages, config.top_groups):
-        coarse = tuple(pool.summaries[name][row] for name in GROUP_NAMES) + (pool.summaries[GROUP_SLOT],)
-        return kernels.bind_grouped_scores(coarse, records, config.group_pages, config.top_groups)
+        return kernels.bind_grouped_scores(layer_coarse(pool.summaries, row), records, config.group_pages,
+                                           config.top_groups)
     flat = kernels.bind_oval_scores(records)
     return None if flat is None else lambda q, page_table, sealed, scale: flat(q, page_table, scale, sealed)
 
