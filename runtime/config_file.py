@@ -1,6 +1,6 @@
 """The TOML file `oval-edge plan --write-config` writes and `oval-edge serve --config` reads.
 
-    [model]   path = "/abs/model.gguf" | "/abs/hf-folder" | "default";  quant = "nf4" | "fp4" | "none";
+    [model]   path = "/abs/model.gguf" | "/abs/hf-folder" | "default";  quant = "auto" | "gguf" | "int4" | "nf4" | "fp4" | "none";
               chat_template = "chatml-tools" (shipped) | "template.jinja" (relative to the config file's folder)
     [oval]    OvalConfig fields (page_size, top_k, sink_pages, window_min, window_max, dense_layers, scorer, rank,
               eta, kv_dtype, reuse_tau, reuse_slots, window_module) - validated by OvalConfig itself; a relative

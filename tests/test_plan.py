@@ -129,16 +129,17 @@ def test_whole_decoder_quantized_by_the_runtime_matches_the_planner():
 
 
 @pytest.mark.slow
-def test_weight_bytes_match_loaded_model():
+@pytest.mark.parametrize("quant", ["nf4", "auto", "int4"])  # auto: the GGUF's own Q4_1 blocks
+def test_weight_bytes_match_loaded_model(quant):
     """The bundled model loaded by the runtime: planner weight bytes within 3% of runtime's quantize.weight_bytes."""
     pytest.importorskip("torch")
     from bitsandbytes.functional import has_avx512bf16
 
     from oval_edge.runtime.model.loader import load_model
 
-    loaded = load_model("default", "nf4", "cpu")
+    loaded = load_model("default", quant, "cpu")
     flags = frozenset({"avx512_bf16"}) if has_avx512bf16() else frozenset()
-    planned = weight_bytes(read_model_shape("default"), "nf4", "cpu", flags).total
+    planned = weight_bytes(read_model_shape("default"), quant, "cpu", flags).total
     assert abs(planned - loaded.weight_bytes) <= 0.03 * loaded.weight_bytes, (planned, loaded.weight_bytes)
 
 
@@ -209,7 +210,8 @@ def test_llama3_8b_on_orin_nano_8gb_says_whether_and_what_context(capsys, tmp_pa
     assert report["predicted_peak_bytes"] == dev["predicted_peak_bytes"] > dev["weight_bytes"]
     # At a context the pool holds, the same module answers "fits" with a recommendation.
     if longest >= 512:
-        rc2, out2, _ = plan(capsys, "--device", "orin-nano-8gb", "--model", LLAMA3, "--context", str(longest))
+        rc2, out2, _ = plan(capsys, "--device", "orin-nano-8gb", "--model", LLAMA3, "--quant", "nf4",
+                           "--context", str(longest))
         assert rc2 == 0 and "recommendation: page_size" in out2
 
 
@@ -267,7 +269,7 @@ def test_write_config_round_trips_through_the_serve_reader(capsys, tmp_path):
     sections = load_config_file(str(toml_path))
     dev = json.loads(json_path.read_text())["devices"][0]
     best = dev["recommended"]
-    assert sections["model"] == {"path": str(FIXTURES), "quant": "nf4"}
+    assert sections["model"] == {"path": str(FIXTURES), "quant": "auto"}
     assert oval_config(sections).page_size == best["page_size"]
     # CUDA: serve counts neither the CUDA context nor the sealing transient; the written budget leaves them out.
     assert oval_config(sections).memory_budget == best["serve_memory_budget"] == (
@@ -335,7 +337,7 @@ def test_written_config_is_what_serve_reads(tmp_path, capsys):
     add_engine_arguments(parser)
     spec = engine_spec(parser.parse_args(["--config", str(toml_path)]))
     sections = load_config_file(str(toml_path))
-    assert (spec.model, spec.quant, spec.device) == ("default", "nf4", "cuda")
+    assert (spec.model, spec.quant, spec.device) == ("default", "auto", "cuda")
     assert spec.oval.memory_budget == sections["server"]["memory_budget"]
     assert (spec.max_batch, spec.max_context, spec.prefill_chunk) == (2, 4096, DEFAULT_PREFILL_CHUNK)
     assert spec.oval.page_size == sections["oval"]["page_size"]

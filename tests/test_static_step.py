@@ -88,9 +88,10 @@ def test_batch_buckets():
     assert batch_buckets(6) == (1, 2, 4, 6)
 
 
+@pytest.mark.parametrize("quant", ["none", "int4"])  # int4: the grouped projections a 16-bit folder serves with
 @pytest.mark.parametrize("oval", [OVAL, ADAPTIVE], ids=["fixed-window", "adaptive-window"])
-def test_same_ops_and_shapes_at_every_length_and_no_host_sync(tiny_folder, oval, decode_kernels, monkeypatch):
-    engine = engine_for(tiny_folder, oval=oval)
+def test_same_ops_and_shapes_at_every_length_and_no_host_sync(tiny_folder, oval, quant, decode_kernels, monkeypatch):
+    engine = engine_for(tiny_folder, quant, oval=oval)
     # Batch 1 at 300, 301, 700 and 1300 tokens (short rows and sparse ones, across page boundaries), then batch 3
     # (a bucket of 4: one padded row) at two sets of mixed lengths.
     for seq_id, length in (("a", 299), ("b", 699), ("c", 1299), ("d", 40)):
@@ -136,7 +137,7 @@ def static_equals_eager(static: Engine, eager: Engine, seq_ids: list, steps: int
         tokens = want.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("quant, backend", [("none", "inductor"), ("nf4", "aot_eager")])
+@pytest.mark.parametrize("quant, backend", [("none", "inductor"), ("nf4", "aot_eager"), ("int4", "aot_eager")])
 def test_compiled_step_decodes_300_to_1300_tokens_without_recompiles(tiny_folder, quant, backend, monkeypatch):
     """fullgraph=True fails on any graph break (a ctypes call, a .tolist(), a bool() of a tensor); with
     error_on_recompile the 1000 steps must reuse the one compiled graph as the page tables fill.
@@ -151,8 +152,9 @@ def test_compiled_step_decodes_300_to_1300_tokens_without_recompiles(tiny_folder
     (~300 of its codes over these 1000 steps, measured), which now and then flips a near-tie in the top-k and moves
     that step's logits by ~1e-2 (6 steps of 1000, measured; the next step reads the same pages again). So under
     inductor 99% of the steps must agree within 1e-3 and none by more than 0.1; aot_eager must agree on every step.
-    The int4 records go through the same compiled graph in both cases."""
-    if quant == "nf4":
+    The int4 records go through the same compiled graph in both cases. int4 weights (grouped_linear's op) take the
+    nf4 case's settings for the same reasons."""
+    if quant in ("nf4", "int4"):
         monkeypatch.setenv(NATIVE_ENV, "0")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

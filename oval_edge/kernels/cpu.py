@@ -80,6 +80,12 @@ class NativeKernels:
         self._gemv_4bit = library.gemv_4bit_f32
         self._gemv_4bit.argtypes, self._gemv_4bit.restype = [_ptr, _i64, _i64] + [_ptr] * 4 + [_i64] * 3 + [
             _ptr, _i64, _i64], ctypes.c_int
+        self._gemv_grouped = library.gemv_grouped_f32
+        self._gemv_grouped.argtypes, self._gemv_grouped.restype = [_ptr, _i64, _i64] + [_ptr] * 3 + [_i64] * 2 + [
+            _ptr, _i64, _i64, _ptr, _i64, _i64], ctypes.c_int
+        self._dequantize_grouped = library.dequantize_grouped_f32
+        self._dequantize_grouped.argtypes, self._dequantize_grouped.restype = [_ptr] * 3 + [_i64] * 6 + [
+            _ptr, _i64], ctypes.c_int
 
     def oval_scores(self, q: torch.Tensor, records, page_table: torch.Tensor, scale: float,
                     counts: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -189,6 +195,38 @@ class NativeKernels:
                                blocksize, out.data_ptr(), out.stride(0), _team())
         return out if code == 0 else None
 
+    def gemv_grouped(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                     bias: torch.Tensor | None, bits: int) -> torch.Tensor | None:
+        """x [n, K] fp32 @ W^T (+ bias [out] fp32) for W in the grouped integer format (codes uint8, scales / mins
+        [out, K / group] fp16; runtime/model/grouped_weights.py, grouped_kernels.c) -> [n, out] fp32, on torch's
+        intra-op thread count. None for inputs it does not take (the caller runs the torch path)."""
+        out_features = codes.shape[0]
+        tensors = (x, codes, scales, mins) + (() if bias is None else (bias,))
+        if (x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or not _grouped_fit(codes, scales, mins,
+                                                                                              bits, x.shape[1])
+                or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features))
+                or not on_cpu(*tensors) or not all(t.is_contiguous() for t in tensors[1:])):
+            return None
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        code = self._gemv_grouped(x.data_ptr(), x.shape[0], x.stride(0), codes.data_ptr(), scales.data_ptr(),
+                                  mins.data_ptr(), bits, x.shape[1] // scales.shape[1],
+                                  None if bias is None else bias.data_ptr(), out_features, x.shape[1], out.data_ptr(),
+                                  out.stride(0), _team())
+        return out if code == 0 else None
+
+    def dequantize_grouped(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
+                           first: int, last: int) -> torch.Tensor | None:
+        """Rows first..last-1 of a grouped weight (gemv_grouped's layout) -> [last - first, K] fp32; None for
+        inputs it does not take."""
+        k = codes.shape[1] * 8 // bits
+        if (not _grouped_fit(codes, scales, mins, bits, k) or not on_cpu(codes, scales, mins)
+                or not (codes.is_contiguous() and scales.is_contiguous() and mins.is_contiguous())):
+            return None
+        out = torch.empty((last - first, k), dtype=torch.float32)
+        code = self._dequantize_grouped(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), bits,
+                                        k // scales.shape[1], codes.shape[0], k, first, last, out.data_ptr(), _team())
+        return out if code == 0 else None
+
     def int8_rows(self, codes: torch.Tensor, scales: torch.Tensor, vocab: int, ids: torch.Tensor) -> torch.Tensor | None:
         """Rows `ids` [n] of the same table dequantized -> [n, K] fp32; None for inputs it does not take. An id
         outside 0..vocab-1 raises IndexError, as torch's embedding does."""
@@ -222,6 +260,16 @@ class NativeKernels:
                             start.data_ptr(), start.shape[-1], b, hkv, pages, page_size, sink_pages, top_k,
                             window_slots, window_min, slots, flat.data_ptr(), valid.data_ptr())
         return (flat, valid) if code == 0 else None
+
+
+def _grouped_fit(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, k: int) -> bool:
+    """Tensors in grouped_kernels.c's layout for an input width k: uint8 codes [out, k * bits / 8], fp16 scales and
+    mins [out, k / group] with group 16 or 32, k a multiple of 32."""
+    groups = scales.shape[1] if scales.dim() == 2 else 0
+    return (bits in (4, 8) and k % 32 == 0 and codes.dtype == torch.uint8 and codes.dim() == 2
+            and codes.shape[1] * 8 == k * bits and scales.dtype == mins.dtype == torch.float16
+            and scales.shape == mins.shape == (codes.shape[0], groups) and groups > 0 and k % groups == 0
+            and k // groups in (16, 32))
 
 
 def _team() -> int:

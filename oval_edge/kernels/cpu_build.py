@@ -20,11 +20,12 @@ from pathlib import Path
 from oval_edge.cache_dir import cache_root
 
 # The C files built into the one library: page scoring (flat, and two-level); decode attention; the static step's
-# small fused ops; the 8-bit output head; the 4-bit projections where bitsandbytes has no fused CPU kernel. HEADERS:
+# small fused ops; the 8-bit output head; the 4-bit projections where bitsandbytes has no fused CPU kernel; the
+# grouped integer projections (a GGUF's own blocks). HEADERS:
 # what they include (hashed into the cache key with them).
 SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ("score_kernels.c", "group_kernels.c", "attend_kernels.c", "step_kernels.c", "head_kernels.c",
-                 "quant_kernels.c"))
+                 "quant_kernels.c", "grouped_kernels.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernel_math.h", "score_avx2.h", "score_int4_avx512.h",
                                                                        "attend_avx2.h", "group_avx512.h"))
 LIBRARY_NAME = "oval_kernels.so"

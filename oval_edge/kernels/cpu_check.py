@@ -80,7 +80,8 @@ def self_check(kernels: NativeKernels) -> str | None:
     if got is None or not torch.allclose(got, torch.nn.functional.rms_norm(x, (96,), weight, 1e-5), rtol=1e-5,
                                          atol=1e-6):
         return "rms_norm"
-    return _check_head(kernels, gen) or _check_4bit(kernels, gen) or _check_grouped(kernels, gen)
+    return (_check_head(kernels, gen) or _check_4bit(kernels, gen) or _check_grouped(kernels, gen)
+            or _check_grouped_weights(kernels, gen))
 
 
 def _kv_rows(gen: torch.Generator, rows: int, dim: int, dtype: torch.dtype):
@@ -123,6 +124,30 @@ def _check_4bit(kernels: NativeKernels, gen: torch.Generator) -> str | None:
     got = kernels.gemv_4bit(x, codes, absmax, table, bias, out_features, blocksize)
     if got is None or not torch.allclose(got, want, rtol=2 ** -7, atol=1e-6):
         return "gemv_4bit"
+    return None
+
+
+def _check_grouped_weights(kernels: NativeKernels, gen: torch.Generator) -> str | None:
+    """gemv_grouped and dequantize_grouped against the reference dequantization (runtime/model/grouped_weights.py's
+    layout, written out here so the check imports nothing of the runtime): 4-bit codes in groups of 32 and 8-bit
+    codes in groups of 16, 5 rows (a tile of 4 and one), with a bias."""
+    out_features, k = 24, 128
+    for bits, group in ((4, 32), (8, 16)):
+        q = torch.randint(0, 2 ** bits, (out_features, k), generator=gen, dtype=torch.uint8)
+        halves = q.view(out_features, k // 32, 2, 16)
+        codes = q if bits == 8 else (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out_features, k // 2)
+        scales = (torch.rand(out_features, k // group, generator=gen) / 8).half()
+        mins = (-torch.rand(out_features, k // group, generator=gen)).half()
+        weight = (q.float().view(out_features, -1, group) * scales.float()[..., None] + mins.float()[..., None])
+        weight = weight.view(out_features, k)
+        x, bias = torch.randn(5, k, generator=gen), torch.randn(out_features, generator=gen)
+        got = kernels.gemv_grouped(x, codes.contiguous(), scales, mins, bias, bits)
+        if got is None or not torch.allclose(got, x @ weight.T + bias, rtol=SELF_CHECK_TOLERANCE,
+                                             atol=SELF_CHECK_TOLERANCE):
+            return f"gemv_grouped {bits}-bit"
+        rows = kernels.dequantize_grouped(codes.contiguous(), scales, mins, bits, 3, 11)
+        if rows is None or not torch.allclose(rows, weight[3:11], rtol=1e-6, atol=1e-6):
+            return f"dequantize_grouped {bits}-bit"
     return None
 
 

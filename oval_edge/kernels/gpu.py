@@ -14,6 +14,7 @@ capture (serve's startup report does, through describe_kernels).
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 
@@ -150,21 +151,49 @@ def int8_head_kernel(device: torch.device):
 @functools.cache
 def load_int8_head(device_type: str, interpret: bool):
     """Import and check the kernel once per device type: the module, or why not (make gpu-check prints it)."""
+    return _checked_module("triton_int8_head", "int8_head_check", "int8 head", torch.device(device_type))
+
+
+def grouped_linear_kernel(device: torch.device):
+    """The grouped-format projection's Triton module (triton_grouped.py) for tensors on `device` when it is on
+    (OVAL_EDGE_TRITON) and passes grouped_linear_check there, else None (why is logged once). Under
+    TRITON_INTERPRET=1 CPU tensors take it too (the tests). The first call per device compiles and synchronises:
+    make it before any CUDA graph capture (when the model is built)."""
+    if _off_reason(device) is not None:
+        return None
+    return _module_or_none(load_grouped_linear(device.type, _interpreting()))
+
+
+def _module_or_none(loaded):
+    """A loader's outcome (a module, or why not) -> the module or None."""
+    return None if isinstance(loaded, str) else loaded
+
+
+@functools.cache
+def load_grouped_linear(device_type: str, interpret: bool):
+    """Import and check the kernel once per device type: the module, or why not (for a report of the kernels)."""
+    return _checked_module("triton_grouped", "grouped_linear_check", "grouped projection", torch.device(device_type))
+
+
+def _checked_module(name: str, check: str, what: str, device: torch.device):
+    """Import the kernel module `name` of this package and run triton_check's `check` on it for `device`: the
+    module, or a short reason (a warning logged) when Triton is absent, the kernel fails to compile or launch, or
+    it disagrees with its reference."""
     try:
-        from . import triton_int8_head
+        module = importlib.import_module(f".{name}", __package__)
     except Exception as exc:  # ImportError, or a Triton that fails on import
-        log.warning("Triton int8 head unavailable (%s); the head multiplies with torch ops", exc)
+        log.warning("Triton %s unavailable (%s); using torch ops", what, exc)
         return f"Triton absent: {exc}"
     try:
-        from .triton_check import int8_head_check
+        from . import triton_check
 
-        problem = int8_head_check(triton_int8_head, torch.device(device_type))
+        problem = getattr(triton_check, check)(module, device)
     except Exception as exc:  # a compile or launch error is a failed check
         problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
     if problem:
-        log.warning("Triton int8 head disagrees with the torch reference (%s); using torch ops", problem)
+        log.warning("Triton %s disagrees with the torch reference (%s); using torch ops", what, problem)
         return f"self-check failed: {problem}"
-    return triton_int8_head
+    return module
 
 
 def _same_device(first: torch.Tensor, *others: torch.Tensor | None) -> bool:

@@ -132,3 +132,43 @@ def int8_head_check(module, device: torch.device) -> str | None:
             if got is None or got.dtype != torch.float32 or not _close(got, int8_head_reference(x, codes, scales)):
                 return f"int8_head {dtype} rows={rows}"
     return None
+
+
+GROUPED_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # x max(1, |ref|): output rounding
+
+
+def grouped_weight_reference(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> torch.Tensor:
+    """The grouped format's W [out, K] in fp64 from its definition (runtime/model/grouped_weights.py's layout, written
+    out so the check imports nothing of the runtime): a 4-bit chunk's 16 bytes hold its weights 0..15 in their low
+    nibbles and 16..31 in their high ones; scales, mins [out, K / group]."""
+    rows = codes.shape[0]
+    if bits == 4:
+        chunks = codes.view(rows, -1, 16)  # [out, K / 32, 16] bytes
+        codes = torch.stack((chunks & 0x0F, chunks >> 4), dim=2).view(rows, -1)  # [out, K]: low run, high run
+    per_group = codes.double().view(rows, scales.shape[1], -1)  # [out, K / group, group]
+    return torch.addcmul(mins.double()[..., None], per_group, scales.double()[..., None]).view(rows, -1)
+
+
+def grouped_linear_check(module, device: torch.device) -> str | None:
+    """None when the grouped-format kernel (triton_grouped.py) agrees with x W^T + bias on 1 and 5 rows, 4-bit codes
+    in groups of 32 and 8-bit codes in groups of 16, 40 output rows (not a multiple of its row block), in every
+    activation dtype it takes there (fp32 and fp16 in the interpreter); else what disagreed."""
+    gen = torch.Generator().manual_seed(0)
+    out_features, hidden = 40, 96
+    bias = torch.randn(out_features, generator=gen).to(device)
+    for bits, group in ((4, 32), (8, 16)):
+        codes = torch.randint(0, 256, (out_features, hidden * bits // 8), generator=gen, dtype=torch.uint8).to(device)
+        scales = (torch.rand(out_features, hidden // group, generator=gen) / 2 ** bits).half().to(device)
+        mins = (-torch.rand(out_features, hidden // group, generator=gen)).half().to(device)
+        weight = grouped_weight_reference(codes, scales, mins, bits)
+        for dtype in module.DTYPES if device.type == "cuda" else module.INTERPRETED_DTYPES:
+            if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+                continue
+            for rows in (1, 5):
+                x = torch.randn(rows, hidden, generator=gen).to(device=device, dtype=dtype)
+                got = module.grouped_linear(x, codes, scales, mins, bias, bits)
+                want = x.double() @ weight.T + bias.double()
+                limit = GROUPED_TOLERANCE[dtype] * max(1.0, float(want.abs().max()))
+                if got is None or got.dtype != dtype or float((got.double() - want).abs().max()) > limit:
+                    return f"grouped_linear {bits}-bit group {group} {dtype} rows={rows}"
+    return None

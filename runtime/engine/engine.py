@@ -68,7 +68,7 @@ class Engine:
         self.grammar = GrammarService(self.tokenizer, loaded.config.vocab_size, self.eos_ids)
 
     @classmethod
-    def load(cls, model: str | None = "default", quant: str = "nf4", device: str | None = "auto",
+    def load(cls, model: str | None = "default", quant: str = "auto", device: str | None = "auto",
              oval: OvalConfig | None = None, config: EngineConfig | None = None, dtype: str = "auto") -> "Engine":
         return cls(load_model(model, quant, device, dtype), oval, config)
 

@@ -17,7 +17,12 @@ from .config import DecoderConfig
 from .decoder import DecoderAttention, DecoderLayer, DecoderMLP, DecoderModel, DecoderStack, RMSNorm
 from .embeddings import Int8Embedding, Int8Head, StoredEmbedding, StoredHead, int8_table_applies, int8_table_from_rows
 from .heap import release_heap
+from .gguf_blocks import FALLBACK
+from .grouped_linear import grouped_projection
+from .grouped_weights import quantize_grouped
 from .quantize import linear4bit, pack_for_cpu
+
+BNB_QUANTS = ("nf4", "fp4")
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 _REQUIRED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
@@ -61,15 +66,24 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
     shapes = _projection_shapes(config)
 
     def projection(parts: list[str], prefix: str) -> nn.Module:
-        weight = torch.cat([read(f"{prefix}{p}.weight") for p in parts])  # [sum of outs, in]
         expected = (sum(shapes[p][0] for p in parts), shapes[parts[0]][1])
-        if tuple(weight.shape) != expected:
-            raise ValueError(f"model {where}: {prefix}{'+'.join(parts)} has shape {list(weight.shape)}, its "
-                             f"configuration says {list(expected)}; the weights and config.json do not match")
         biases = [f"{prefix}{p}.bias" for p in parts]
-        bias = torch.cat([read(b) for b in biases]) if all(b in names for b in biases) else None
-        if any(b in names for b in biases) and bias is None:
+        if any(b in names for b in biases) and not all(b in names for b in biases):
             raise ValueError(f"model {where}: {prefix}{parts} have biases on some projections only")
+        has_bias = all(b in names for b in biases)
+        if quant == "gguf":  # the file's own blocks, never held in 16 bits
+            bias = torch.cat([read(b, dtype) for b in biases]).to(device) if has_bias else None
+            module = grouped_projection([_grouped_part(weights, f"{prefix}{p}.weight") for p in parts], bias, device)
+            shape = [module.out_features, module.in_features]
+        else:
+            weight = torch.cat([read(f"{prefix}{p}.weight") for p in parts])  # [sum of outs, in]
+            shape = list(weight.shape)
+        if tuple(shape) != expected:
+            raise ValueError(f"model {where}: {prefix}{'+'.join(parts)} has shape {shape}, its "
+                             f"configuration says {list(expected)}; the weights and config.json do not match")
+        if quant == "gguf":
+            return module
+        bias = torch.cat([read(b) for b in biases]) if has_bias else None
         return _projection(weight, bias, quant, dtype, storage, device)
 
     layers = []
@@ -99,7 +113,7 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
                              "the attention and MLP outputs too)")
         norms = [norm(prefix + n) for n in layer_norms]
         layers.append(DecoderLayer(attention, mlp, *norms))
-        if quant != "none" and device.type == "cpu":
+        if quant in BNB_QUANTS and device.type == "cpu":
             pack_for_cpu(layers[-1])  # repacking leaves the unpacked copies behind: trim them layer by layer
         release_heap()  # glibc would keep every layer's freed 16-bit copies mapped until the end
     untied = "lm_head.weight" in names and not config.tie_word_embeddings
@@ -155,9 +169,25 @@ def _row_source(weights, read, name: str):
     return (lambda a, b: whole[a:b]), whole.shape[0], whole.shape[1]
 
 
+def _grouped_part(weights, name: str) -> tuple:
+    """(codes, scales, mins, bits, origin) of one stored projection: its own blocks where gguf_blocks has a form for
+    its type, else its dequantized weights re-quantized to gguf_blocks.FALLBACK (origin says which)."""
+    stored = weights.stored_type(name) if hasattr(weights, "stored_type") else "float"
+    grouped = weights.read_grouped(name) if hasattr(weights, "read_grouped") else None
+    if grouped is not None:
+        return (*grouped, stored)
+    bits, group = FALLBACK
+    codes, scales, mins = quantize_grouped(weights.read(name, torch.float32), bits, group)
+    return codes, scales, mins, bits, f"{stored}->int{bits}"
+
+
 def _projection(weight: torch.Tensor, bias: torch.Tensor | None, quant: str, dtype: torch.dtype,
                 storage: torch.dtype, device: torch.device) -> nn.Module:
-    if quant != "none":
+    if quant == "int4":  # 4-bit codes, scale and min per 32 (grouped_weights.py), from the weights as read
+        codes, scales, mins = quantize_grouped(weight, 4, 32)
+        return grouped_projection([(codes, scales, mins, 4, "int4")],
+                                  None if bias is None else bias.to(device=device, dtype=dtype), device)
+    if quant in BNB_QUANTS:
         return linear4bit(weight, bias, quant, compute_dtype=storage, device=device)
     out_features, in_features = weight.shape
     linear = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")

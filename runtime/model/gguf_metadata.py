@@ -128,9 +128,11 @@ def _projection_types(path: str) -> dict[str, int]:
     report says what re-quantizing them to 4 bits costs)."""
     from gguf import GGUFReader
 
+    from .gguf_blocks import is_stored_projection
+
     counts: dict[str, int] = {}
     for tensor in GGUFReader(path).tensors:
-        if tensor.name.startswith("blk.") and len(tensor.shape) == 2 and "norm" not in tensor.name:
+        if is_stored_projection(tensor):
             counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
     return counts
 

@@ -16,7 +16,7 @@ from .gguf_metadata import PROJECTION_TYPES_KEY, cached_metadata_folder, gguf_co
 from .heap import compact_heap_while_loading, return_freed_memory
 from .embeddings import int8_table_applies
 from .quantize import import_bitsandbytes, weight_bytes
-from .source import QUANT_TYPES, ModelSource, resolve_model
+from .source import GROUPED_QUANTS, ModelSource, resolve_model, resolve_quant
 from .tokenizer import load_tokenizer
 from .weight_cache import WeightCacheEntry, cache_enabled, load_or_build
 from .weight_stream import GGUFWeights, SafetensorsWeights
@@ -84,7 +84,7 @@ def compute_dtype_for(device: torch.device, requested: str = "auto",
     return torch.bfloat16 if capability >= (8, 0) else torch.float16
 
 
-def load_model(model: str | None = "default", quant: str = "nf4", device: str | None = "auto",
+def load_model(model: str | None = "default", quant: str = "auto", device: str | None = "auto",
                dtype: str = "auto", weight_cache: bool | None = None) -> LoadedModel:
     """Load, quantize and report. Raises ValueError naming the path for a missing/broken/unsupported model.
 
@@ -94,10 +94,9 @@ def load_model(model: str | None = "default", quant: str = "nf4", device: str | 
     cache (runtime/model/weight_cache/) and memory-mapped from there at the next load with the same source and
     settings; weight_cache: False bypasses it, None follows $OVAL_EDGE_WEIGHT_CACHE (on unless "0").
     """
-    if quant not in QUANT_TYPES:
-        raise ValueError(f"quant={quant!r} is unknown; allowed: {', '.join(QUANT_TYPES)}")
     start = time.perf_counter()
     source = resolve_model(model)
+    quant = resolve_quant(quant, source)
     dev = pick_device(device)
     dtype = compute_dtype_for(dev, dtype)
     # 4-bit: quantize from 16 bits and keep the embedding in 16 bits (the 4-bit codes lose more anyway); on CUDA the
@@ -147,6 +146,8 @@ def build_layout(config: DecoderConfig, quant: str, device: torch.device) -> dic
     present). A cached tree is only used where a fresh build would lay them out the same."""
     if quant == "none":
         return {"cpu_packed_4bit": False, "int8_table": False}
+    if quant in GROUPED_QUANTS:  # one layout on every host; the int8 table depends on the kernels being there
+        return {"grouped": True, "int8_table": int8_table_applies(config.hidden_size, device)}
     import_bitsandbytes()  # lean, before anything imports it (quantize.py says why)
     from bitsandbytes.functional import has_avx512bf16
 
@@ -177,21 +178,32 @@ def decoder_config_values(source: ModelSource, metadata: str | None = None) -> d
     return values
 
 
-# GGML types holding more than 4 bits a weight: re-quantizing them to nf4/fp4 loses precision the file had
+# GGML types holding more than 4 bits a weight: re-quantizing them to 4 bits loses precision the file had
 FINER_THAN_4_BITS = ("Q8_0", "Q8_1", "Q8_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "F16", "BF16", "F32")
 
 
 def requantization_note(values: dict, quant: str) -> str:
     """What loading a GGUF's projections as `quant` does to their precision (for the startup report), or ''."""
+    from .gguf_blocks import DECODERS, EXACT_TYPES
+
     types = values.get(PROJECTION_TYPES_KEY) or {}
     if quant == "none" or not types:
         return ""
     stored = ", ".join(f"{name} x{count}" for name, count in sorted(types.items()))
+    if quant == "gguf":
+        exact = sorted(t for t in types if t in EXACT_TYPES)
+        product = sorted(t for t in types if t in DECODERS and t not in EXACT_TYPES)
+        other = sorted(t for t in types if t not in DECODERS)
+        parts = [f"{'/'.join(exact)} served as stored (exact)"] if exact else []
+        parts += [f"{'/'.join(product)} served as stored, sub-block scales rounded to fp16"] if product else []
+        parts += [f"{'/'.join(other)} have no grouped form: re-quantized to 8-bit codes per 32"] if other else []
+        return f"projections stored as {stored}; " + "; ".join(parts)
     finer = [name for name in types if name in FINER_THAN_4_BITS]
     if finer:
         return (f"projections stored as {stored}; re-quantized to {quant}, the {'/'.join(sorted(finer))} ones lose "
-                f"precision the file has (--quant none keeps it, at 4-8x the memory)")
-    return f"projections stored as {stored}; dequantized and re-quantized to {quant} (a second rounding)"
+                f"precision the file has (--quant gguf serves the file's own blocks)")
+    return (f"projections stored as {stored}; dequantized and re-quantized to {quant} (a second rounding; --quant gguf "
+            "serves the file's own blocks)")
 
 
 def _open_weights(source: ModelSource, config: DecoderConfig):

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from oval_edge.kernels.cpu import cpu_kernels
 
+from .grouped_linear import GroupedLinear, bind_grouped, describe_grouped_path
+
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
 # The packed 4-bit GEMV as an opaque operator, so the static decode step traces whole under torch.compile (dynamo
@@ -223,7 +225,11 @@ def unfused_4bit_applies(module: torch.nn.Module):
 
 def bind_projection(module: torch.nn.Module) -> Projection:
     """The fastest exact way to call `module`: the packed 4-bit kernel when it applies, our own 4-bit GEMV where
-    bitsandbytes has none (Unfused4bit), row chunks of the module on a GPU (Chunked4bit), else the module itself."""
+    bitsandbytes has none (Unfused4bit), row chunks of the module on a GPU (Chunked4bit), the grouped op for grouped
+    integer weights (grouped_linear.py), else the module itself."""
+    grouped = bind_grouped(module)
+    if grouped is not None:
+        return grouped
     state = getattr(getattr(module, "weight", None), "quant_state", None)
     packed = (
         state is not None
@@ -248,6 +254,8 @@ def describe_4bit_path(model: torch.nn.Module) -> str | None:
     """Which path the 4-bit projections of `model` run (the first one's binding stands for all: one device, one
     layout), for serve's startup report; None for a model without 4-bit layers."""
     for module in model.modules():
+        if isinstance(module, GroupedLinear):
+            return describe_grouped_path(module.codes.device)
         if getattr(getattr(module, "weight", None), "quant_state", None) is not None:
             return getattr(bind_projection(module), "path", "bitsandbytes' Linear4bit as is (dequantize + matmul)")
     return None

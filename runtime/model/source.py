@@ -15,8 +15,14 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3",
                            "gemma3_text")
-QUANT_TYPES = ("nf4", "fp4", "none")  # how the loader stores the projections: bitsandbytes 4-bit, or as read
-
+# How the loader holds the projections: auto (below), gguf (a GGUF file's own blocks as grouped integer codes,
+# runtime/model/gguf_blocks.py), int4 (4-bit codes with a scale and min per 32, quantized at load), bitsandbytes
+# nf4 / fp4, or none (as read, in 16/32 bits).
+QUANT_TYPES = ("auto", "gguf", "int4", "nf4", "fp4", "none")
+# auto: a GGUF serves its own blocks; a 16-bit source quantizes to the 4-bit format that measured closer to its
+# exact weights on the bundled model (docs/weights.md: int4 per 32 against bitsandbytes' NF4).
+AUTO_16BIT = "int4"
+GROUPED_QUANTS = ("gguf", "int4")  # held as grouped_linear.GroupedLinear
 
 
 def quant_choices(default: str) -> tuple[str, ...]:
@@ -79,6 +85,19 @@ def resolve_model(model: str | None) -> ModelSource:
     if not weights:
         raise ValueError(f"model folder {path} has no *.safetensors weights")
     return ModelSource(path, None, os.path.basename(path.rstrip(os.sep)))
+
+
+def resolve_quant(quant: str, source: ModelSource) -> str:
+    """The concrete way to hold `source`'s projections for `quant` (auto -> gguf or AUTO_16BIT); ValueError for a
+    name that is not one or for gguf on a folder."""
+    if quant not in QUANT_TYPES:
+        raise ValueError(f"quant={quant!r} is unknown; allowed: {', '.join(QUANT_TYPES)}")
+    if quant == "auto":
+        return "gguf" if source.gguf_file else AUTO_16BIT
+    if quant == "gguf" and not source.gguf_file:
+        raise ValueError(f"quant=gguf serves a GGUF file's own blocks, but {source.path} is a Hugging Face folder; "
+                         f"use --quant auto, int4 or nf4")
+    return quant
 
 
 def check_architecture(model_type: str | None, where: str) -> None:

@@ -89,6 +89,25 @@ class GGUFWeights:
             out = _unpermute_rotary_rows(out, self._permute[suffix])
         return out
 
+    def stored_type(self, name: str) -> str:
+        """The GGML type name the file stores `name` in (Q4_1, Q6_K, F32, ...)."""
+        return self._tensors[name].tensor_type.name
+
+    def read_grouped(self, name: str):
+        """A 2-D tensor's own blocks as grouped codes (gguf_blocks.convert: (codes, scales, mins, bits)), with
+        Llama's q/k rows put back in rotate_half order like `read`; None for a type with no grouped form."""
+        from .gguf_blocks import convert
+
+        tensor = self._tensors[name]
+        grouped = convert(tensor.data, tensor.tensor_type.name)
+        self._drop_pages(tensor.data_offset, tensor.data.nbytes)
+        suffix = name.split(".", 3)[-1]
+        if grouped is None or suffix not in self._permute:
+            return grouped
+        codes, scales, mins, bits = grouped
+        order = _rotary_row_order(codes.shape[0], self._permute[suffix])
+        return codes[order].contiguous(), scales[order].contiguous(), mins[order].contiguous(), bits
+
     def read_rows(self, name: str, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop-1 of a 2-D tensor stored unpermuted (the embedding, the head), dequantized alone: the
         int8 table is built from slices without a 16-bit copy of the whole matrix."""
@@ -201,6 +220,10 @@ def _hf_name(gguf_name: str, path: str, layer_names: dict) -> str:
 
 def _unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """[heads * D, in] with each head's rows ordered (pairs interleaved) -> halves order: row 2i+j -> j*D/2 + i."""
-    rows = weight.shape[0]
+    return weight[_rotary_row_order(weight.shape[0], heads)].contiguous()
+
+
+def _rotary_row_order(rows: int, heads: int) -> torch.Tensor:
+    """Stored row of each output row when a head's interleaved pairs (row 2i+j) go to halves order (j*D/2 + i)."""
     half = rows // heads // 2
-    return weight.reshape(heads, half, 2, -1).transpose(1, 2).reshape(rows, -1).contiguous()
+    return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)

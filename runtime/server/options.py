@@ -66,7 +66,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="TOML written by `oval-edge plan --write-config`: [model], [oval], [server] tables")
     group.add_argument("--model", help="'default' (the bundled SmolLM2-135M-Instruct GGUF), a .gguf file, or a "
                        "Hugging Face folder (default: default)")
-    group.add_argument("--quant", choices=QUANT_TYPES, help="weight quantization (default: nf4)")
+    group.add_argument("--quant", choices=QUANT_TYPES,
+                       help="how the weights are held (default: auto: a GGUF serves its own blocks, a 16-bit folder "
+                            "4-bit codes per 32)")
     group.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
     group.add_argument("--memory-budget", metavar="BYTES",
                        help="bytes for weights + workspace + KV pool, e.g. 1.5GiB (default: enough for --max-batch "
@@ -186,7 +188,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     template = _pick(getattr(args, "chat_template", None), model_t, "chat_template", None)
     spec = EngineSpec(
         model=_pick(args.model, model_t, "path", "default"),
-        quant=_pick(args.quant, model_t, "quant", "nf4"),
+        quant=_pick(args.quant, model_t, "quant", "auto"),
         device=_pick(args.device, server_t, "device", "auto"),
         oval=oval,
         max_batch=_pick(args.max_batch, server_t, "max_batch", 4),

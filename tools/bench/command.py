@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"positions of --model {SYNTHETIC_MODEL} (default {DEFAULT_POSITIONS})")
     parser.add_argument("--synthetic-seed", type=int, default=None,
                         help=f"seed of --model {SYNTHETIC_MODEL}'s random weights (default 0)")
-    parser.add_argument("--quant", default="nf4", choices=quant_choices("nf4"), help="this runtime's weights")
+    parser.add_argument("--quant", default="auto", choices=quant_choices("auto"), help="this runtime's weights")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where every engine runs")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for every engine (default: the CPUs this process may use)")

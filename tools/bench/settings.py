@@ -62,7 +62,7 @@ class BenchSettings:
     # from these paths, so the llama.cpp worker never imports oval_edge.runtime (and with it torch).
     model_dir: str = ""
     gguf_file: str | None = None
-    quant: str = "nf4"
+    quant: str = "auto"
     device: str = "cpu"
     threads: int = 1
     page_size: int = 32

@@ -23,17 +23,24 @@ from oval_edge.units import format_bytes, parse_bytes
 
 from .policies import (ALL_POLICIES, POLICY_NAMES, build_policies, parse_float_list, parse_int_list,
                        parse_names)
+from .weights import PEERS
 
 TASKS = ("fidelity", "passkey")
-EVAL_KV_DTYPES = ("float32", "bfloat16", "float16", "int8")  # --kv-dtype (OvalConfig.kv_dtype, 'auto' aside)
+# --kv-dtype: 'auto' is serve's default for the device (OvalConfig.pool_dtype: bfloat16 on a CPU)
+EVAL_KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     run = parser.add_argument_group("model and run")
     run.add_argument("--model", default="default", help="a .gguf file, a Hugging Face folder, or 'default'")
-    run.add_argument("--quant", default="none", choices=quant_choices("none"),
-                     help="weights; 'none' (fp32 on CPU) so that KL measures attention only")
+    run.add_argument("--quant", default="auto", choices=quant_choices("auto"),
+                     help="weights, as serve loads them (auto: a GGUF's own blocks); the fidelity task also reports "
+                          "the dense perplexity of the exact weights (none) on the same tokens")
+    run.add_argument("--peers", default="", help=f"comma-separated peers whose perplexity on the same GGUF and "
+                                                 f"tokens the weights table adds: {', '.join(PEERS)}")
+    run.add_argument("--no-exact", action="store_true",
+                     help="skip the exact-weights perplexity (a second load and dense pass)")
     run.add_argument("--device", default="auto", help="cpu, cuda or auto")
     run.add_argument("--threads", type=int, default=1,
                      help="CPU threads (decode steps are many small ops; more threads rarely help, on a shared "
@@ -69,10 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     oval.add_argument("--record", default=OvalConfig.record, choices=RECORD_FORMATS,
                       help="how oval page records are stored: float (the pool's dtype, fp32 here), or quantized as "
                            "the pool keeps them")
-    oval.add_argument("--kv-dtype", default="float32",
-                      help="comma-separated K/V page storages to compare: float32 (default), bfloat16, float16, "
-                           "int8 (codes + an fp32 scale per token and KV head). Besides float32, each gets its own "
-                           "pool of every policy's rows, all compared with one fp32 dense reference")
+    oval.add_argument("--kv-dtype", default="auto",
+                      help="comma-separated K/V page storages to compare: auto (serve's default: bfloat16 on a CPU), "
+                           "float32, bfloat16, float16, int8 (codes + an fp32 scale per token and KV head). Besides "
+                           "float32, each gets its own pool of every policy's rows, all compared with one fp32 dense "
+                           "reference")
     fid = parser.add_argument_group("fidelity (teacher-forced)")
     fid.add_argument("--text", default=None,
                      help="a UTF-8 text file (default: the model writes its own text from --seed); "
@@ -132,10 +140,12 @@ def _settings(args: argparse.Namespace) -> dict:
                         record=args.record, kv_dtype="float32", top_groups=args.top_groups)
              for p in page_sizes]  # validates window, sink, rank, ...
     kv_dtypes = parse_names(args.kv_dtype, "--kv-dtype", EVAL_KV_DTYPES)
+    peers = parse_names(args.peers, "--peers", PEERS) if args.peers else []
     if args.text is not None and not os.path.isfile(args.text):
         raise ValueError(f"--text {args.text} is not a file")
     return dict(tasks=tasks, policies=build_policies(names, top_ks, etas, windows, reuse_taus, group_pages),
                 page_sizes=page_sizes, start=start, contexts=contexts, depths=depths, kv_dtypes=tuple(kv_dtypes),
+                peers=peers,
                 base=bases[0].replace(top_k=top_ks[0]),
                 pool_memory=parse_bytes(args.pool_memory, "--pool-memory"))
 
@@ -173,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
     if too_long:
         raise ValueError(f"{too_long} tokens exceed the model's context of {limit}; lower --length / --contexts")
     print(describe(loaded))
+    served_kv = OvalConfig().pool_dtype(loaded.device.type, str(loaded.dtype).removeprefix("torch."))
+    s["kv_dtypes"] = tuple(dict.fromkeys(served_kv if d == "auto" else d for d in s["kv_dtypes"]))
     s["module"] = None
     if args.window_module:
         from oval_edge.sparse.window_module import load_module
@@ -224,7 +236,26 @@ def _fidelity(args, s, loaded, base: OvalConfig) -> list[dict]:
           f"{args.length - s['start']} teacher-forced decode steps per row")
     rows = run_fidelity(loaded, ids, s["start"], base, s["policies"], s["page_sizes"], args.prefill_chunk,
                         show_progress=not args.no_progress, window_module=s["module"], kv_dtypes=s["kv_dtypes"])
-    return fidelity_records(rows)
+    return fidelity_records(rows) + _weights(args, s, loaded, ids, base, rows)
+
+
+def _weights(args, s, loaded, ids: list[int], base: OvalConfig, rows) -> list[dict]:
+    """The weights table (tools/eval/weights.py): served dense vs exact weights and the asked peers."""
+    from .weights import exact_perplexity, llamacpp_perplexity, weights_records, weights_table
+
+    served = next(r.ppl for r in rows if r.policy.name == "dense" and r.kv_dtype == s["kv_dtypes"][-1]
+                  and r.page_size == s["page_sizes"][0])
+    exact = None
+    if loaded.quant != "none" and not args.no_exact:
+        exact = exact_perplexity(args, ids, s["start"], base, s["page_sizes"][0], s["kv_dtypes"][-1])
+    peers = {}
+    if "llama.cpp" in s["peers"]:
+        if not loaded.source.gguf_file:
+            raise ValueError("--peers llama.cpp needs a GGUF model; this one is a Hugging Face folder")
+        peers["llama.cpp (f16 KV)"] = llamacpp_perplexity(loaded.source.path, ids, s["start"], args.threads)
+    records = weights_records(loaded, served, exact, peers)
+    print(weights_table(records, loaded.source.path))
+    return records
 
 
 def _passkey(args, s, loaded, base: OvalConfig) -> list[dict]:

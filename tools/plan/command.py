@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"auto (probe this machine), all (every Orin module), or one of: {', '.join(module_names())}")
     parser.add_argument("--model", default="default",
                         help="a .gguf file, a config.json, a Hugging Face folder, or 'default' (bundled SmolLM2-135M)")
-    parser.add_argument("--quant", default="nf4", choices=quant_choices("nf4"), help="weight quantization")
+    parser.add_argument("--quant", default="auto", choices=quant_choices("auto"), help="weight quantization")
     parser.add_argument("--context", type=int, default=4096, help="tokens per sequence to plan for (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     parser.add_argument("--memory-budget", default=None,

@@ -25,7 +25,7 @@ FORMULA = "tok/s = batch / (bytes per step / bandwidth + fixed cost per step); p
 
 @dataclass(frozen=True)
 class PlanRequest:
-    quant: str = "nf4"
+    quant: str = "auto"
     context: int = 4096
     batch: int = 1
     page_sizes: tuple[int, ...] = (16, 32, 64, 128)

@@ -42,6 +42,8 @@ class ModelShape:
     sliding_window: int = 0  # tokens a sliding layer attends to (0: none)
     rotary_dim: int = 0  # dims of each head that rotate (partial_rotary_factor); 0 = head_dim
     notes: tuple[str, ...] = ()  # what reading the config left out or filled in
+    # a GGUF's decoder projections as stored: (rows, width, GGML type) per tensor; () for a config.json
+    stored_projections: tuple[tuple[int, int, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.layer_kinds and len(self.layer_kinds) != self.layers:
@@ -169,6 +171,8 @@ def _from_config(path: str) -> ModelShape:
 
 
 def _from_gguf(path: str) -> ModelShape:
+    from oval_edge.runtime.model.gguf_blocks import is_stored_projection
+
     try:
         from gguf import GGUFReader
     except ImportError as exc:
@@ -203,6 +207,8 @@ def _from_gguf(path: str) -> ModelShape:
         source="GGUF metadata", file_bytes=os.path.getsize(path),
         norms_per_layer=4 if "blk.0.post_ffw_norm.weight" in names else 2, qk_norm="blk.0.attn_q_norm.weight" in names,
         layer_kinds=kinds if "sliding" in kinds else (), sliding_window=window if "sliding" in kinds else 0,
+        stored_projections=tuple((int(t.shape[1]), int(t.shape[0]), t.tensor_type.name) for t in reader.tensors
+                                 if is_stored_projection(t)),
     )
 
 

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="3,6", help="two model depths, comma-separated (each > 2)")
     parser.add_argument("--steps", type=int, default=200, help="timed decode steps per engine")
-    parser.add_argument("--quant", default="nf4", help="weights: nf4, fp4 or none")
+    parser.add_argument("--quant", default="auto", help="weights: auto, gguf, int4, nf4, fp4 or none")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (profile's default: 1)")
     args = parser.parse_args(argv)
     depths = [int(x) for x in args.layers.split(",")]

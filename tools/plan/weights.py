@@ -37,7 +37,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from oval_edge.runtime.model.source import QUANT_TYPES
+from oval_edge.runtime.model.gguf_blocks import held_bytes, held_layout
+from oval_edge.runtime.model.source import AUTO_16BIT, GROUPED_QUANTS, QUANT_TYPES
 
 from .model import ModelShape
 
@@ -54,6 +55,7 @@ INT8_BLOCK = INT8_PANEL = 32  # runtime/model/embeddings.py: weights per fp32 sc
 ACTIVATION_BYTES = {"cpu": 4, "cuda": 2}  # embedding, untied head, norms, 'none' projections
 LINEAR4_COMPUTE_BYTES = {"cpu": 2, "cuda": 2}  # bf16 on CPU, fp16 on CUDA: Qwen2 biases of 4-bit layers
 LAYOUTS = ("nested", "cpu-packed", "cpu-unnested")
+INT4_LAYOUT = (4, 32)  # quant int4: (code bits, weights per scale and min), runtime/model/grouped_weights.py
 NATIVE_ENV = "OVAL_EDGE_NATIVE"  # oval_edge/kernels/cpu.py: "0" turns the native kernels (and so un-nesting) off
 
 
@@ -91,10 +93,10 @@ def cpu_layout(shape: ModelShape, cpu_flags: frozenset[str], native: bool | None
 @dataclass(frozen=True)
 class WeightBreakdown:
     quant: str
-    layout: str  # "nested" | "cpu-packed" | "cpu-unnested" | "dense"
+    layout: str  # "nested" | "cpu-packed" | "cpu-unnested" | "dense" | "grouped"
     target: str  # "cpu" | "cuda"
-    linear_codes: int  # 4-bit codes of all projections (0 for quant 'none')
-    quant_state: int  # absmax / code books / nested state of all projections
+    linear_codes: int  # 4/8-bit codes of all projections (0 for quant 'none')
+    quant_state: int  # absmax / code books / nested state, or the grouped scales and mins, of all projections
     dense_linear: int  # projections kept dense (quant 'none')
     biases: int
     embedding: int
@@ -121,6 +123,7 @@ def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozense
     """Bytes of every weight the runtime keeps for `shape` on a `target` ("cpu" or "cuda"; Jetson is cuda)."""
     if quant not in QUANT_TYPES:
         raise ValueError(f"quant={quant!r} is unknown; allowed: {', '.join(QUANT_TYPES)}")
+    quant = resolve_planned_quant(quant, shape)
     if target not in ACTIVATION_BYTES:
         raise ValueError(f"target={target!r} is unknown; allowed: {', '.join(ACTIVATION_BYTES)}")
     act = ACTIVATION_BYTES[target]
@@ -129,6 +132,10 @@ def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozense
         layout = "dense"
         dense = shape.layers * sum(n * k for _, n, k in shape.projections()) * act
         bias_bytes = act
+    elif quant in GROUPED_QUANTS:
+        layout = "grouped"
+        codes, state = grouped_projection_bytes(shape, quant)
+        bias_bytes = act  # the op adds the bias in the activation dtype
     else:
         layout = cpu_layout(shape, cpu_flags) if target == "cpu" else "nested"
         for _, n, k in shape.projections():
@@ -145,6 +152,25 @@ def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozense
         norms=((shape.norms_per_layer * shape.layers + 1) * shape.hidden
                + (2 * shape.layers * shape.head_dim if shape.qk_norm else 0)) * act,
     )
+
+
+def resolve_planned_quant(quant: str, shape: ModelShape) -> str:
+    """quant as the loader resolves it (source.resolve_quant): auto -> gguf for a GGUF, else AUTO_16BIT."""
+    if quant == "auto":
+        return "gguf" if shape.stored_projections else AUTO_16BIT
+    if quant == "gguf" and not shape.stored_projections:
+        raise ValueError(f"quant=gguf serves a GGUF file's own blocks; {shape.path} is not a GGUF file")
+    return quant
+
+
+def grouped_projection_bytes(shape: ModelShape, quant: str) -> tuple[int, int]:
+    """(code bytes, scale + min bytes) of every projection held grouped: each GGUF tensor in the layout its type is
+    served in (gguf_blocks.held_layout), or every projection as 4-bit codes per 32 (int4)."""
+    if quant == "gguf":
+        totals = [held_bytes(rows, width, *held_layout(kind)) for rows, width, kind in shape.stored_projections]
+    else:
+        totals = [held_bytes(n, k, *INT4_LAYOUT) for _, n, k in shape.projections()] * shape.layers
+    return sum(c for c, _ in totals), sum(s for _, s in totals)
 
 
 def _table_bytes(shape: ModelShape, quant: str, target: str) -> int:

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ))
     run = parser.add_argument_group("what to profile")
     run.add_argument("--model", default="default", help="a .gguf file, a Hugging Face folder, or 'default'")
-    run.add_argument("--quant", default="nf4", choices=quant_choices("nf4"), help="weights, as serve loads them")
+    run.add_argument("--quant", default="auto", choices=quant_choices("auto"), help="weights, as serve loads them")
     run.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     run.add_argument("--memory-budget", default=DEFAULT_BUDGET,
                      help=f"bytes for weights + workspace + KV pool, as serve takes it (default {DEFAULT_BUDGET}; "

@@ -26,7 +26,7 @@ TASKS = ("logits", "served", "passkey", "io")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--model", default="default", help="a .gguf file, a Hugging Face folder, or 'default'")
-    parser.add_argument("--quant", default="nf4", help="weights, as serve loads them")
+    parser.add_argument("--quant", default="auto", help="weights, as serve loads them")
     parser.add_argument("--pool-tokens", type=int, default=2048, help="tokens the in-memory pool holds")
     parser.add_argument("--kv-store", default=None,
                         help="folder for the store file (default: a temporary folder under the current directory; "
