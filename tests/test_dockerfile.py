@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_wheel_contents import BUILD_INPUTS
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile.l4t"
@@ -150,6 +151,35 @@ def user_problems(ins: list[Instruction]) -> list[str]:
     return [] if users and users[-1] not in ("root", "0") else ["no non-root USER before ENTRYPOINT"]
 
 
+# The serving path, imported once the source copy is gone: `oval-edge --help` alone imports no command's module.
+SERVING_IMPORT = "import oval_edge.runtime.engine.engine, oval_edge.runtime.server.app"
+PROJECT_SOURCE = "/tmp/oval-edge"
+
+
+def project_install_problems(ins: list[Instruction]) -> list[str]:
+    """The project's source must be copied whole (what its wheel is built from), installed, removed, and then the
+    installed package must import the serving path and run `oval-edge serve --help`."""
+    copied = {Path(src).name for i in ins if i.keyword == "COPY" and i.args.split()[-1].startswith(PROJECT_SOURCE)
+              for src in i.args.split()[:-1]}
+    problems = [f"{name} is not copied into {PROJECT_SOURCE}" for name in BUILD_INPUTS if name not in copied]
+    runs = [i for i in ins if i.keyword == "RUN" and any(PROJECT_SOURCE in argv for argv in
+                                                          pip_install_commands(i.args))]
+    if len(runs) != 1:
+        return [*problems, f"expected one RUN that pip installs {PROJECT_SOURCE}, found {len(runs)}"]
+    steps = [step.strip() for step in runs[0].args.split("&&")]
+    removed = next((n for n, step in enumerate(steps) if step == f"rm -rf {PROJECT_SOURCE}"), None)
+    imports = next((n for n, step in enumerate(steps) if step.startswith("python -c") and SERVING_IMPORT in step), None)
+    if removed is None:
+        problems.append(f"{PROJECT_SOURCE} is not removed after the install")
+    if imports is None:
+        problems.append(f"the install is not followed by python -c \"{SERVING_IMPORT}\"")
+    elif removed is not None and imports < removed:
+        problems.append("the serving path is imported while the source copy is still there")
+    if not any(re.fullmatch(r"oval-edge serve --help( > /dev/null)?", step) for step in steps):
+        problems.append("the install is not followed by `oval-edge serve --help`")
+    return problems
+
+
 @pytest.fixture(scope="module")
 def instructions() -> list[Instruction]:
     return parse_dockerfile(DOCKERFILE.read_text())
@@ -230,6 +260,20 @@ def test_non_root_user_healthcheck_and_entrypoint(instructions):
     probe_argv = json.loads(probe)
     assert probe_argv[0] == "python" and "/health" in probe_argv[-1] and "curl" not in probe
     assert f":{cmd[cmd.index('--port') + 1]}/health" in probe_argv[-1]
+
+
+def test_the_installed_package_imports_the_serving_path(instructions):
+    assert project_install_problems(instructions) == []
+    broken = parse_dockerfile("FROM a:1\nCOPY pyproject.toml README.md /tmp/oval-edge/\n"
+                              "RUN pip install /tmp/oval-edge && rm -rf /tmp/oval-edge && oval-edge --help\n")
+    problems = project_install_problems(broken)
+    not_copied = ("setup.py", "oval_edge", "runtime", "tools", "jetson")
+    assert [p for p in problems if "not copied" in p] == [f"{name} is not copied into {PROJECT_SOURCE}"
+                                                          for name in not_copied]
+    assert len(problems) == 7  # and neither the import nor `serve --help`
+    early = parse_dockerfile(f"FROM a:1\nRUN pip install {PROJECT_SOURCE} && python -c \"{SERVING_IMPORT}\" "
+                             f"&& rm -rf {PROJECT_SOURCE} && oval-edge serve --help\n")
+    assert "the serving path is imported while the source copy is still there" in project_install_problems(early)
 
 
 def find_shellcheck() -> str:
