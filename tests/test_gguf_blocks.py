@@ -10,9 +10,9 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 from gguf.constants import GGML_QUANT_SIZES
 
 from oval_edge.kernels.cpu import cpu_kernels
-from oval_edge.runtime.model.gguf_blocks import DECODERS, EXACT_TYPES, convert
-from oval_edge.runtime.model.grouped_linear import GroupedLinear, grouped_linear, grouped_projection
-from oval_edge.runtime.model.grouped_weights import (dequantize as grouped_dequantize, pack_codes, quantize_grouped,
+from oval_edge.runtime.model.grouped.gguf_blocks import DECODERS, EXACT_TYPES, convert
+from oval_edge.runtime.model.grouped.linear import GroupedLinear, grouped_linear, grouped_projection
+from oval_edge.runtime.model.grouped.layout import (dequantize as grouped_dequantize, pack_codes, quantize_grouped,
                                                      unpack_codes)
 
 # Where each type keeps its fp16 fields (byte offsets in a block): random bytes there could be inf/NaN, so the

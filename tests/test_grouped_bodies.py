@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oval_edge.kernels import cpu_build
-from oval_edge.runtime.model.grouped_weights import dequantize, pack_codes
+from oval_edge.runtime.model.grouped.layout import dequantize, pack_codes
 
 SOURCE = Path(cpu_build.__file__).with_name("grouped_kernels.c")
 COMPILER = shutil.which("cc") or shutil.which("gcc")

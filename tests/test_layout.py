@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# source folder -> installed package name (pyproject's package-dir)
+# source folder -> installed package name (setup.py's package-dir)
 ROOTS = {"oval_edge": "oval_edge", "runtime": "oval_edge.runtime", "tools": "oval_edge.tools",
          "jetson": "oval_edge.jetson"}
 MAX_LINES = 300

@@ -1,5 +1,5 @@
 """The grouped-format projection kernel (oval_edge/kernels/triton_grouped.py) against the torch reference
-(runtime/model/grouped_weights.py's `dequantize`), in Triton's interpreter on CPU tensors (no GPU here); its
+(runtime/model/grouped/layout.py's `dequantize`), in Triton's interpreter on CPU tensors (no GPU here); its
 refusals, its loader (oval_edge/kernels/gpu.py) and its capturability (no host read of a tensor value).
 
 Cases: 4- and 8-bit codes in groups of 16 and 32; 1, 3, 8 and 17 rows (17: more than one 16-row dot tile); K of
@@ -41,7 +41,7 @@ else:
     os.environ["TRITON_INTERPRET"] = _PREVIOUS
 
 from oval_edge.runtime.engine.forward.op_trace import OpTrace  # noqa: E402
-from oval_edge.runtime.model.grouped_weights import dequantize  # noqa: E402
+from oval_edge.runtime.model.grouped.layout import dequantize  # noqa: E402
 
 F32, F16 = torch.float32, torch.float16
 TOL = {F32: 1e-5, F16: 2e-3}

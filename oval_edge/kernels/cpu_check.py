@@ -128,7 +128,7 @@ def _check_4bit(kernels: NativeKernels, gen: torch.Generator) -> str | None:
 
 
 def _check_grouped_weights(kernels: NativeKernels, gen: torch.Generator) -> str | None:
-    """gemv_grouped and dequantize_grouped against the reference dequantization (runtime/model/grouped_weights.py's
+    """gemv_grouped and dequantize_grouped against the reference dequantization (runtime/model/grouped/layout.py's
     layout, written out here so the check imports nothing of the runtime): 4-bit codes in groups of 32 and 8-bit
     codes in groups of 16, 5 rows (a tile of 4 and one), with a bias."""
     out_features, k = 24, 128

@@ -1,4 +1,4 @@
-/* Projections held in the grouped integer format (runtime/model/grouped_weights.py): a GGUF file's own blocks
+/* Projections held in the grouped integer format (runtime/model/grouped/layout.py): a GGUF file's own blocks
  * (Q4_0, Q4_1, Q8_0, Q5_x, the K-quants) or a 16-bit checkpoint quantized to 4-bit codes with a scale and a min per
  * 32 weights. Called through ctypes by oval_edge/kernels/cpu.py (NativeKernels.gemv_grouped, dequantize_grouped) and
  * built into the same library as the other kernels.

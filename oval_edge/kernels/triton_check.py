@@ -138,7 +138,7 @@ GROUPED_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1
 
 
 def grouped_weight_reference(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> torch.Tensor:
-    """The grouped format's W [out, K] in fp64 from its definition (runtime/model/grouped_weights.py's layout, written
+    """The grouped format's W [out, K] in fp64 from its definition (runtime/model/grouped/layout.py's layout, written
     out so the check imports nothing of the runtime): a 4-bit chunk's 16 bytes hold its weights 0..15 in their low
     nibbles and 16..31 in their high ones; scales, mins [out, K / group]."""
     rows = codes.shape[0]

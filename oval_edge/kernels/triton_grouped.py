@@ -1,5 +1,5 @@
 """Projections in the grouped integer format on CUDA in Triton: y = x W^T (+ bias) for W held as 4- or 8-bit codes
-with an fp16 scale and min per 16 or 32 weights (runtime/model/grouped_weights.py; `dequantize` there is the
+with an fp16 scale and min per 16 or 32 weights (runtime/model/grouped/layout.py; `dequantize` there is the
 reference, oval_edge/kernels/grouped_kernels.c the CPU kernel on the same bytes).
 
 Why: a decode step's projections are GEMVs over a few rows of x, so their cost is streaming W; the kernel reads

@@ -17,9 +17,9 @@ from .config import DecoderConfig
 from .decoder import DecoderAttention, DecoderLayer, DecoderMLP, DecoderModel, DecoderStack, RMSNorm
 from .embeddings import Int8Embedding, Int8Head, StoredEmbedding, StoredHead, int8_table_applies, int8_table_from_rows
 from .heap import release_heap
-from .gguf_blocks import FALLBACK
-from .grouped_linear import grouped_projection
-from .grouped_weights import quantize_grouped
+from .grouped.gguf_blocks import FALLBACK
+from .grouped.linear import grouped_projection
+from .grouped.layout import quantize_grouped
 from .quantize import linear4bit, pack_for_cpu
 
 BNB_QUANTS = ("nf4", "fp4")
@@ -183,7 +183,7 @@ def _grouped_part(weights, name: str) -> tuple:
 
 def _projection(weight: torch.Tensor, bias: torch.Tensor | None, quant: str, dtype: torch.dtype,
                 storage: torch.dtype, device: torch.device) -> nn.Module:
-    if quant == "int4":  # 4-bit codes, scale and min per 32 (grouped_weights.py), from the weights as read
+    if quant == "int4":  # 4-bit codes, scale and min per 32 (grouped/layout.py), from the weights as read
         codes, scales, mins = quantize_grouped(weight, 4, 32)
         return grouped_projection([(codes, scales, mins, 4, "int4")],
                                   None if bias is None else bias.to(device=device, dtype=dtype), device)

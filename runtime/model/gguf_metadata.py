@@ -128,7 +128,7 @@ def _projection_types(path: str) -> dict[str, int]:
     report says what re-quantizing them to 4 bits costs)."""
     from gguf import GGUFReader
 
-    from .gguf_blocks import is_stored_projection
+    from .grouped.gguf_blocks import is_stored_projection
 
     counts: dict[str, int] = {}
     for tensor in GGUFReader(path).tensors:

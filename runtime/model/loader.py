@@ -184,7 +184,7 @@ FINER_THAN_4_BITS = ("Q8_0", "Q8_1", "Q8_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "F1
 
 def requantization_note(values: dict, quant: str) -> str:
     """What loading a GGUF's projections as `quant` does to their precision (for the startup report), or ''."""
-    from .gguf_blocks import DECODERS, EXACT_TYPES
+    from .grouped.gguf_blocks import DECODERS, EXACT_TYPES
 
     types = values.get(PROJECTION_TYPES_KEY) or {}
     if quant == "none" or not types:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from oval_edge.kernels.cpu import cpu_kernels
 
-from .grouped_linear import GroupedLinear, bind_grouped, describe_grouped_path
+from .grouped.linear import GroupedLinear, bind_grouped, describe_grouped_path
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -226,7 +226,7 @@ def unfused_4bit_applies(module: torch.nn.Module):
 def bind_projection(module: torch.nn.Module) -> Projection:
     """The fastest exact way to call `module`: the packed 4-bit kernel when it applies, our own 4-bit GEMV where
     bitsandbytes has none (Unfused4bit), row chunks of the module on a GPU (Chunked4bit), the grouped op for grouped
-    integer weights (grouped_linear.py), else the module itself."""
+    integer weights (grouped/linear.py), else the module itself."""
     grouped = bind_grouped(module)
     if grouped is not None:
         return grouped

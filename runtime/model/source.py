@@ -16,7 +16,7 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3",
                            "gemma3_text")
 # How the loader holds the projections: auto (below), gguf (a GGUF file's own blocks as grouped integer codes,
-# runtime/model/gguf_blocks.py), int4 (4-bit codes with a scale and min per 32, quantized at load), bitsandbytes
+# runtime/model/grouped/gguf_blocks.py), int4 (4-bit codes with a scale and min per 32, quantized at load), bitsandbytes
 # nf4 / fp4, or none (as read, in 16/32 bits).
 QUANT_TYPES = ("auto", "gguf", "int4", "nf4", "fp4", "none")
 # auto: a GGUF serves its own blocks; a 16-bit source quantizes to the 4-bit format that measured closer to its

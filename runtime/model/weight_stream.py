@@ -96,7 +96,7 @@ class GGUFWeights:
     def read_grouped(self, name: str):
         """A 2-D tensor's own blocks as grouped codes (gguf_blocks.convert: (codes, scales, mins, bits)), with
         Llama's q/k rows put back in rotate_half order like `read`; None for a type with no grouped form."""
-        from .gguf_blocks import convert
+        from .grouped.gguf_blocks import convert
 
         tensor = self._tensors[name]
         grouped = convert(tensor.data, tensor.tensor_type.name)

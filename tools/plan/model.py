@@ -171,7 +171,7 @@ def _from_config(path: str) -> ModelShape:
 
 
 def _from_gguf(path: str) -> ModelShape:
-    from oval_edge.runtime.model.gguf_blocks import is_stored_projection
+    from oval_edge.runtime.model.grouped.gguf_blocks import is_stored_projection
 
     try:
         from gguf import GGUFReader

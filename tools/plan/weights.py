@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from oval_edge.runtime.model.gguf_blocks import held_bytes, held_layout
+from oval_edge.runtime.model.grouped.gguf_blocks import held_bytes, held_layout
 from oval_edge.runtime.model.source import AUTO_16BIT, GROUPED_QUANTS, QUANT_TYPES
 
 from .model import ModelShape
@@ -55,7 +55,7 @@ INT8_BLOCK = INT8_PANEL = 32  # runtime/model/embeddings.py: weights per fp32 sc
 ACTIVATION_BYTES = {"cpu": 4, "cuda": 2}  # embedding, untied head, norms, 'none' projections
 LINEAR4_COMPUTE_BYTES = {"cpu": 2, "cuda": 2}  # bf16 on CPU, fp16 on CUDA: Qwen2 biases of 4-bit layers
 LAYOUTS = ("nested", "cpu-packed", "cpu-unnested")
-INT4_LAYOUT = (4, 32)  # quant int4: (code bits, weights per scale and min), runtime/model/grouped_weights.py
+INT4_LAYOUT = (4, 32)  # quant int4: (code bits, weights per scale and min), runtime/model/grouped/layout.py
 NATIVE_ENV = "OVAL_EDGE_NATIVE"  # oval_edge/kernels/cpu.py: "0" turns the native kernels (and so un-nesting) off
 
 

@@ -11,7 +11,7 @@ Layout of W [out, in] (in a multiple of 32; oval_edge/kernels/grouped_kernels.c 
   bits 8: codes [out, in] uint8;
   scales, mins [out, in / group] fp16; weight = scale * code + min in fp32.
 
-The module holding such a weight and how it multiplies per device: grouped_linear.py.
+The module holding such a weight and how it multiplies per device: linear.py.
 """
 
 from __future__ import annotations

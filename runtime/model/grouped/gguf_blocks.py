@@ -1,4 +1,4 @@
-"""A GGUF tensor's quantized blocks -> the grouped integer format (grouped_weights.py), without a second rounding.
+"""A GGUF tensor's quantized blocks -> the grouped integer format (layout.py), without a second rounding.
 
 Every classic GGML type is integer codes times a scale plus a min per 16 or 32 weights:
   type   code bits  held as   group  scale         min              exact?
@@ -156,7 +156,7 @@ def convert(data: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tenso
     import torch
     from gguf import GGMLQuantizationType
 
-    from .grouped_weights import pack_codes
+    from .layout import pack_codes
 
     from gguf.constants import GGML_QUANT_SIZES
 

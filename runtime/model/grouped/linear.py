@@ -1,11 +1,11 @@
-"""A projection held in the grouped integer format (grouped_weights.py), and how it multiplies per device, as one
+"""A projection held in the grouped integer format (layout.py), and how it multiplies per device, as one
 registered op.
 
 `oval_edge::grouped_linear(x [n, in], codes, scales, mins, bias?, bits) -> [n, out]` in x's dtype:
   CPU, n <= DECODE_ROWS, fp32 x: the C GEMV (oval_edge/kernels/grouped_kernels.c), codes read once per 4 rows;
   CPU, more rows (prefill): the C kernel dequantizes DEQUANT_ELEMENTS weights at a time, then one fp32 matmul each;
   CUDA: the Triton GEMV (oval_edge/kernels/triton_grouped.py) for n <= DECODE_ROWS, else dequantize + matmul;
-  anywhere else, or where a kernel declines: grouped_weights.dequantize in row chunks + matmul.
+  anywhere else, or where a kernel declines: layout.dequantize in row chunks + matmul.
 The op is opaque to torch.compile (a fake gives the shape), so the static decode step traces whole; BoundGrouped
 calls the same implementation without the dispatcher in eager decode steps (~25 us a call saved, ~120 calls a step).
 """
@@ -18,7 +18,7 @@ from torch import nn
 from oval_edge.kernels.cpu import cpu_kernels
 from oval_edge.kernels.gpu import grouped_linear_kernel
 
-from .grouped_weights import check_layout, dequantize
+from .layout import check_layout, dequantize
 
 DECODE_ROWS = 8  # inputs up to this many rows run the GEMV; more (prefill) dequantize once and multiply
 DEQUANT_ELEMENTS = 4 << 20  # weights dequantized at once for a prefill matmul: a 16 MiB fp32 transient at most
