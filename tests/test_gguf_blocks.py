@@ -11,7 +11,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from oval_edge.kernels.cpu import cpu_kernels
 from oval_edge.runtime.model.grouped.gguf_blocks import DECODERS, EXACT_TYPES, convert
-from oval_edge.runtime.model.grouped.linear import GroupedLinear, grouped_linear, grouped_projection
+from oval_edge.runtime.model.grouped.linear import DECODE_ROWS, GroupedLinear, grouped_linear, grouped_projection
 from oval_edge.runtime.model.grouped.layout import (dequantize as grouped_dequantize, pack_codes, quantize_grouped,
                                                      unpack_codes)
 
@@ -86,6 +86,14 @@ def test_quantize_grouped_error_is_within_half_a_step(bits):
     assert bool((error <= step / 2 + 1e-6 + mins.float().abs().repeat_interleave(32, 1) * 2 ** -11).all())
 
 
+def kernel_inputs(x: torch.Tensor) -> torch.Tensor:
+    """x as the op multiplies it: rounded to bf16 where the CPU's GEMV does (its AVX512-BF16 body, decode-sized
+    inputs), else as it is (the fp32 bodies, and the dequantize + matmul path of prefill-sized inputs)."""
+    kernels = cpu_kernels()
+    rounds = kernels is not None and kernels.grouped_rounds_inputs and x.shape[-2] <= DECODE_ROWS
+    return x.bfloat16().float() if rounds else x
+
+
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q6_K", "Q2_K"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 20])  # the GEMV's tile of 4 and its remainder; 20: the prefill path
 def test_the_op_matches_the_reference_matmul(type_name, rows):
@@ -93,7 +101,7 @@ def test_the_op_matches_the_reference_matmul(type_name, rows):
     codes, scales, mins, bits = convert(random_blocks(type_name, weight_rows, width, seed=rows), type_name)
     bias = torch.randn(weight_rows)
     x = torch.randn(rows, width)
-    want = x @ grouped_dequantize(codes, scales, mins, bits).T + bias
+    want = kernel_inputs(x) @ grouped_dequantize(codes, scales, mins, bits).T + bias
     got = grouped_linear(x, codes, scales, mins, bias, bits)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     module = GroupedLinear(codes, scales, mins, bits, width, bias, type_name)
@@ -107,7 +115,7 @@ def test_a_projection_of_mixed_types_stacks_its_row_blocks():
     module = grouped_projection(parts, None, torch.device("cpu"))
     assert [p.origin for p in module.parts] == ["Q4_K", "Q6_K"] and module.out_features == 64
     x = torch.randn(2, 256)
-    want = x @ torch.cat([grouped_dequantize(*p[:4]) for p in parts]).T
+    want = kernel_inputs(x) @ torch.cat([grouped_dequantize(*p[:4]) for p in parts]).T
     torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-4)
 
 

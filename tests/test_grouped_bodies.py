@@ -19,7 +19,9 @@ COMPILER = shutil.which("cc") or shutil.which("gcc")
 CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split("flags")[1].splitlines()[0].split()) \
     if Path("/proc/cpuinfo").exists() and "flags" in Path("/proc/cpuinfo").read_text() else set()
 BODIES = {  # name: (flags, CPU features it needs to run)
-    "avx512": (["-mavx512f", "-mavx2", "-mfma", "-mf16c"], {"avx512f", "avx2", "fma", "f16c"}),
+    "avx512-bf16": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"],
+                    {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"}),
+    "avx512": (["-mavx512f", "-mavx2", "-mfma", "-mf16c", "-mno-avx512bf16"], {"avx512f", "avx2", "fma", "f16c"}),
     "avx2": (["-mavx2", "-mfma", "-mf16c", "-mno-avx512f"], {"avx2", "fma", "f16c"}),
     "portable": (["-mno-avx", "-mno-avx2", "-mno-f16c", "-mno-fma"], set()),
 }
@@ -42,6 +44,7 @@ def body(request, tmp_path_factory):
     library.gemv_grouped_f32.argtypes = [_ptr, _i64, _i64] + [_ptr] * 3 + [_i64] * 2 + [_ptr, _i64, _i64, _ptr,
                                                                                            _i64, _i64]
     library.dequantize_grouped_f32.argtypes = [_ptr] * 3 + [_i64] * 6 + [_ptr, _i64]
+    assert library.grouped_rounds_inputs() == (request.param == "avx512-bf16")  # only that body rounds x to bf16
     return library
 
 
@@ -65,7 +68,8 @@ def test_gemv_matches_the_reference(body, bits, group, rows):
                                  mins.data_ptr(), bits, group, bias.data_ptr(), n_out, width, out.data_ptr(),
                                  out.stride(0), 2)
     assert code == 0
-    want = x @ dequantize(codes, scales, mins, bits).T + bias
+    inputs = x.bfloat16().float() if body.grouped_rounds_inputs() else x  # the bf16 body's arithmetic
+    want = inputs @ dequantize(codes, scales, mins, bits).T + bias
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)  # fp32 sums in another order
 
 

@@ -19,8 +19,8 @@ import subprocess
 
 import torch
 
-from .cpu_args import OUT_OF_RANGE, as_dtype, grouped_fit, grouped_inputs_fit, kernel_result, on_cpu, row_bounds, scales_fit
-from .cpu_bound import BoundGroupedScorer, BoundPageScorer
+from .cpu_args import OUT_OF_RANGE, as_dtype, grouped_fit, kernel_result, on_cpu, row_bounds, scales_fit
+from .cpu_bound import BoundGroupedGemv, BoundGroupedScorer, BoundPageScorer
 from .cpu_build import built_library
 from .gpu import TritonKernels, describe_gpu_kernels, gpu_kernels
 
@@ -83,6 +83,8 @@ class NativeKernels:
         self._gemv_grouped = library.gemv_grouped_f32
         self._gemv_grouped.argtypes, self._gemv_grouped.restype = [_ptr, _i64, _i64] + [_ptr] * 3 + [_i64] * 2 + [
             _ptr, _i64, _i64, _ptr, _i64, _i64], ctypes.c_int
+        # whether gemv_grouped rounds x to bf16 (its AVX512-BF16 body, grouped_bf16.h) or keeps it fp32
+        self.grouped_rounds_inputs = bool(library.grouped_rounds_inputs())
         self._dequantize_grouped = library.dequantize_grouped_f32
         self._dequantize_grouped.argtypes, self._dequantize_grouped.restype = [_ptr] * 3 + [_i64] * 6 + [
             _ptr, _i64], ctypes.c_int
@@ -200,15 +202,13 @@ class NativeKernels:
         """x [n, K] fp32 @ W^T (+ bias [out] fp32) for W in the grouped integer format (codes uint8, scales / mins
         [out, K / group] fp16; runtime/model/grouped/layout.py, grouped_kernels.c) -> [n, out] fp32, on torch's
         intra-op thread count. None for inputs it does not take (the caller runs the torch path)."""
-        out_features = codes.shape[0]
-        if not grouped_inputs_fit(x, codes, scales, mins, bias, bits):
-            return None
-        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
-        code = self._gemv_grouped(x.data_ptr(), x.shape[0], x.stride(0), codes.data_ptr(), scales.data_ptr(),
-                                  mins.data_ptr(), bits, x.shape[1] // scales.shape[1],
-                                  None if bias is None else bias.data_ptr(), out_features, x.shape[1], out.data_ptr(),
-                                  out.stride(0), _team())
-        return out if code == 0 else None
+        bound = self.bind_gemv_grouped(codes, scales, mins, bias, bits)
+        return None if bound is None else bound(x)
+
+    def bind_gemv_grouped(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                          bias: torch.Tensor | None, bits: int) -> BoundGroupedGemv | None:
+        """gemv_grouped with the weight checked once (cpu_bound.py); None for a weight the kernel does not read."""
+        return BoundGroupedGemv.bind(self._gemv_grouped, codes, scales, mins, bias, bits, _team)
 
     def dequantize_grouped(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
                            first: int, last: int) -> torch.Tensor | None:

@@ -80,14 +80,3 @@ def grouped_fit(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, b
             and codes.shape[1] * 8 == k * bits and scales.dtype == mins.dtype == torch.float16
             and scales.shape == mins.shape == (codes.shape[0], groups) and groups > 0 and k % groups == 0
             and k // groups in (16, 32))
-
-
-def grouped_inputs_fit(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                       bias: torch.Tensor | None, bits: int) -> bool:
-    """gemv_grouped's inputs as the kernel reads them: x [n, K] fp32 with unit column stride, the weight in
-    grouped_fit's layout, an fp32 bias [out] or none, every tensor on the CPU and the weight's contiguous."""
-    weight = (codes, scales, mins) + (() if bias is None else (bias,))
-    return (x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and grouped_fit(codes, scales, mins, bits,
-                                                                                          x.shape[1])
-            and (bias is None or (bias.dtype == torch.float32 and bias.numel() == codes.shape[0]))
-            and on_cpu(x, *weight) and all(t.is_contiguous() for t in weight))

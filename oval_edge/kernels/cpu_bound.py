@@ -1,4 +1,5 @@
-"""Page scoring with one layer's records bound once: what NativeKernels.oval_scores and grouped_scores run.
+"""Kernels bound once to tensors that never change: page scoring with one layer's records (what
+NativeKernels.oval_scores and grouped_scores run), and a grouped projection's weight (gemv_grouped).
 
 Why: a pool allocates its records once (kv/pool.py) and never replaces them, yet checking and converting them on
 every call (device and contiguity checks over nine tensors, the record format, the layer's views of the pool's
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_args import as_dtype, kernel_result, record_page_size, records_fit
+from .cpu_args import as_dtype, grouped_fit, kernel_result, record_page_size, records_fit
 
 ELEMENT_DTYPES = (torch.float32, torch.bfloat16)  # the coarse records' float storage (group_kernels.c)
 RECORD_FORMAT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # group_kernels.c's fmt
@@ -99,3 +100,36 @@ class BoundGroupedScorer:
                            *self.groups, float(scale), out.data_ptr(), self.team())
         return kernel_result(code, out, "oval_grouped_scores", "page table holds a page outside 0..{}",
                              self.pages_total - 1)
+
+
+class BoundGroupedGemv:
+    """gemv_grouped_f32 (grouped_kernels.c) with one weight checked once and its pointers kept: x [n, K] fp32 ->
+    x W^T (+ bias) [n, out] fp32, or None for an x the kernel does not take. Why: the per-call checks of the weight
+    and its conversion to ctypes arguments cost ~8 us of Python, a tenth of the kernel at SmolLM2's shapes, ~120
+    times a decode step. Make it with `bind`, which returns None for a weight the kernel does not read."""
+
+    def __init__(self, kernel, codes, scales, mins, bias, bits: int, team) -> None:
+        self.tensors = (codes, scales, mins, bias)  # kept alive with their pointers
+        self.kernel, self.team, self.bits = kernel, team, bits
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 8 // bits
+        self.group = self.in_features // scales.shape[1]
+        self.pointers = (codes.data_ptr(), scales.data_ptr(), mins.data_ptr())
+        self.bias = None if bias is None else bias.data_ptr()
+
+    @classmethod
+    def bind(cls, kernel, codes, scales, mins, bias, bits: int, team) -> BoundGroupedGemv | None:
+        k = codes.shape[1] * 8 // bits if codes.dim() == 2 and bits in (4, 8) else 0
+        weight = (codes, scales, mins) + (() if bias is None else (bias,))
+        if (not grouped_fit(codes, scales, mins, bits, k) or not all(t.is_cpu and t.is_contiguous() for t in weight)
+                or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != codes.shape[0]))):
+            return None
+        return cls(kernel, codes, scales, mins, bias, bits, team)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features or x.stride(1) != 1 \
+                or not x.is_cpu:
+            return None
+        out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
+        code = self.kernel(x.data_ptr(), x.shape[0], x.stride(0), *self.pointers, self.bits, self.group, self.bias,
+                           self.out_features, self.in_features, out.data_ptr(), self.out_features, self.team())
+        return out if code == 0 else None

@@ -27,7 +27,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ("score_kernels.c", "group_kernels.c", "attend_kernels.c", "step_kernels.c", "head_kernels.c",
                  "quant_kernels.c", "grouped_kernels.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernel_math.h", "score_avx2.h", "score_int4_avx512.h",
-                                                                       "attend_avx2.h", "group_avx512.h"))
+                                                                       "attend_avx2.h", "group_avx512.h",
+                                                                       "grouped_bf16.h"))
 LIBRARY_NAME = "oval_kernels.so"
 CHECK_MODULE = "oval_edge.kernels.cpu_check"  # run as `python -m`: exits 0 when the library agrees with torch
 COMPILE_TIMEOUT_S = 120

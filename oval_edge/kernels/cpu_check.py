@@ -142,7 +142,8 @@ def _check_grouped_weights(kernels: NativeKernels, gen: torch.Generator) -> str 
         weight = weight.view(out_features, k)
         x, bias = torch.randn(5, k, generator=gen), torch.randn(out_features, generator=gen)
         got = kernels.gemv_grouped(x, codes.contiguous(), scales, mins, bias, bits)
-        if got is None or not torch.allclose(got, x @ weight.T + bias, rtol=SELF_CHECK_TOLERANCE,
+        rounded = x.bfloat16().float() if kernels.grouped_rounds_inputs else x  # the AVX512-BF16 body's inputs
+        if got is None or not torch.allclose(got, rounded @ weight.T + bias, rtol=SELF_CHECK_TOLERANCE,
                                              atol=SELF_CHECK_TOLERANCE):
             return f"gemv_grouped {bits}-bit"
         rows = kernels.dequantize_grouped(codes.contiguous(), scales, mins, bits, 3, 11)

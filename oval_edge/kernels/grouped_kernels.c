@@ -18,6 +18,7 @@
  *   reference forms it; products and sums in fp32, output fp32.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h> /* the bodies below and F16C's conversions, each behind its own feature test */
@@ -59,6 +60,12 @@ static inline int code_at(const uint8_t *row, int bits, int64_t c, int j) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 /* The 32 codes of chunk c as bytes: weights 0..15 in lo, 16..31 in hi (the nibble order makes both one mask). */
 static inline __attribute__((always_inline)) void chunk_codes(const uint8_t *row, int bits, int64_t c, __m128i *lo,
                                                               __m128i *hi) {
@@ -72,6 +79,10 @@ static inline __attribute__((always_inline)) void chunk_codes(const uint8_t *row
         *hi = _mm_loadu_si128((const __m128i *)(row + c * CHUNK + 16));
     }
 }
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "grouped_bf16.h" /* defines GROUPED_BF16: gemv_grouped_f32 multiplies through vdpbf16ps */
 #endif
 
 #if defined(__AVX512F__) && defined(__F16C__)
@@ -93,25 +104,26 @@ static inline __attribute__((always_inline)) void weight_row(const uint8_t *row,
                                                              const float *mins, int bits, int group,
                                                              const float *x, int64_t x_stride, int tile, int64_t k,
                                                              float *dots) {
-    __m512 sums[ROW_TILE][2];
-    for (int r = 0; r < ROW_TILE; r++) sums[r][0] = sums[r][1] = _mm512_setzero_ps();
+    /* independent sums per row (4 for a single row): one chain would wait on the previous fma's 4-cycle latency */
+    const int odd = tile == 1 ? 2 : 0;
+    __m512 sums[ROW_TILE][4];
+    for (int r = 0; r < ROW_TILE; r++)
+        for (int j = 0; j < 4; j++) sums[r][j] = _mm512_setzero_ps();
     for (int64_t c = 0; c < k / CHUNK; c++) {
         __m512 w[2];
         chunk_weights(row, bits, c, group, scales, mins, w);
+        const int lane = (c & 1) * odd;
         for (int r = 0; r < tile; r++) {
             const float *xr = x + r * x_stride + c * CHUNK;
-            sums[r][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), sums[r][0]);
-            sums[r][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), sums[r][1]);
+            sums[r][lane] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), sums[r][lane]);
+            sums[r][lane + 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), sums[r][lane + 1]);
         }
     }
-    for (int r = 0; r < tile; r++) dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(sums[r][0], sums[r][1]));
+    for (int r = 0; r < tile; r++)
+        dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(sums[r][0], sums[r][1]),
+                                                     _mm512_add_ps(sums[r][2], sums[r][3])));
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 /* The 32 weights of chunk c as four 8-lane vectors, in order. */
 static inline __attribute__((always_inline)) void chunk_weights(const uint8_t *row, int bits, int64_t c, int group,
@@ -131,17 +143,23 @@ static inline __attribute__((always_inline)) void weight_row(const uint8_t *row,
                                                              const float *mins, int bits, int group,
                                                              const float *x, int64_t x_stride, int tile, int64_t k,
                                                              float *dots) {
-    __m256 sums[ROW_TILE][2];
-    for (int r = 0; r < ROW_TILE; r++) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+    /* four sums per row for a single row (one per 8 weights of a chunk), two per row in a tile: a chain would wait
+     * on the previous fma's latency */
+    const int mask = tile == 1 ? 3 : 1;
+    __m256 sums[ROW_TILE][4];
+    for (int r = 0; r < ROW_TILE; r++)
+        for (int j = 0; j < 4; j++) sums[r][j] = _mm256_setzero_ps();
     for (int64_t c = 0; c < k / CHUNK; c++) {
         __m256 w[4];
         chunk_weights(row, bits, c, group, scales, mins, w);
         for (int r = 0; r < tile; r++) {
             const float *xr = x + r * x_stride + c * CHUNK;
-            for (int j = 0; j < 4; j++) sums[r][j & 1] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), sums[r][j & 1]);
+            for (int j = 0; j < 4; j++)
+                sums[r][j & mask] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), sums[r][j & mask]);
         }
     }
-    for (int r = 0; r < tile; r++) dots[r] = sum8(_mm256_add_ps(sums[r][0], sums[r][1]));
+    for (int r = 0; r < tile; r++)
+        dots[r] = sum8(_mm256_add_ps(_mm256_add_ps(sums[r][0], sums[r][1]), _mm256_add_ps(sums[r][2], sums[r][3])));
 }
 #else
 /* The portable form (Arm boards, older x86): the same weights, formed one at a time; -O3 vectorises the inner sum. */
@@ -195,6 +213,17 @@ int gemv_grouped_f32(const float *x, int64_t rows, int64_t x_stride, const uint8
     if (rows == 0 || n_out == 0) return 0;
     if (threads > n_out) threads = n_out;
     const int64_t row_bytes = k * bits / 8, groups = k / group;
+#ifdef GROUPED_BF16
+    uint16_t *xb = malloc((size_t)(rows * k) * sizeof(uint16_t));
+    float *xsum = malloc((size_t)(rows * groups) * sizeof(float));
+    if (xb == NULL || xsum == NULL) {
+        free(xb);
+        free(xsum);
+        return 1;
+    }
+    round_inputs(x, rows, x_stride, k, group, xb, xsum);
+    const __m512i ones = small_int_bf16_table(1), sixteens = small_int_bf16_table(16);
+#endif
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
@@ -205,19 +234,43 @@ int gemv_grouped_f32(const float *x, int64_t rows, int64_t x_stride, const uint8
         widen_halves(mins + o * groups, groups, m);
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int64_t tile = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
-            const float *xr = x + r0 * x_stride;
             float dots[ROW_TILE];
+#ifdef GROUPED_BF16
+            const uint16_t *xr = xb + r0 * k;
+            const float *sums = xsum + r0 * groups;
+            /* constant tiles and code widths let the compiler unroll and drop the branches */
+            if (bits == 4 && group == 32 && tile == 1) weight_row_bf16(row, s, m, 4, 32, xr, sums, 1, k, ones, sixteens, dots);
+            else if (bits == 4 && group == 32 && tile == ROW_TILE)
+                weight_row_bf16(row, s, m, 4, 32, xr, sums, ROW_TILE, k, ones, sixteens, dots);
+            else if (bits == 8 && tile == 1) weight_row_bf16(row, s, m, 8, (int)group, xr, sums, 1, k, ones, sixteens, dots);
+            else weight_row_bf16(row, s, m, (int)bits, (int)group, xr, sums, (int)tile, k, ones, sixteens, dots);
+#else
+            const float *xr = x + r0 * x_stride;
             /* constant tiles let the compiler unroll the row loop; the code width is fixed per call */
             if (bits == 4 && group == 32 && tile == ROW_TILE) weight_row(row, s, m, 4, 32, xr, x_stride, ROW_TILE, k, dots);
             else if (bits == 4 && group == 32 && tile == 1) weight_row(row, s, m, 4, 32, xr, x_stride, 1, k, dots);
             else if (bits == 8 && tile == ROW_TILE) weight_row(row, s, m, 8, (int)group, xr, x_stride, ROW_TILE, k, dots);
             else if (bits == 8 && tile == 1) weight_row(row, s, m, 8, (int)group, xr, x_stride, 1, k, dots);
             else weight_row(row, s, m, (int)bits, (int)group, xr, x_stride, (int)tile, k, dots);
+#endif
             for (int64_t r = 0; r < tile; r++)
                 out[(r0 + r) * out_stride + o] = bias != NULL ? dots[r] + bias[o] : dots[r];
         }
     }
+#ifdef GROUPED_BF16
+    free(xb);
+    free(xsum);
+#endif
     return 0;
+}
+
+/* 1 when gemv_grouped_f32 rounds x to bf16 (the AVX512-BF16 body), else 0: for the startup report and the checks. */
+int grouped_rounds_inputs(void) {
+#ifdef GROUPED_BF16
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* W rows first..last-1 -> out [last - first, k] fp32 (scale * code + min), for the prefill path: one dense matmul

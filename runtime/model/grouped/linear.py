@@ -166,10 +166,19 @@ class BoundGrouped:
         self.codes, self.scales, self.mins, self.bits = module.codes, module.scales, module.mins, module.bits
         self.bias = module.bias
         self.path = describe_grouped_path(module.codes.device)
+        kernels = cpu_kernels() if module.codes.device.type == "cpu" else None
+        bias = None if module.bias is None else module.bias.float()
+        # the C GEMV with the weight checked once (oval_edge/kernels/cpu_bound.py), or None
+        self.gemv = None if kernels is None else kernels.bind_gemv_grouped(self.codes, self.scales, self.mins, bias,
+                                                                             self.bits)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() or x.dim() != 2:
             return self.module(x)
+        if self.gemv is not None and x.shape[0] <= DECODE_ROWS:
+            out = self.gemv(x)
+            if out is not None:
+                return out
         return grouped_linear(x, self.codes, self.scales, self.mins, self.bias, self.bits)
 
 

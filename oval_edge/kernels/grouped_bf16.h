@@ -1,0 +1,156 @@
+/* grouped_kernels.c's body for CPUs with AVX512-BF16: the codes' products with x through vdpbf16ps.
+ *
+ * Why: the fp32 bodies form every weight (scale * code + min: a conversion and an fma per 16 weights) before the
+ * products, which keeps them at ~5-6 cycles per 32 weights; bitsandbytes' fused NF4 kernel on the same CPUs takes
+ * ~2.3 (its bf16 dot product), and a decode step is bound by these products. Here the integer codes are looked up
+ * as bf16 (exact: integers up to 256) and multiplied with x rounded to bf16, 32 products per instruction, and the
+ * group's scale and min are applied to the sums: dot = sum_g scale_g * (codes_g . x_g) + min_g * sum(x_g).
+ * Arithmetic: x rounded to bf16 (round to nearest even, as bitsandbytes' kernel rounds it), products and sums in
+ * fp32; the weights themselves are not rounded. cpu_check.py and tests/test_grouped_bodies.py compare against the
+ * reference on bf16-rounded inputs.
+ *
+ * Code words: a 4-bit code q becomes the bf16 word 0x4300 | q, which is 128 + q exactly: one or and one and per 16
+ * codes instead of a table lookup (the lookups and byte widenings were the kernel's bottleneck, all on the one
+ * shuffle port); the extra 128 * sum(x_g) is taken out through the min (min_g - 128 scale_g). An 8-bit code is
+ * 16 * high + low nibble, each looked up in a table of bf16(0..15) or bf16(16 * (0..15)): two products.
+ */
+#include <immintrin.h>
+#include <stdlib.h>
+
+#define GROUPED_BF16 1
+
+/* bf16(i) for i = 0..31 (16-bit words), the lookup table of vpermw: bf16 of a small integer is its fp32 bits >> 16. */
+static inline __m512i small_int_bf16_table(int times) {
+    uint16_t words[32];
+    for (int i = 0; i < 32; i++) {
+        const float v = (float)(i * times);
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        words[i] = (uint16_t)(u >> 16);
+    }
+    return _mm512_loadu_si512(words);
+}
+
+/* x rows [rows, k] (row stride x_stride) -> xb [rows, k] bf16 and each group's sum of those rounded values
+ * xsum [rows, k / group] fp32. */
+static void round_inputs(const float *x, int64_t rows, int64_t x_stride, int64_t k, int64_t group, uint16_t *xb,
+                         float *xsum) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < k; c += 16) {
+            const __m256bh half = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * x_stride + c));
+            _mm256_storeu_si256((__m256i *)(xb + r * k + c), (__m256i)half);
+        }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < k / group; g++) {
+            float total = 0.0f;
+            for (int64_t j = 0; j < group; j++) {
+                const uint32_t u = (uint32_t)xb[r * k + g * group + j] << 16;
+                float v;
+                memcpy(&v, &u, 4);
+                total += v;
+            }
+            xsum[r * (k / group) + g] = total;
+        }
+}
+
+/* Chunk c's products for `tile` rows of x, scaled and added to acc[r] (acc: one of the rows' two chains). */
+static inline __attribute__((always_inline)) void chunk_bf16(const uint8_t *row, const float *scales, int bits,
+                                                             int group, const uint16_t *xb, int tile, int64_t k,
+                                                             int64_t c, __m512i ones, __m512i sixteens,
+                                                             __m512 acc[ROW_TILE]) {
+    __m128i lo, hi;
+    chunk_codes(row, bits, c, &lo, &hi);
+    const __m512i words = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo)); /* codes 0..31 in order */
+    __m512i w_low, w_high = _mm512_setzero_si512();
+    if (bits == 4) {
+        w_low = _mm512_permutexvar_epi16(words, ones);
+    } else {
+        w_low = _mm512_permutexvar_epi16(_mm512_and_si512(words, _mm512_set1_epi16(0x0F)), ones);
+        w_high = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), sixteens);
+    }
+    /* lane j holds the products of codes 2j and 2j + 1: lanes 0..7 are the chunk's first 16 codes */
+    const __m512 scale = group == 32 ? _mm512_set1_ps(scales[c])
+                                     : _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[2 * c]),
+                                                            _mm512_set1_ps(scales[2 * c + 1]));
+    for (int r = 0; r < tile; r++) {
+        const __m512bh xr = (__m512bh)_mm512_loadu_si512(xb + r * k + c * CHUNK);
+        __m512 sums = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w_low, xr);
+        if (bits == 8) sums = _mm512_dpbf16_ps(sums, (__m512bh)w_high, xr);
+        acc[r] = _mm512_fmadd_ps(sums, scale, acc[r]);
+    }
+}
+
+#define NIBBLE_WORD 0x4300 /* bf16 of 128.0: OR-ing a code below 128 into its mantissa gives bf16(128 + code) */
+
+/* Chunk c of 4-bit codes for `tile` rows, 256 bits at a time: weights 0..15 and 16..31 of the chunk are the low and
+ * high nibbles of its 16 bytes, each widened to a word and made 128 + code (NIBBLE_WORD). */
+static inline __attribute__((always_inline)) void nibble_chunk(const uint8_t *row, const float *scales, int group,
+                                                               const uint16_t *xb, int tile, int64_t k, int64_t c,
+                                                               __m256 acc[ROW_TILE]) {
+    const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + c * 16)));
+    const __m256i word = _mm256_set1_epi16(NIBBLE_WORD);
+    const __m256i low = _mm256_or_si256(_mm256_and_si256(raw, _mm256_set1_epi16(0x0F)), word);
+    const __m256i high = _mm256_or_si256(_mm256_srli_epi16(raw, 4), word);
+    for (int r = 0; r < tile; r++) {
+        const uint16_t *xr = xb + r * k + c * CHUNK;
+        const __m256bh x_low = (__m256bh)_mm256_loadu_si256((const __m256i *)xr);
+        const __m256bh x_high = (__m256bh)_mm256_loadu_si256((const __m256i *)(xr + 16));
+        if (group == 32) {
+            const __m256 sums = _mm256_dpbf16_ps(_mm256_dpbf16_ps(_mm256_setzero_ps(), (__m256bh)low, x_low),
+                                                 (__m256bh)high, x_high);
+            acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scales[c]), acc[r]);
+        } else {
+            acc[r] = _mm256_fmadd_ps(_mm256_dpbf16_ps(_mm256_setzero_ps(), (__m256bh)low, x_low),
+                                     _mm256_set1_ps(scales[2 * c]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_dpbf16_ps(_mm256_setzero_ps(), (__m256bh)high, x_high),
+                                     _mm256_set1_ps(scales[2 * c + 1]), acc[r]);
+        }
+    }
+}
+
+/* weight_row_bf16 for 4-bit codes (nibble_chunk), even and odd chunks in separate sums. */
+static inline __attribute__((always_inline)) void nibble_row(const uint8_t *row, const float *scales,
+                                                             const float *mins, int group, const uint16_t *xb,
+                                                             const float *xsum, int tile, int64_t k, float *dots) {
+    const int64_t groups = k / group, chunks = k / CHUNK;
+    __m256 even[ROW_TILE], odd[ROW_TILE];
+    for (int r = 0; r < ROW_TILE; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 1 < chunks; c += 2) {
+        nibble_chunk(row, scales, group, xb, tile, k, c, even);
+        nibble_chunk(row, scales, group, xb, tile, k, c + 1, odd);
+    }
+    if (c < chunks) nibble_chunk(row, scales, group, xb, tile, k, c, even);
+    for (int r = 0; r < tile; r++) {
+        float total = sum8(_mm256_add_ps(even[r], odd[r]));
+        for (int64_t g = 0; g < groups; g++) total += (mins[g] - 128.0f * scales[g]) * xsum[r * groups + g];
+        dots[r] = total;
+    }
+}
+
+/* dots[r] = weight row . x row r for `tile` rows from the bf16 inputs (round_inputs). Even and odd chunks add into
+ * separate sums: one chain would wait on the previous chunk's fma (4 cycles), about as long as a chunk takes. */
+static inline __attribute__((always_inline)) void weight_row_bf16(const uint8_t *row, const float *scales,
+                                                                  const float *mins, int bits, int group,
+                                                                  const uint16_t *xb, const float *xsum, int tile,
+                                                                  int64_t k, __m512i ones, __m512i sixteens,
+                                                                  float *dots) {
+    if (bits == 4) {
+        nibble_row(row, scales, mins, group, xb, xsum, tile, k, dots);
+        return;
+    }
+    const int64_t groups = k / group, chunks = k / CHUNK;
+    __m512 even[ROW_TILE], odd[ROW_TILE];
+    for (int r = 0; r < ROW_TILE; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 1 < chunks; c += 2) {
+        chunk_bf16(row, scales, bits, group, xb, tile, k, c, ones, sixteens, even);
+        chunk_bf16(row, scales, bits, group, xb, tile, k, c + 1, ones, sixteens, odd);
+    }
+    if (c < chunks) chunk_bf16(row, scales, bits, group, xb, tile, k, c, ones, sixteens, even);
+    for (int r = 0; r < tile; r++) {
+        float total = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+        for (int64_t g = 0; g < groups; g++) total += mins[g] * xsum[r * groups + g];
+        dots[r] = total;
+    }
+}
