@@ -43,7 +43,7 @@ def body(request, tmp_path_factory):
     library = ctypes.CDLL(str(built))
     library.gemv_grouped_f32.argtypes = [_ptr, _i64, _i64] + [_ptr] * 3 + [_i64] * 2 + [_ptr, _i64, _i64, _ptr,
                                                                                            _i64, _i64]
-    library.dequantize_grouped_f32.argtypes = [_ptr] * 3 + [_i64] * 6 + [_ptr, _i64]
+    library.dequantize_grouped.argtypes = [_ptr] * 3 + [_i64] * 6 + [_ptr, _i64, _i64]
     assert library.grouped_rounds_inputs() == (request.param == "avx512-bf16")  # only that body rounds x to bf16
     return library
 
@@ -76,10 +76,12 @@ def test_gemv_matches_the_reference(body, bits, group, rows):
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 16)])
 def test_dequantize_matches_the_reference(body, bits, group):
     codes, scales, mins = random_weight(bits, group, 12, 96, seed=bits)
-    out = torch.empty(5, 96)
-    assert body.dequantize_grouped_f32(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), bits, group, 12, 96, 4,
-                                       9, out.data_ptr(), 1) == 0
-    torch.testing.assert_close(out, dequantize(codes, scales, mins, bits)[4:9], rtol=1e-6, atol=1e-7)
+    want = dequantize(codes, scales, mins, bits)[4:9]
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(5, 96, dtype=dtype)
+        assert body.dequantize_grouped(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), bits, group, 12, 96, 4,
+                                       9, out.data_ptr(), int(dtype == torch.bfloat16), 1) == 0
+        torch.testing.assert_close(out, want.to(dtype), rtol=1e-6, atol=1e-7)  # bf16: rounded like torch rounds
 
 
 def test_refused_shapes_return_one(body):
@@ -89,4 +91,4 @@ def test_refused_shapes_return_one(body):
     assert body.gemv_grouped_f32(x.data_ptr(), 1, 64, *args, 5, 32, None, 4, 64, out.data_ptr(), 4, 1) == 1  # 5 bits
     assert body.gemv_grouped_f32(x.data_ptr(), 1, 64, *args, 4, 64, None, 4, 64, out.data_ptr(), 4, 1) == 1  # group
     assert body.gemv_grouped_f32(x.data_ptr(), 1, 48, *args, 4, 16, None, 4, 48, out.data_ptr(), 4, 1) == 1  # k % 32
-    assert body.dequantize_grouped_f32(*args, 4, 32, 4, 64, 2, 9, out.data_ptr(), 1) == 1  # rows past the end
+    assert body.dequantize_grouped(*args, 4, 32, 4, 64, 2, 9, out.data_ptr(), 0, 1) == 1  # rows past the end

@@ -83,11 +83,10 @@ class NativeKernels:
         self._gemv_grouped = library.gemv_grouped_f32
         self._gemv_grouped.argtypes, self._gemv_grouped.restype = [_ptr, _i64, _i64] + [_ptr] * 3 + [_i64] * 2 + [
             _ptr, _i64, _i64, _ptr, _i64, _i64], ctypes.c_int
-        # whether gemv_grouped rounds x to bf16 (its AVX512-BF16 body, grouped_bf16.h) or keeps it fp32
-        self.grouped_rounds_inputs = bool(library.grouped_rounds_inputs())
-        self._dequantize_grouped = library.dequantize_grouped_f32
+        self.grouped_rounds_inputs = bool(library.grouped_rounds_inputs())  # x to bf16: the body of grouped_bf16.h
+        self._dequantize_grouped = library.dequantize_grouped
         self._dequantize_grouped.argtypes, self._dequantize_grouped.restype = [_ptr] * 3 + [_i64] * 6 + [
-            _ptr, _i64], ctypes.c_int
+            _ptr, _i64, _i64], ctypes.c_int
 
     def oval_scores(self, q: torch.Tensor, records, page_table: torch.Tensor, scale: float,
                     counts: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -211,16 +210,17 @@ class NativeKernels:
         return BoundGroupedGemv.bind(self._gemv_grouped, codes, scales, mins, bias, bits, _team)
 
     def dequantize_grouped(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
-                           first: int, last: int) -> torch.Tensor | None:
-        """Rows first..last-1 of a grouped weight (gemv_grouped's layout) -> [last - first, K] fp32; None for
-        inputs it does not take."""
+                           first: int, last: int, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """Rows first..last-1 of a grouped weight (gemv_grouped's layout) -> [last - first, K] in dtype (fp32, or
+        bf16 rounded to nearest even); None for inputs it does not take."""
         k = codes.shape[1] * 8 // bits
-        if (not grouped_fit(codes, scales, mins, bits, k) or not on_cpu(codes, scales, mins)
-                or not (codes.is_contiguous() and scales.is_contiguous() and mins.is_contiguous())):
+        if dtype not in (torch.float32, torch.bfloat16) or not grouped_fit(codes, scales, mins, bits, k) or not all(
+                t.is_cpu and t.is_contiguous() for t in (codes, scales, mins)):
             return None
-        out = torch.empty((last - first, k), dtype=torch.float32)
+        out = torch.empty((last - first, k), dtype=dtype)
         code = self._dequantize_grouped(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), bits,
-                                        k // scales.shape[1], codes.shape[0], k, first, last, out.data_ptr(), _team())
+                                        k // scales.shape[1], codes.shape[0], k, first, last, out.data_ptr(),
+                                        int(dtype == torch.bfloat16), _team())
         return out if code == 0 else None
 
     def int8_rows(self, codes: torch.Tensor, scales: torch.Tensor, vocab: int, ids: torch.Tensor) -> torch.Tensor | None:

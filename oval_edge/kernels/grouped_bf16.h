@@ -54,7 +54,7 @@ static void round_inputs(const float *x, int64_t rows, int64_t x_stride, int64_t
 }
 
 /* Chunk c's products for `tile` rows of x, scaled and added to acc[r] (acc: one of the rows' two chains). */
-static inline __attribute__((always_inline)) void chunk_bf16(const uint8_t *row, const float *scales, int bits,
+static inline __attribute__((always_inline)) void chunk_bf16(const uint8_t *row, const uint16_t *scales, int bits,
                                                              int group, const uint16_t *xb, int tile, int64_t k,
                                                              int64_t c, __m512i ones, __m512i sixteens,
                                                              __m512 acc[ROW_TILE]) {
@@ -69,9 +69,9 @@ static inline __attribute__((always_inline)) void chunk_bf16(const uint8_t *row,
         w_high = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), sixteens);
     }
     /* lane j holds the products of codes 2j and 2j + 1: lanes 0..7 are the chunk's first 16 codes */
-    const __m512 scale = group == 32 ? _mm512_set1_ps(scales[c])
-                                     : _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[2 * c]),
-                                                            _mm512_set1_ps(scales[2 * c + 1]));
+    const __m512 scale = group == 32 ? _mm512_set1_ps(_cvtsh_ss(scales[c]))
+                                     : _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(_cvtsh_ss(scales[2 * c])),
+                                                            _mm512_set1_ps(_cvtsh_ss(scales[2 * c + 1])));
     for (int r = 0; r < tile; r++) {
         const __m512bh xr = (__m512bh)_mm512_loadu_si512(xb + r * k + c * CHUNK);
         __m512 sums = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w_low, xr);
@@ -80,11 +80,14 @@ static inline __attribute__((always_inline)) void chunk_bf16(const uint8_t *row,
     }
 }
 
+/* Eight fp16 scales or mins -> fp32 (the weight's planes are read as stored: no per-row widening pass). */
+static inline __m256 widen8(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
+
 #define NIBBLE_WORD 0x4300 /* bf16 of 128.0: OR-ing a code below 128 into its mantissa gives bf16(128 + code) */
 
 /* Chunk c of 4-bit codes for `tile` rows, 256 bits at a time: weights 0..15 and 16..31 of the chunk are the low and
  * high nibbles of its 16 bytes, each widened to a word and made 128 + code (NIBBLE_WORD). */
-static inline __attribute__((always_inline)) void nibble_chunk(const uint8_t *row, const float *scales, int group,
+static inline __attribute__((always_inline)) void nibble_chunk(const uint8_t *row, const uint16_t *scales, int group,
                                                                const uint16_t *xb, int tile, int64_t k, int64_t c,
                                                                __m256 acc[ROW_TILE]) {
     const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + c * 16)));
@@ -98,19 +101,19 @@ static inline __attribute__((always_inline)) void nibble_chunk(const uint8_t *ro
         if (group == 32) {
             const __m256 sums = _mm256_dpbf16_ps(_mm256_dpbf16_ps(_mm256_setzero_ps(), (__m256bh)low, x_low),
                                                  (__m256bh)high, x_high);
-            acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scales[c]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(_cvtsh_ss(scales[c])), acc[r]);
         } else {
             acc[r] = _mm256_fmadd_ps(_mm256_dpbf16_ps(_mm256_setzero_ps(), (__m256bh)low, x_low),
-                                     _mm256_set1_ps(scales[2 * c]), acc[r]);
+                                     _mm256_set1_ps(_cvtsh_ss(scales[2 * c])), acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_dpbf16_ps(_mm256_setzero_ps(), (__m256bh)high, x_high),
-                                     _mm256_set1_ps(scales[2 * c + 1]), acc[r]);
+                                     _mm256_set1_ps(_cvtsh_ss(scales[2 * c + 1])), acc[r]);
         }
     }
 }
 
 /* weight_row_bf16 for 4-bit codes (nibble_chunk), even and odd chunks in separate sums. */
-static inline __attribute__((always_inline)) void nibble_row(const uint8_t *row, const float *scales,
-                                                             const float *mins, int group, const uint16_t *xb,
+static inline __attribute__((always_inline)) void nibble_row(const uint8_t *row, const uint16_t *scales,
+                                                             const uint16_t *mins, int group, const uint16_t *xb,
                                                              const float *xsum, int tile, int64_t k, float *dots) {
     const int64_t groups = k / group, chunks = k / CHUNK;
     __m256 even[ROW_TILE], odd[ROW_TILE];
@@ -121,17 +124,24 @@ static inline __attribute__((always_inline)) void nibble_row(const uint8_t *row,
         nibble_chunk(row, scales, group, xb, tile, k, c + 1, odd);
     }
     if (c < chunks) nibble_chunk(row, scales, group, xb, tile, k, c, even);
+    /* the mins' part, sum_g (min_g - 128 scale_g) * sum(x_g), eight groups a vector */
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+        const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(128.0f), widen8(scales + g), widen8(mins + g));
+        for (int r = 0; r < tile; r++) even[r] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(xsum + r * groups + g), even[r]);
+    }
     for (int r = 0; r < tile; r++) {
         float total = sum8(_mm256_add_ps(even[r], odd[r]));
-        for (int64_t g = 0; g < groups; g++) total += (mins[g] - 128.0f * scales[g]) * xsum[r * groups + g];
+        for (int64_t h = g; h < groups; h++)
+            total += (_cvtsh_ss(mins[h]) - 128.0f * _cvtsh_ss(scales[h])) * xsum[r * groups + h];
         dots[r] = total;
     }
 }
 
 /* dots[r] = weight row . x row r for `tile` rows from the bf16 inputs (round_inputs). Even and odd chunks add into
  * separate sums: one chain would wait on the previous chunk's fma (4 cycles), about as long as a chunk takes. */
-static inline __attribute__((always_inline)) void weight_row_bf16(const uint8_t *row, const float *scales,
-                                                                  const float *mins, int bits, int group,
+static inline __attribute__((always_inline)) void weight_row_bf16(const uint8_t *row, const uint16_t *scales,
+                                                                  const uint16_t *mins, int bits, int group,
                                                                   const uint16_t *xb, const float *xsum, int tile,
                                                                   int64_t k, __m512i ones, __m512i sixteens,
                                                                   float *dots) {
@@ -150,7 +160,7 @@ static inline __attribute__((always_inline)) void weight_row_bf16(const uint8_t 
     if (c < chunks) chunk_bf16(row, scales, bits, group, xb, tile, k, c, ones, sixteens, even);
     for (int r = 0; r < tile; r++) {
         float total = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
-        for (int64_t g = 0; g < groups; g++) total += mins[g] * xsum[r * groups + g];
+        for (int64_t g = 0; g < groups; g++) total += _cvtsh_ss(mins[g]) * xsum[r * groups + g];
         dots[r] = total;
     }
 }
