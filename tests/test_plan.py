@@ -269,7 +269,7 @@ def test_write_config_round_trips_through_the_serve_reader(capsys, tmp_path):
     sections = load_config_file(str(toml_path))
     dev = json.loads(json_path.read_text())["devices"][0]
     best = dev["recommended"]
-    assert sections["model"] == {"path": str(FIXTURES), "quant": "auto"}
+    assert sections["model"] == {"path": str(FIXTURES), "quant": "int4"}  # auto, planned as a folder loads it
     assert oval_config(sections).page_size == best["page_size"]
     # CUDA: serve counts neither the CUDA context nor the sealing transient; the written budget leaves them out.
     assert oval_config(sections).memory_budget == best["serve_memory_budget"] == (
@@ -337,7 +337,7 @@ def test_written_config_is_what_serve_reads(tmp_path, capsys):
     add_engine_arguments(parser)
     spec = engine_spec(parser.parse_args(["--config", str(toml_path)]))
     sections = load_config_file(str(toml_path))
-    assert (spec.model, spec.quant, spec.device) == ("default", "auto", "cuda")
+    assert (spec.model, spec.quant, spec.device) == ("default", "gguf", "cuda")  # auto: the GGUF's own blocks
     assert spec.oval.memory_budget == sections["server"]["memory_budget"]
     assert (spec.max_batch, spec.max_context, spec.prefill_chunk) == (2, 4096, DEFAULT_PREFILL_CHUNK)
     assert spec.oval.page_size == sections["oval"]["page_size"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.pool_sizing import size_pool
@@ -18,7 +18,7 @@ from .memory import (
 )
 from .model import ModelShape
 from .step_cost import STEP_COSTS, DeviceStepCost, OpCount
-from .weights import WeightBreakdown, weight_bytes
+from .weights import WeightBreakdown, resolve_planned_quant, weight_bytes
 
 FORMULA = "tok/s = batch / (bytes per step / bandwidth + fixed cost per step); per sequence: 1 / step"
 
@@ -106,7 +106,9 @@ class DevicePlan:
 
 def plan_device(shape: ModelShape, device: ModuleSpec, request: PlanRequest,
                 budget_bytes: int | None = None, budget_source: str | None = None) -> DevicePlan:
-    """Plan `shape` on `device`. `budget_bytes` (from a probe) wins over the table's DRAM - OS reserve."""
+    """Plan `shape` on `device`. `budget_bytes` (from a probe) wins over the table's DRAM - OS reserve. quant 'auto' is
+    planned as what the loader makes of it for this model (a GGUF's own blocks, or int4)."""
+    request = replace(request, quant=resolve_planned_quant(request.quant, shape))
     target = target_of(device.kind)
     weights = weight_bytes(shape, request.quant, target, device.extra.get("cpu_flags", frozenset()))
     overhead = request.runtime_overhead if request.runtime_overhead is not None else RUNTIME_OVERHEAD[target]

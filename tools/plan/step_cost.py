@@ -177,10 +177,10 @@ class StepCostTable:
         return eager, graphed
 
 
-def _ops(quant: str, per_dense: int, per_sparse: int) -> OpCount:
-    how = (f"{PROBE} --quant {quant}: OpTrace over one static step of random 3- and 6-layer Llamas (and 6 layers "
-           "with 1 dense layer), fitted exactly; at 30 layers, 2 dense, nf4 it gives docs/static-step.md's 1,333")
-    return OpCount(quant, Figure(145, "ops", MEASURED, how), Figure(per_dense, "ops/layer", MEASURED, how),
+def _ops(quant: str, per_dense: int, per_sparse: int, base: int = 145, probed_as: str | None = None) -> OpCount:
+    how = (f"{PROBE} --quant {probed_as or quant}: OpTrace over one static step of random 3- and 6-layer Llamas (and 6 "
+           "layers with 1 dense layer), fitted exactly; at 30 layers, 2 dense, nf4 it gives docs/static-step.md's 1,333")
+    return OpCount(quant, Figure(base, "ops", MEASURED, how), Figure(per_dense, "ops/layer", MEASURED, how),
                    Figure(per_sparse, "ops/layer", MEASURED, how))
 
 
@@ -190,7 +190,10 @@ _CPU_STEP_HOST = Figure(200, "us", MEASURED, f"{PROBE}: median engine time per t
                         "(input packing, the stats read back, sampling, detokenizing; noisy here: 0.1-0.6 ms)")
 
 STEP_COSTS = StepCostTable(
-    op_counts=(_ops("nf4", 34, 40), _ops("fp4", 34, 40), _ops("none", 30, 36)),
+    # grouped projections (gguf, int4: one registered op a projection, no dtype conversions around it), probed as
+    # int4 on 2026-12-06 (the random models are folders; a GGUF's blocks run the same op)
+    op_counts=(_ops("nf4", 34, 40), _ops("fp4", 34, 40), _ops("none", 30, 36), _ops("gguf", 30, 34, 141, "int4"),
+               _ops("int4", 30, 34, 141)),
     devices=(
         DeviceStepCost("cpu", "this repo's 2-core AMD EPYC (x86-64); other CPUs differ", STATIC_EAGER,
                        _CPU_OP, _CPU_STEP_HOST),
