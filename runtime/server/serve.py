@@ -129,7 +129,7 @@ def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = N
         *([f"  KV store  {describe_store(pool)}"] if pool.store is not None else []),
         f"  engine    {describe_spec(spec)}",
         f"  kernels   {describe_kernels(engine.loaded.device)}",
-        *([f"  4-bit     {four_bit}"] if four_bit is not None else []),
+        *([f"  matmuls   {four_bit}"] if four_bit is not None else []),
         f"  decode    {engine.describe_decode_step()}",
         f"  serving   {url}/v1 (OpenAI API), {url}/health, {url}/metrics, {url}/docs"
         + ("; API key required" if api_key else ""),

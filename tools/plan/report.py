@@ -41,8 +41,9 @@ def format_device_plan(plan: DevicePlan) -> str:
         f"model    : {s.describe()}",
         f"device   : {device_line(plan)}",
         f"budget   : {format_bytes(plan.budget_bytes)} ({plan.budget_source})",
-        f"weights  : {format_bytes(w.total)} {r.quant} ({w.layout} layout on {w.target}): 4-bit codes "
-        f"{format_bytes(w.linear_codes)} + quant state {format_bytes(w.quant_state)}"
+        f"weights  : {format_bytes(w.total)} {r.quant} ({w.layout} layout on {w.target}): "
+        f"{'codes' if w.layout == 'grouped' else '4-bit codes'} {format_bytes(w.linear_codes)} + "
+        f"{'scales and mins' if w.layout == 'grouped' else 'quant state'} {format_bytes(w.quant_state)}"
         + (f" + dense projections {format_bytes(w.dense_linear)}" if w.dense_linear else "")
         + f", embedding {format_bytes(w.embedding)}, lm_head "
         + ("tied (0 B)" if w.lm_head == 0 else format_bytes(w.lm_head))

@@ -190,9 +190,13 @@ class BoundGrouped:
 def describe_grouped_path(device: torch.device) -> str:
     """Which path grouped projections run on `device`, for serve's startup report."""
     if device.type == "cpu":
-        if cpu_kernels() is not None:
-            return "grouped integer codes: C GEMV (grouped_kernels.c) for decode, C dequantize + matmul for prefill"
-        return "grouped integer codes: torch dequantize + matmul (native kernels unavailable)"
+        kernels = cpu_kernels()
+        if kernels is None:
+            return "grouped integer codes: torch dequantize + matmul (native kernels unavailable)"
+        if kernels.grouped_rounds_inputs:
+            return ("grouped integer codes: C GEMV for decode (AVX512-BF16: inputs rounded to bf16), C dequantize + "
+                    "bf16 matmul for prefill")
+        return "grouped integer codes: C GEMV (grouped_kernels.c) for decode, C dequantize + matmul for prefill"
     if grouped_linear_kernel(device) is not None:
         return "grouped integer codes: Triton GEMV for decode, dequantize + matmul for prefill"
     return "grouped integer codes: torch dequantize + matmul (Triton unavailable)"
