@@ -20,4 +20,4 @@ def test_readme_config_example_loads(tmp_path):
                                                                                            "int4")
     assert oval.memory_budget == int(1.5 * 2**30)
     assert engine_kwargs(sections)["max_batch"] == 4
-    assert sections["model"]["quant"] == "nf4"
+    assert sections["model"]["quant"] == "auto"

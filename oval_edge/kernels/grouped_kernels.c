@@ -224,6 +224,31 @@ int gemv_grouped_f32(const float *x, int64_t rows, int64_t x_stride, const uint8
     round_inputs(x, rows, x_stride, k, group, xb, xsum);
     const __m512i ones = small_int_bf16_table(1), sixteens = small_int_bf16_table(16);
 #endif
+#ifdef GROUPED_BF16
+    if (rows == 1 && bits == 4) { /* one row of x (single-stream decode): output rows in pairs (nibble_pair) */
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static)
+#endif
+        for (int64_t pair = 0; pair < n_out / 2; pair++) {
+            const int64_t a = 2 * pair, b = a + 1;
+            float dots[2];
+            nibble_pair(codes + a * row_bytes, codes + b * row_bytes, scales + a * groups, scales + b * groups,
+                        mins + a * groups, mins + b * groups, (int)group, xb, xsum, k, dots);
+            out[a] = bias != NULL ? dots[0] + bias[a] : dots[0];
+            out[b] = bias != NULL ? dots[1] + bias[b] : dots[1];
+        }
+        if (n_out % 2) { /* the odd last row alone */
+            const int64_t a = n_out - 1;
+            float dot;
+            nibble_row(codes + a * row_bytes, scales + a * groups, mins + a * groups, (int)group, xb, xsum, 1, k,
+                       &dot);
+            out[a] = bias != NULL ? dot + bias[a] : dot;
+        }
+        free(xb);
+        free(xsum);
+        return 0;
+    }
+#endif
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
