@@ -99,29 +99,38 @@ static inline __attribute__((always_inline)) void chunk_weights(const uint8_t *r
                            _mm512_set1_ps(mins[g1]));
 }
 
-/* dots[r] = weight row . x row r for `tile` rows; two independent sums per row hide the FMA latency. */
+/* Chunk c's products for `tile` rows of x added to acc[r] (two sums a row: the chunk's halves). */
+static inline __attribute__((always_inline)) void chunk_fma(const uint8_t *row, int bits, int64_t c, int group,
+                                                            const float *scales, const float *mins, const float *x,
+                                                            int64_t x_stride, int tile, __m512 acc[ROW_TILE][2]) {
+    __m512 w[2];
+    chunk_weights(row, bits, c, group, scales, mins, w);
+    for (int r = 0; r < tile; r++) {
+        const float *xr = x + r * x_stride + c * CHUNK;
+        acc[r][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), acc[r][1]);
+    }
+}
+
+/* dots[r] = weight row . x row r for `tile` rows. Even and odd chunks add into separate sums (four a row): one chain
+ * would wait on the previous chunk's fma latency. The sums are indexed by constants only, so they stay in
+ * registers (an index computed from the chunk number put them in memory). */
 static inline __attribute__((always_inline)) void weight_row(const uint8_t *row, const float *scales,
                                                              const float *mins, int bits, int group,
                                                              const float *x, int64_t x_stride, int tile, int64_t k,
                                                              float *dots) {
-    /* independent sums per row (4 for a single row): one chain would wait on the previous fma's 4-cycle latency */
-    const int odd = tile == 1 ? 2 : 0;
-    __m512 sums[ROW_TILE][4];
-    for (int r = 0; r < ROW_TILE; r++)
-        for (int j = 0; j < 4; j++) sums[r][j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < k / CHUNK; c++) {
-        __m512 w[2];
-        chunk_weights(row, bits, c, group, scales, mins, w);
-        const int lane = (c & 1) * odd;
-        for (int r = 0; r < tile; r++) {
-            const float *xr = x + r * x_stride + c * CHUNK;
-            sums[r][lane] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), sums[r][lane]);
-            sums[r][lane + 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), sums[r][lane + 1]);
-        }
+    __m512 even[ROW_TILE][2], odd[ROW_TILE][2];
+    for (int r = 0; r < ROW_TILE; r++) even[r][0] = even[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_ps();
+    const int64_t chunks = k / CHUNK;
+    int64_t c = 0;
+    for (; c + 1 < chunks; c += 2) {
+        chunk_fma(row, bits, c, group, scales, mins, x, x_stride, tile, even);
+        chunk_fma(row, bits, c + 1, group, scales, mins, x, x_stride, tile, odd);
     }
+    if (c < chunks) chunk_fma(row, bits, c, group, scales, mins, x, x_stride, tile, even);
     for (int r = 0; r < tile; r++)
-        dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(sums[r][0], sums[r][1]),
-                                                     _mm512_add_ps(sums[r][2], sums[r][3])));
+        dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(even[r][0], even[r][1]),
+                                                     _mm512_add_ps(odd[r][0], odd[r][1])));
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
