@@ -58,8 +58,11 @@ def random_weight(bits: int, group: int, rows: int, width: int, seed: int):
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (8, 32), (8, 16)])
 @pytest.mark.parametrize("rows", [1, 2, 4, 7])  # tiles of 4, the single row, and remainders
-def test_gemv_matches_the_reference(body, bits, group, rows):
-    n_out, width = 37, 192
+# 6 chunks of 32: whole steps only; 19: a step of four chunks, a pair and an odd last chunk, and more groups than a
+# vector's 16 (the single-row 512-bit path's remainders)
+@pytest.mark.parametrize("width", [192, 608])
+def test_gemv_matches_the_reference(body, bits, group, rows, width):
+    n_out = 37
     codes, scales, mins = random_weight(bits, group, n_out, width, seed=rows * bits + group)
     x = torch.randn(rows, width + 8)[:, :width]  # a row stride wider than the row, as a view of a larger buffer
     bias = torch.randn(n_out)

@@ -81,7 +81,8 @@ static inline __attribute__((always_inline)) void chunk_codes(const uint8_t *row
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) \
+    && defined(__F16C__)
 #include "grouped_bf16.h" /* defines GROUPED_BF16: gemv_grouped_f32 multiplies through vdpbf16ps */
 #endif
 
@@ -232,27 +233,36 @@ int gemv_grouped_f32(const float *x, int64_t rows, int64_t x_stride, const uint8
     }
     round_inputs(x, rows, x_stride, k, group, xb, xsum);
     const __m512i ones = small_int_bf16_table(1), sixteens = small_int_bf16_table(16);
+    /* 4-bit codes in groups of 32 (Q4_0, Q4_1, Q4_K, our int4) take the 512-bit chunk-pair path (wide_rows) */
+    uint16_t *xp = bits == 4 && group == 32 ? malloc((size_t)(rows * k) * sizeof(uint16_t)) : NULL;
+    for (int64_t r = 0; xp != NULL && r < rows; r++) pair_order(xb + r * k, k, xp + r * k);
 #endif
 #ifdef GROUPED_BF16
-    if (rows == 1 && bits == 4) { /* one row of x (single-stream decode): output rows in pairs (nibble_pair) */
+    if (rows == 1 && bits == 4) { /* one row of x (single-stream decode): output rows in pairs */
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
 #endif
         for (int64_t pair = 0; pair < n_out / 2; pair++) {
             const int64_t a = 2 * pair, b = a + 1;
             float dots[2];
-            nibble_pair(codes + a * row_bytes, codes + b * row_bytes, scales + a * groups, scales + b * groups,
-                        mins + a * groups, mins + b * groups, (int)group, xb, xsum, k, dots);
+            if (xp != NULL)
+                wide_pair(codes + a * row_bytes, codes + b * row_bytes, scales + a * groups, scales + b * groups,
+                          mins + a * groups, mins + b * groups, xb, xp, xsum, k, dots);
+            else
+                nibble_pair(codes + a * row_bytes, codes + b * row_bytes, scales + a * groups, scales + b * groups,
+                            mins + a * groups, mins + b * groups, (int)group, xb, xsum, k, dots);
             out[a] = bias != NULL ? dots[0] + bias[a] : dots[0];
             out[b] = bias != NULL ? dots[1] + bias[b] : dots[1];
         }
         if (n_out % 2) { /* the odd last row alone */
             const int64_t a = n_out - 1;
             float dot;
-            nibble_row(codes + a * row_bytes, scales + a * groups, mins + a * groups, (int)group, xb, xsum, 1, k,
-                       &dot);
+            const uint8_t *row = codes + a * row_bytes;
+            if (xp != NULL) wide_rows(row, scales + a * groups, mins + a * groups, xb, xp, xsum, 1, k, &dot);
+            else nibble_row(row, scales + a * groups, mins + a * groups, (int)group, xb, xsum, 1, k, &dot);
             out[a] = bias != NULL ? dot + bias[a] : dot;
         }
+        free(xp);
         free(xb);
         free(xsum);
         return 0;
@@ -277,10 +287,10 @@ int gemv_grouped_f32(const float *x, int64_t rows, int64_t x_stride, const uint8
             const uint16_t *xr = xb + r0 * k;
             const float *sums = xsum + r0 * groups;
             /* constant tiles and code widths let the compiler unroll and drop the branches */
-            if (bits == 4 && group == 32 && tile == 1) weight_row_bf16(row, s, m, 4, 32, xr, sums, 1, k, ones, sixteens, dots);
-            else if (bits == 4 && group == 32 && tile == ROW_TILE)
-                weight_row_bf16(row, s, m, 4, 32, xr, sums, ROW_TILE, k, ones, sixteens, dots);
-            else if (bits == 8 && tile == 1) weight_row_bf16(row, s, m, 8, (int)group, xr, sums, 1, k, ones, sixteens, dots);
+            if (xp != NULL && tile == ROW_TILE) wide_rows(row, s, m, xr, xp + r0 * k, sums, ROW_TILE, k, dots);
+            else if (xp != NULL) wide_rows(row, s, m, xr, xp + r0 * k, sums, (int)tile, k, dots);
+            else if (bits == 8 && tile == 1)
+                weight_row_bf16(row, s, m, 8, (int)group, xr, sums, 1, k, ones, sixteens, dots);
             else weight_row_bf16(row, s, m, (int)bits, (int)group, xr, sums, (int)tile, k, ones, sixteens, dots);
 #else
             const float *xr = x + r0 * x_stride;
@@ -296,6 +306,7 @@ int gemv_grouped_f32(const float *x, int64_t rows, int64_t x_stride, const uint8
         }
     }
 #ifdef GROUPED_BF16
+    free(xp);
     free(xb);
     free(xsum);
 #endif
