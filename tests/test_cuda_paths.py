@@ -15,6 +15,8 @@ The real graphs, the Triton kernels on a GPU and bitsandbytes' CUDA kernels run 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -128,8 +130,9 @@ def test_activation_dtype_by_compute_capability(capability, want):
 
 def test_activation_dtype_errors_and_the_pool_following_it():
     assert compute_dtype_for(torch.device("cpu")) == torch.float32
+    assert compute_dtype_for(torch.device("cpu"), "bfloat16") == torch.bfloat16  # asked for: what CUDA runs
     with pytest.raises(ValueError, match="not supported on the CPU"):
-        compute_dtype_for(torch.device("cpu"), "bfloat16")
+        compute_dtype_for(torch.device("cpu"), "float16")
     with pytest.raises(ValueError, match="unknown; allowed: auto"):
         compute_dtype_for(torch.device("cuda"), "half", (8, 7))
     assert OvalConfig().pool_dtype("cuda", "bfloat16") == "bfloat16"
@@ -202,6 +205,15 @@ def test_gpu_check_summary_reads_bench_json(tmp_path, capsys):
                              **{name: stage for name in gpu_check.STAGES_S}})
     out = capsys.readouterr().out
     assert "210.5" in out and "1290" in out and "2.0%" in out
+
+
+def test_gpu_check_fits_a_ten_minute_device_slot():
+    from oval_edge.tools import gpu_check
+
+    # a lent device runs one command for 10 minutes at most; the start and the transfers need the last minute
+    assert gpu_check.LIMIT_S == sum(gpu_check.STAGES_S.values()) <= 9 * 60
+    assert gpu_check.STAGES_S["tests"] >= 240  # a cold Triton cache compiles every kernel of the tests once
+    assert all((Path(__file__).parents[1] / name).exists() for name in gpu_check.TESTS)
 
 
 def test_four_bit_options_agree_with_the_module():

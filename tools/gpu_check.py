@@ -1,4 +1,4 @@
-"""`make gpu-check`: the prepared check for a machine with a CUDA GPU, in one script under 8 minutes.
+"""`make gpu-check`: the prepared check for a machine with a CUDA GPU, in one script that fits a 10-minute slot.
 
 Stages, each with its own time limit, each printed as it ends:
   1. the device: name, compute capability, memory, which kernels and activation dtype the runtime picks there;
@@ -24,9 +24,12 @@ import subprocess
 import sys
 import time
 
-LIMIT_S = 8 * 60
-STAGES_S = {"tests": 150, "four_bit": 40, "bench": 190, "bench_eager": 90}
-TESTS = ("tests/test_gpu.py", "tests/test_int8_head.py", "tests/test_cuda_paths.py", "tests/test_triton_kernels.py")
+# Stage limits: the tests' allows for a cold Triton cache (a fresh device compiles every kernel the tests launch
+# once); together they leave a minute of a 10-minute device slot for the start and the transfers.
+STAGES_S = {"tests": 270, "four_bit": 30, "bench": 170, "bench_eager": 70}
+LIMIT_S = sum(STAGES_S.values())
+TESTS = ("tests/test_gpu.py", "tests/test_int8_head.py", "tests/test_cuda_paths.py", "tests/test_triton_kernels.py",
+         "tests/test_triton_grouped.py")
 REQUIRED = ("oval_edge.runtime", "bitsandbytes", "gguf", "transformers", "fastapi")
 
 
