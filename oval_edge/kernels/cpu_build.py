@@ -40,6 +40,11 @@ OPTIMISE_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative
                   "-freciprocal-math", "-ffinite-math-only")
 
 
+# A failure's lines worth reporting (failure_reason): compiler errors, a traceback's exception, the check's verdict.
+REASON_WORDS = ("error", "disagrees with torch", "undefined reference")
+REASON_CHARS = 2000
+
+
 def built_library() -> str:
     """The path of this machine's checked library, building and checking it first if the cache has none."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -47,7 +52,7 @@ def built_library() -> str:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     # -fopenmp: the head runs on torch's OpenMP team (head_kernels.c says why); a compiler without it builds the
     # pthread version instead (retried without the flag).
-    flags = [*OPTIMISE_FLAGS, "-fPIC", "-shared", "-pthread", "-fopenmp", *_arch_flags()]
+    flags = library_flags(_arch_flags())
     source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"|".join([source, compiler.encode(), version.encode(), " ".join(flags).encode(),
@@ -64,14 +69,14 @@ def built_library() -> str:
         if done.returncode != 0:  # no OpenMP in this compiler: the pthread build
             done = _compile(compiler, [f for f in flags if f != "-fopenmp"], built)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {(done.stderr or done.stdout).strip()[-500:]}")
+            raise RuntimeError(f"{compiler} failed: {failure_reason(done.stderr + done.stdout)}")
         # Checked in a child process: the torch reference touches code (einsum, softmax, ...) that decoding with the
         # kernels never runs, and those library pages would stay resident in the server (~7 MiB measured).
         check = subprocess.run([sys.executable, "-m", CHECK_MODULE, built], capture_output=True, text=True,
                                timeout=CHECK_TIMEOUT_S)
         if check.returncode != 0:
-            tail = (check.stdout + check.stderr).strip().splitlines()[-1:] or ["no output"]
-            raise RuntimeError(f"the built library disagrees with torch or does not load: {tail[0]}")
+            raise RuntimeError(f"the built library disagrees with torch or does not load (the check exited "
+                               f"{check.returncode}): {failure_reason(check.stdout + chr(10) + check.stderr)}")
         try:
             os.rename(staging, folder)  # atomic: a folder that exists holds a complete, checked library
         except OSError:
@@ -82,10 +87,32 @@ def built_library() -> str:
     return path
 
 
-def _compile(compiler: str, flags: list[str], built: str) -> subprocess.CompletedProcess:
+def library_flags(arch_flags: list[str]) -> list[str]:
+    """The compiler flags of the library for a CPU named by arch_flags (this machine's: -march=native / -mcpu=native;
+    tests/aarch64 cross-builds with -mcpu=cortex-a78ae, the Orin's core)."""
+    return [*OPTIMISE_FLAGS, "-fPIC", "-shared", "-pthread", "-fopenmp", *arch_flags]
+
+
+def compile_command(compiler: str, flags: list[str], built: str) -> list[str]:
+    """The command line that compiles SOURCES with flags into `built`."""
     include = f"-I{Path(__file__).parent}"  # the headers, for sources compiled from elsewhere too (the tests' copies)
-    return subprocess.run([compiler, *flags, include, "-o", built, *map(str, SOURCES), "-lm"], capture_output=True,
-                          text=True, timeout=COMPILE_TIMEOUT_S)
+    return [compiler, *flags, include, "-o", built, *map(str, SOURCES), "-lm"]
+
+
+def failure_reason(output: str) -> str:
+    """What a failed compile or self-check said, for its error message: the lines that name an error or the check's
+    verdict, in order (a compiler's `error:` lines, a traceback's exception, "disagrees with torch: ..."), else the
+    whole output. Why not the last line: the last line is whatever printed last (a oneDNN warning under qemu hid
+    the real reason). Trimmed to REASON_CHARS from the start, where the first error is."""
+    lines = [line.rstrip() for line in output.splitlines() if line.strip()]
+    named = [line for line in lines if any(word in line.lower() for word in REASON_WORDS)]
+    reason = "\n".join(named or lines) or "no output"
+    return reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + " ..."
+
+
+def _compile(compiler: str, flags: list[str], built: str) -> subprocess.CompletedProcess:
+    return subprocess.run(compile_command(compiler, flags, built), capture_output=True, text=True,
+                          timeout=COMPILE_TIMEOUT_S)
 
 
 def _arch_flags() -> list[str]:
