@@ -24,7 +24,7 @@ from .forward.paged_llama import PagedLlama
 from .forward.step_rows import DecodeRows, PrefillRows, StaticDecodeRows, StepStats
 from .grammar import GrammarService
 from .request import FINISHED, RUNNING, WAITING, QueueFull, Request, RequestRejected
-from .sampling import SamplingParams
+from .sampling import SamplingParams, choose_batch
 from .scheduler import Scheduler, StepPlan
 from .setup import EngineConfig, build_pool, describe_decode_step, uses_cuda_graphs
 from .forward.static_step import StaticDecoder
@@ -262,11 +262,17 @@ class Engine:
         return self._postprocess(done, logits[rows]) if done else []
 
     def _postprocess(self, requests: list[Request], logits: torch.Tensor) -> list[Request]:
+        """Every row's next token chosen at once on the logits' device (one read back, sampling.choose_batch), then
+        emitted in order."""
         finished = []
-        for row, request in enumerate(requests):
-            if request.finished:  # cancelled from a callback during this step
+        rows = [row for row, request in enumerate(requests) if not request.finished]  # else cancelled meanwhile
+        if len(rows) != len(requests):
+            logits, requests = logits[rows], [requests[row] for row in rows]
+        samples = choose_batch([request.sample_row() for request in requests], logits) if requests else []
+        for request, sample in zip(requests, samples):
+            if request.finished:  # cancelled from a callback earlier in this loop
                 continue
-            token = request.choose(logits[row])
+            token = request.take(sample)
             self.stats.generated_tokens += 1
             if request.emit(token, self.eos_ids):
                 self._end(request, request.finish_reason)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .detokenize import TextStream
-from .sampling import RowSampler, Sample, SamplingParams
+from .sampling import RowSampler, Sample, SampleRow, SamplingParams
 
 WAITING, PREFILL, RUNNING, FINISHED = "waiting", "prefill", "running", "finished"
 _ids = itertools.count()
@@ -89,11 +89,14 @@ class Request:
     def finished(self) -> bool:
         return self.status == FINISHED
 
-    def choose(self, logits) -> int:
-        """Sample the next token from this request's row of logits [vocab]: its penalties see the prompt and output
-        so far, its grammar (if any) masks the row and then accepts the token."""
+    def sample_row(self) -> SampleRow:
+        """What the step's batch sampler (sampling.choose_batch) needs of this request besides its logits: its
+        penalties see the prompt and output so far, its grammar (if any) masks the row."""
         allowed = self.grammar.allowed() if self.grammar is not None else None
-        sample = self.sampler.choose(logits, self.prompt_ids, self.output_ids, allowed)
+        return SampleRow(self.sampler, self.prompt_ids, self.output_ids, allowed)
+
+    def take(self, sample: Sample) -> int:
+        """The token chosen for this request (from its sample_row): its grammar accepts it, its logprobs are kept."""
         if self.grammar is not None:
             self.grammar.accept(sample.token)
         if self.params.logprobs is not None:

@@ -1,10 +1,16 @@
-"""Sampling parameters (validated like the OpenAI API validates them) and the per-row sampler.
+"""Sampling parameters (validated like the OpenAI API validates them) and the batch sampler.
 
 One row's logits go through, in order: repetition, presence and frequency penalties, logit_bias, the grammar's
 token mask (response_format / tools); those are the *processed* logits, whose log-softmax is what `logprobs`
 reports (so a logprob is the one the model's distribution gave after the request's own rules, before temperature
 and truncation). Then greedy takes their argmax; sampling divides by the temperature and applies top_k, min_p and
 top_p before drawing with the request's own generator.
+
+Every row of a step is processed and chosen together on the logits' device (choose_batch), each request's values
+as a row of a [B, 1] tensor, and the tokens (with their logprobs) come back to the host in ONE copy: on CUDA a
+per-row argmax and read would stall the host once per row. The draw is the Gumbel-max form torch.multinomial uses
+for one sample, argmax(probs / q) with q ~ Exp(1) drawn from the request's own generator on the device, so a seed
+reproduces a request's tokens in any batch, and on a CPU they are the tokens torch.multinomial drew.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .logits import apply_logit_bias, apply_presence_frequency, apply_repetition, min_p_filter, top_logprobs
+from .logits import (apply_presence_frequency, apply_repetition, min_p_filter, sparse_rows, token_counts,
+                     top_p_filter)
 
 MAX_STOP_STRINGS = 8
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
@@ -74,6 +81,10 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias))
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < torch.finfo(torch.float32).tiny  # below it a temperature would divide by 0
+
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
@@ -87,29 +98,29 @@ class Sample(NamedTuple):
 
 @dataclass
 class RowSampler:
-    """Draws one request's tokens; owns its generator so a seed reproduces the output in any batch."""
+    """One request's parameters and random stream: its seed (or a fresh one) seeds a generator on the device its
+    logits are on, so a seed reproduces the output in any batch."""
 
     params: SamplingParams
-    generator: torch.Generator | None = field(default=None)
+    seed: int | None = None
+    _generator: torch.Generator | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.params.temperature > 0:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(self.params.seed if self.params.seed is not None else torch.seed())
+        if self.seed is None:
+            self.seed = self.params.seed if self.params.seed is not None else torch.Generator().seed()
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The request's generator on `device` (made on first use there)."""
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device)
+            self._generator.manual_seed(self.seed)
+        return self._generator
 
     def process(self, logits: torch.Tensor, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = (),
                 allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """The processed logits [vocab] float32 on the host: penalties, logit_bias, then the grammar's mask
-        (`allowed`: [vocab] bool, True where the grammar accepts the token)."""
-        p = self.params
-        logits = logits.float().cpu()
-        if p.repetition_penalty != 1.0:
-            logits = apply_repetition(logits, list(prompt_ids) + list(output_ids), p.repetition_penalty)
-        logits = apply_presence_frequency(logits, output_ids, p.presence_penalty, p.frequency_penalty)
-        logits = apply_logit_bias(logits, p.logit_bias)
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed[: logits.shape[-1]], float("-inf"))
-        return logits
+        """One row's processed logits [vocab] float32: penalties, logit_bias, then the grammar's mask (`allowed`:
+        [vocab] bool, True where the grammar accepts the token)."""
+        return process_rows([SampleRow(self, prompt_ids, output_ids, allowed)], logits[None])[0]
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits [vocab] -> token id, with no history (no penalties) and no grammar (the eval tool's rows)."""
@@ -118,33 +129,110 @@ class RowSampler:
     def choose(self, logits: torch.Tensor, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = (),
                allowed: torch.Tensor | None = None) -> Sample:
         """logits [vocab] -> the next token (and its logprobs when the request asked for them)."""
-        p = self.params
-        greedy = p.temperature < torch.finfo(torch.float32).tiny  # below it a temperature would divide by 0
-        if greedy and allowed is None and not p.penalised and p.logprobs is None:
-            return Sample(int(torch.argmax(logits)))  # the common path: no host copy of the row
-        logits = self.process(logits, prompt_ids, output_ids, allowed)
-        token = int(torch.argmax(logits)) if greedy else self._draw(logits)
-        if p.logprobs is None:
-            return Sample(token)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        return Sample(token, float(logprobs[token]), tuple(top_logprobs(logprobs, p.logprobs)))
+        return choose_batch([SampleRow(self, prompt_ids, output_ids, allowed)], logits[None])[0]
 
-    def _draw(self, logits: torch.Tensor) -> int:
-        p = self.params
-        # Shift by the max first: a tiny temperature then sends the others to -inf instead of overflowing to inf
-        # (inf - inf = NaN in the softmax); the softmax is shift-invariant, so nothing else changes.
-        logits = (logits - logits.max()) / p.temperature
-        if p.top_k > 0 and p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = min_p_filter(torch.softmax(logits, dim=-1), p.min_p)
-        if p.top_p < 1.0:
-            if p.min_p > 0.0:  # top_p's mass is of what min_p kept
-                probs = probs / probs.sum()
-            sorted_probs, order = torch.sort(probs, descending=True)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= p.top_p
-            drop[0] = False  # also when top_p is below float32 resolution (it rounds to 0, and 0 >= 0)
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+class SampleRow(NamedTuple):
+    """What one row of a step is chosen from besides its logits: the request's sampler, its history (for the
+    penalties) and its grammar's mask ([vocab] bool on the host, or None)."""
+
+    sampler: RowSampler
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+    allowed: torch.Tensor | None = None
+
+
+def choose_batch(rows: Sequence[SampleRow], logits: torch.Tensor) -> list[Sample]:
+    """logits [B, vocab] (any float dtype, any device) -> one Sample per row, chosen on the device and read back
+    with one copy to the host."""
+    params = [r.sampler.params for r in rows]
+    work = process_rows(rows, logits)  # [B, V] fp32
+    tokens = torch.argmax(work, dim=-1)  # [B] greedy choices
+    if not all(p.greedy for p in params):
+        tokens = torch.where(_on(work, [p.greedy for p in params], torch.bool), tokens, _draw(rows, work))
+    packed = tokens[:, None].double()  # [B, 1]: token ids and logprobs (fp32, exact in fp64) in one tensor
+    top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+    if top is not None:
+        logprobs = torch.log_softmax(work, dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None])  # [B, 1]
+        values, ids = torch.topk(logprobs, min(top, work.shape[-1]), dim=-1)  # [B, k]
+        packed = torch.cat([packed, chosen.double(), ids.double(), values.double()], dim=1)
+    host = packed.tolist()  # the step's one device -> host copy
+    return [_sample(row, p) for row, p in zip(host, params)]
+
+
+def _sample(row: list[float], p: SamplingParams) -> Sample:
+    token = int(row[0])
+    if p.logprobs is None:
+        return Sample(token)
+    width = (len(row) - 2) // 2
+    ids, values = row[2:2 + p.logprobs], row[2 + width:2 + width + p.logprobs]
+    # tokens a grammar or a bias ruled out (logprob -inf) are not alternatives and are left out
+    return Sample(token, row[1], tuple((int(i), v) for i, v in zip(ids, values) if v != float("-inf")))
+
+
+def process_rows(rows: Sequence[SampleRow], logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> the processed logits [B, V] fp32 on the same device. The per-token inputs (seen tokens,
+    counts, biases, grammar masks) are uploaded only for the rows that have them, without waiting for the device."""
+    work, vocab = logits.float(), logits.shape[-1]
+    params = [r.sampler.params for r in rows]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = [dict.fromkeys(list(r.prompt_ids) + list(r.output_ids), 1.0) if p.repetition_penalty != 1.0 else {}
+                for r, p in zip(rows, params)]
+        mask = _scatter(work, seen, torch.bool)
+        work = apply_repetition(work, mask, _on(work, [[p.repetition_penalty] for p in params]))
+    if any((p.presence_penalty or p.frequency_penalty) and r.output_ids for r, p in zip(rows, params)):
+        counts = _scatter(work, [token_counts(r.output_ids) for r in rows], torch.float32)
+        work = apply_presence_frequency(work, counts, _on(work, [[p.presence_penalty] for p in params]),
+                                        _on(work, [[p.frequency_penalty] for p in params]))
+    if any(p.logit_bias for p in params):
+        index_rows, tokens, values = sparse_rows([dict(p.logit_bias) for p in params], vocab)
+        work = work.index_put((_on(work, index_rows, torch.long), _on(work, tokens, torch.long)),
+                              _on(work, values), accumulate=True)
+    if any(r.allowed is not None for r in rows):
+        allowed = torch.stack([r.allowed[:vocab] if r.allowed is not None else torch.ones(vocab, dtype=torch.bool)
+                               for r in rows])
+        work = work.masked_fill(~allowed.to(work.device, non_blocking=True), float("-inf"))
+    return work
+
+
+def _draw(rows: Sequence[SampleRow], work: torch.Tensor) -> torch.Tensor:
+    """The sampled rows' tokens [B] (greedy rows' entries are meaningless): temperature, top_k, min_p and top_p on
+    the whole batch, then argmax(probs / q) with q ~ Exp(1) from each row's own generator (torch.multinomial's
+    one-sample draw)."""
+    params = [r.sampler.params for r in rows]
+    temperature = _on(work, [[1.0 if p.greedy else p.temperature] for p in params])
+    # Shift by the max first: a tiny temperature then sends the others to -inf instead of overflowing to inf
+    # (inf - inf = NaN in the softmax); the softmax is shift-invariant, so nothing else changes.
+    x = (work - work.amax(-1, keepdim=True)) / temperature
+    ks = [p.top_k if 0 < p.top_k < work.shape[-1] else 0 for p in params]
+    if any(ks):
+        top = torch.topk(x, max(ks), dim=-1).values  # [B, max k]
+        kth = top.gather(1, _on(work, [[max(k - 1, 0)] for k in ks], torch.long))
+        kth = kth.masked_fill(_on(work, [[k == 0] for k in ks], torch.bool), float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        probs = min_p_filter(probs, _on(work, [[p.min_p] for p in params]))
+    if any(p.top_p < 1.0 for p in params):
+        # top_p's mass is of what min_p kept
+        renorm = _on(work, [[p.min_p > 0.0 and p.top_p < 1.0] for p in params], torch.bool)
+        probs = top_p_filter(torch.where(renorm, probs / probs.sum(-1, keepdim=True), probs),
+                             _on(work, [[p.top_p] for p in params]))
+    noise = torch.ones_like(probs)  # [B, V]; the greedy rows keep ones and draw nothing from their stream
+    for i, (row, p) in enumerate(zip(rows, params)):
+        if not p.greedy:
+            noise[i].exponential_(1.0, generator=row.sampler.generator(work.device))
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def _on(like: torch.Tensor, values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A host list as a tensor on like's device, copied without waiting for the device (no host sync)."""
+    return torch.tensor(values, dtype=dtype).to(like.device, non_blocking=True)
+
+
+def _scatter(like: torch.Tensor, per_row: Sequence[dict[int, float]], dtype: torch.dtype) -> torch.Tensor:
+    """[B, V] zeros of `dtype` on like's device with each row's {token: value} written in."""
+    rows, tokens, values = sparse_rows(per_row, like.shape[-1])
+    out = torch.zeros(like.shape, dtype=dtype, device=like.device)
+    return out.index_put_((_on(like, rows, torch.long), _on(like, tokens, torch.long)), _on(like, values, dtype))
