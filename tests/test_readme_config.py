@@ -1,17 +1,22 @@
-"""The configuration example in README.md is a file `serve --config` accepts, with the values it shows."""
+"""The configuration examples (README.md's short one, docs/configuration.md's full one) are files `serve --config`
+accepts, with the values they show."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import pytest
+
 from oval_edge.runtime.config_file import engine_kwargs, load_config_file, oval_config
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = ("README.md", "docs/configuration.md")
 
 
-def test_readme_config_example_loads(tmp_path):
-    example = re.search(r"```toml\n(.*?)```", README.read_text(), re.S).group(1)
+@pytest.mark.parametrize("page", EXAMPLES)
+def test_config_example_loads(page, tmp_path):
+    example = re.search(r"```toml\n(.*?)```", (REPO / page).read_text(), re.S).group(1)
     path = tmp_path / "oval-edge.toml"
     path.write_text(example)
     sections = load_config_file(str(path))
