@@ -15,7 +15,8 @@ from torch import nn
 
 from .config import DecoderConfig
 from .decoder import DecoderAttention, DecoderLayer, DecoderMLP, DecoderModel, DecoderStack, RMSNorm
-from .embeddings import Int8Embedding, Int8Head, StoredEmbedding, StoredHead, int8_table_applies, int8_table_from_rows
+from .embeddings import (Int8Embedding, Int8Head, StoredEmbedding, StoredHead, int8_head_applies, int8_table_applies,
+                         int8_table_from_rows)
 from .heap import release_heap
 from .grouped.gguf_blocks import FALLBACK
 from .grouped.linear import grouped_projection
@@ -146,13 +147,20 @@ def _projection_shapes(config: DecoderConfig) -> dict[str, tuple[int, int]]:
 def _embedding_and_head(weights, read, untied: bool, quant: str, device: torch.device, dtype: torch.dtype):
     """The embedding and the head: in 4-bit modes one int8 table each (one in all when tied; the CPU's panel layout
     or CUDA's row-major one, embeddings.py says why), built from row slices of the file where the stream offers them,
-    the head returning fp32 logits; else kept in 16 bits, the head then sharing the embedding's tensor when tied."""
+    the head returning fp32 logits; else kept in 16 bits, the head then sharing the embedding's tensor when tied.
+    On CUDA without the int8 head's kernel (embeddings.int8_head_applies) the head stays in 16 bits: an untied
+    model keeps its int8 embedding beside it, a tied one one 16-bit table for both."""
     names = ["model.embed_tokens.weight"] + (["lm_head.weight"] if untied else [])
     if quant != "none":
         sources = [_row_source(weights, read, name) for name in names]  # (read_rows, vocab, hidden) each
-        if int8_table_applies(sources[0][2], device):
-            tables = [int8_table_from_rows(*source, device) for source in sources]
-            return Int8Embedding(tables[0], dtype), Int8Head(tables[-1], torch.float32)
+        hidden = sources[0][2]
+        int8_head = int8_head_applies(hidden, device, dtype)
+        if int8_table_applies(hidden, device) and (int8_head or untied):
+            embed = Int8Embedding(int8_table_from_rows(*sources[0], device), dtype)
+            if not int8_head:
+                return embed, StoredHead(nn.Parameter(read(names[1]).to(device), requires_grad=False), dtype)
+            table = embed.table if not untied else int8_table_from_rows(*sources[1], device)
+            return embed, Int8Head(table, torch.float32)
     embed = StoredEmbedding(read(names[0]).to(device), dtype)  # [vocab, hidden]
     if untied:
         return embed, StoredHead(nn.Parameter(read(names[1]).to(device), requires_grad=False), dtype)

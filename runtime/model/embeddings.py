@@ -12,10 +12,15 @@ Int8 layout on a CPU (what the kernel reads): output rows in panels of 32, codes
 scales [panels, hidden / 32, 32] fp32; the vocabulary is padded with zero rows to a multiple of 32.
 
 On CUDA (CudaInt8Table) the same codes and scales are stored row-major, codes [vocab, hidden] and scales
-[vocab, hidden / 32], unpadded (oval_edge/kernels/triton_int8_head.py says why that layout reads coalesced): the
-head multiplies through the Triton kernel when Triton imports and passes its check at load, else through a torch
-fallback that dequantizes PACK_ROWS rows at a time (a bounded transient); the embedding dequantizes the rows it
-gathers. Both stay capturable (no host reads, shapes from the tensors), and the head returns fp32 logits.
+[vocab, hidden / 32], unpadded (oval_edge/kernels/triton_int8_head.py says why that layout reads coalesced). The
+embedding is always this table there; the head is too only where its Triton kernel imports, passes its check and
+takes the activation dtype (int8_head_applies). Without it (a stock JetPack torch has no Triton) the torch
+fallback would expand PACK_ROWS rows at a time to fp32 and run an fp32 matmul: 17 bytes moved per weight and
+step (the code read, its fp32 copy written and read for the scale product, the product written and read by the
+matmul: 1 + 4 + 4 + 4 + 4) against 2 for a 16-bit head, so the head is kept in 16 bits instead, and a tied model keeps one 16-bit table for both (2 bytes a
+weight, not an int8 copy beside a 16-bit one). The table records which kernel its head runs as a name (`kernel`),
+not as the module: the weight cache stores plain values and tensors, and the module is looked up per call.
+Both stay capturable (no host reads, shapes from the tensors), and the head returns fp32 logits.
 
 Elsewhere (quant 'none', hidden not a multiple of 32, a CPU without the native kernels) the 16-bit classes hold
 the tensor: the residual stream stays in the activation dtype, lookups are upcast, the head multiplies in 16 bits
@@ -49,6 +54,18 @@ def int8_table_applies(hidden: int, device: torch.device) -> bool:
     if hidden % BLOCK:
         return False
     return device.type == "cuda" or (device.type == "cpu" and cpu_kernels() is not None)
+
+
+def int8_head_applies(hidden: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the output head is an int8 table on `device` for activations of `dtype`: on a CPU where the table
+    is (the native kernel); on CUDA only where the Triton head kernel loads, passes its check and takes `dtype`
+    (fp16/bf16), since its torch fallback moves ~8x the bytes of a 16-bit head (module doc)."""
+    if not int8_table_applies(hidden, device):
+        return False
+    if device.type != "cuda":
+        return True
+    kernel = int8_head_kernel(device)
+    return kernel is not None and dtype in kernel.DOT_DTYPES
 
 
 def int8_table_from_rows(read_rows, vocab: int, hidden: int, device: torch.device):
@@ -151,12 +168,18 @@ def _int8_head_fake(x, codes, scales):
 
 class CudaInt8Table:
     """A [vocab, hidden] matrix on CUDA as int8 codes [vocab, hidden] and fp32 scales [vocab, hidden / 32], row-major
-    (module doc). `head_kernel` is the checked Triton module, or None: the torch fallback multiplies."""
+    (module doc). `kernel` names what multiplies it as a head: "triton" (the checked Triton module, looked up per
+    call: a module object would make the model uncacheable) or "torch" (the dequantizing fallback)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         self.codes, self.scales = codes, scales
         self.rows, self.hidden = codes.shape
-        self.head_kernel = int8_head_kernel(codes.device)
+        self.kernel = "triton" if int8_head_kernel(codes.device) is not None else "torch"
+
+    @property
+    def head_kernel(self):
+        """The Triton module the head runs (None: the torch fallback), from the declarative `kernel`."""
+        return int8_head_kernel(self.codes.device) if self.kernel == "triton" else None
 
     @classmethod
     def from_rows(cls, read_rows, vocab: int, hidden: int, device: torch.device) -> "CudaInt8Table":

@@ -25,7 +25,9 @@ The counting matches runtime.model.quantize.weight_bytes (each storage once; off
 In 4-bit modes the embedding (and an untied head) is an int8 table (runtime/model/embeddings.py) when hidden is a
 multiple of 32: one code byte per weight and one fp32 scale per 32 weights. On a CPU the vocabulary is padded to a
 multiple of 32 (the native kernel's panels); on CUDA the rows are stored as they are ([vocab, hidden] codes and
-[vocab, hidden / 32] scales, no padding). Everything else stays dense (runtime/model/loader.py): RMSNorm weights in
+[vocab, hidden / 32] scales, no padding). On CUDA the head is int8 only with its Triton kernel
+(embeddings.int8_head_applies); without it (a JetPack torch has no Triton, and `plan` counts that case) the head
+is 16 bits: a tied model then holds one 16-bit table for both, an untied one its int8 embedding and a 16-bit head. Everything else stays dense (runtime/model/loader.py): RMSNorm weights in
 the activation dtype (fp32 on CPU, fp16 on CUDA/Jetson), 2 or 4 per layer (families.py) plus Qwen3/Gemma-3's
 q_norm and k_norm ([head_dim] each); q/k/v biases (Qwen2) in the 4-bit layers' compute dtype
 (bf16 on CPU, fp16 on CUDA), since bitsandbytes casts the bias to it on the first forward. A tied lm_head is the
@@ -119,8 +121,10 @@ class WeightBreakdown:
             "total": self.total, "read_per_decode_step": self.read_per_decode_step}
 
 
-def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozenset[str] = frozenset()) -> WeightBreakdown:
-    """Bytes of every weight the runtime keeps for `shape` on a `target` ("cpu" or "cuda"; Jetson is cuda)."""
+def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozenset[str] = frozenset(),
+                 int8_head_kernel: bool = False) -> WeightBreakdown:
+    """Bytes of every weight the runtime keeps for `shape` on a `target` ("cpu" or "cuda"; Jetson is cuda).
+    int8_head_kernel: on CUDA, whether the int8 head's Triton kernel runs there (default: no, a JetPack torch)."""
     if quant not in QUANT_TYPES:
         raise ValueError(f"quant={quant!r} is unknown; allowed: {', '.join(QUANT_TYPES)}")
     quant = resolve_planned_quant(quant, shape)
@@ -144,10 +148,10 @@ def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozense
             state += s * shape.layers
         bias_bytes = LINEAR4_COMPUTE_BYTES[target]
     biases = shape.layers * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * bias_bytes if shape.qkv_bias else 0
-    embedding = _table_bytes(shape, quant, target)
+    embedding, lm_head = _table_bytes(shape, quant, target, int8_head_kernel)
     return WeightBreakdown(
         quant=quant, layout=layout, target=target, linear_codes=codes, quant_state=state, dense_linear=dense,
-        biases=biases, embedding=embedding, lm_head=0 if shape.tied_embeddings else embedding,
+        biases=biases, embedding=embedding, lm_head=lm_head,
         # 2 (or Gemma's 4) RMSNorms per layer, q/k norms where the family has them, plus the final norm
         norms=((shape.norms_per_layer * shape.layers + 1) * shape.hidden
                + (2 * shape.layers * shape.head_dim if shape.qk_norm else 0)) * act,
@@ -173,12 +177,19 @@ def grouped_projection_bytes(shape: ModelShape, quant: str) -> tuple[int, int]:
     return sum(c for c, _ in totals), sum(s for _, s in totals)
 
 
-def _table_bytes(shape: ModelShape, quant: str, target: str) -> int:
-    """Bytes of the embedding (and of an untied head): 'none' keeps it in the activation dtype; 4-bit modes keep an
-    int8 table when hidden is a multiple of 32 (the vocabulary padded to whole panels on a CPU), else 16 bits."""
+def _table_bytes(shape: ModelShape, quant: str, target: str, int8_head_kernel: bool) -> tuple[int, int]:
+    """(embedding bytes, head bytes; 0 when tied). 'none' keeps both in the activation dtype; 4-bit modes keep an
+    int8 table when hidden is a multiple of 32 (the vocabulary padded to whole panels on a CPU), else 16 bits; on
+    CUDA the head is int8 only with its kernel (module doc)."""
+    tied = shape.tied_embeddings
     if quant == "none":
-        return shape.vocab * shape.hidden * ACTIVATION_BYTES[target]
-    if shape.hidden % INT8_BLOCK == 0:
-        rows = ceil_div(shape.vocab, INT8_PANEL) * INT8_PANEL if target == "cpu" else shape.vocab
-        return rows * shape.hidden + rows * (shape.hidden // INT8_BLOCK) * 4
-    return shape.vocab * shape.hidden * 2
+        dense = shape.vocab * shape.hidden * ACTIVATION_BYTES[target]
+        return dense, 0 if tied else dense
+    sixteen = shape.vocab * shape.hidden * 2
+    if shape.hidden % INT8_BLOCK:
+        return sixteen, 0 if tied else sixteen
+    rows = ceil_div(shape.vocab, INT8_PANEL) * INT8_PANEL if target == "cpu" else shape.vocab
+    int8 = rows * shape.hidden + rows * (shape.hidden // INT8_BLOCK) * 4
+    if target == "cpu" or int8_head_kernel:
+        return int8, 0 if tied else int8
+    return (sixteen, 0) if tied else (int8, sixteen)
