@@ -14,7 +14,7 @@ from .config import DecoderConfig
 from .decoder_build import build_decoder
 from .gguf_metadata import PROJECTION_TYPES_KEY, cached_metadata_folder, gguf_config_values
 from .heap import compact_heap_while_loading, return_freed_memory
-from .embeddings import int8_table_applies
+from .embeddings import int8_head_applies, int8_table_applies
 from .quantize import import_bitsandbytes, weight_bytes
 from .source import GROUPED_QUANTS, ModelSource, resolve_model, resolve_quant
 from .tokenizer import load_tokenizer
@@ -121,7 +121,8 @@ def load_model(model: str | None = "default", quant: str = "auto", device: str |
 
     entry = None
     if weight_cache if weight_cache is not None else cache_enabled():
-        entry = WeightCacheEntry.for_load(source.path, quant, dev, dtype, storage, build_layout(config, quant, dev))
+        layout = build_layout(config, quant, dev, dtype)
+        entry = WeightCacheEntry.for_load(source.path, quant, dev, dtype, storage, layout)
     decoder, origin = load_or_build(entry, dev, build)
     return_freed_memory()
     logging.getLogger(__name__).info("loaded %s (%s) on %s: weights %s", source.path, quant, dev, origin)
@@ -139,15 +140,17 @@ def load_model(model: str | None = "default", quant: str = "auto", device: str |
     )
 
 
-def build_layout(config: DecoderConfig, quant: str, device: torch.device) -> dict:
+def build_layout(config: DecoderConfig, quant: str, device: torch.device, dtype: torch.dtype) -> dict:
     """How build_decoder lays out the bytes on this host, beyond the load's settings: whether bitsandbytes repacks
     4-bit weights for its AVX512-BF16 kernel or, without it, their absmax is un-nested for our own GEMV (native
     kernels present; quantize.pack_for_cpu), and whether the embedding/head become an int8 table (native kernels
-    present). A cached tree is only used where a fresh build would lay them out the same."""
+    present; on CUDA the head only with its Triton kernel). A cached tree is only used where a fresh build would lay
+    them out the same."""
     if quant == "none":
         return {"cpu_packed_4bit": False, "int8_table": False}
+    head = int8_head_applies(config.hidden_size, device, dtype)
     if quant in GROUPED_QUANTS:  # one layout on every host; the int8 table depends on the kernels being there
-        return {"grouped": True, "int8_table": int8_table_applies(config.hidden_size, device)}
+        return {"grouped": True, "int8_table": int8_table_applies(config.hidden_size, device), "int8_head": head}
     import_bitsandbytes()  # lean, before anything imports it (quantize.py says why)
     from bitsandbytes.functional import has_avx512bf16
 
@@ -156,7 +159,7 @@ def build_layout(config: DecoderConfig, quant: str, device: torch.device) -> dic
     packed = device.type == "cpu" and bool(has_avx512bf16())
     return {"cpu_packed_4bit": packed,
             "cpu_unnested_4bit": device.type == "cpu" and not packed and cpu_kernels() is not None,
-            "int8_table": int8_table_applies(config.hidden_size, device)}
+            "int8_table": int8_table_applies(config.hidden_size, device), "int8_head": head}
 
 
 def read_decoder_config(source: ModelSource, metadata: str | None = None) -> DecoderConfig:
