@@ -121,27 +121,37 @@ def _cpu_kernel(quant_type: str):
     return getattr(lib, f"gemv_4bit_inference_cpu_{quant_type}_bf16", None)
 
 
-# Bytes each 4-bit weight moves per projection call of `rows` rows, by path (codes are 0.5 B; absmax is ~1/64 B more
-# and the same for all paths). Dequantizing writes a 16-bit copy of the weight and reads it back: 0.5 + 2 + 2.
+# Bytes each 4-bit weight moves per projection call, by path: the codes are 0.5 B; dequantizing also writes a
+# 16-bit copy of the weight and reads it back (0.5 + 2 + 2). The absmax (one per 64 weights) adds 4/64 B where it is
+# stored as fp32, 1/64 B where the fused GEMM reads the double-quantized 8-bit codes, and 9/64 B where gemv_4bit or
+# dequantize_4bit rebuild fp32 values from those codes first (read 1, write 4, read 4 back), at every call.
 DEQUANTIZE_BYTES_PER_WEIGHT = 4.5
 FUSED_ROWS = 4  # rows bitsandbytes' fused gemm_4bit (>= 0.50) always takes fused, on every GPU it supports
+ABSMAX_BYTES_PER_WEIGHT = {"fp32": 4 / 64, "nested_in_kernel": 1 / 64, "nested_rebuilt": 9 / 64}
 
 
-def weight_bytes_moved(rows: int, fused_gemm: bool) -> dict[str, float]:
+def weight_bytes_moved(rows: int, fused_gemm: bool, nested: bool) -> dict[str, float]:
     """Bytes per 4-bit weight moved by each way of multiplying `rows` rows: the table Chunked4bit chooses from.
 
     fused_chunks: ceil(rows / FUSED_ROWS) calls of bnb's fused 4-bit GEMM, each reading the codes once;
     gemv_rows: one 4-bit GEMV per row (every bitsandbytes); dequantize: a 16-bit copy of the weight, then a matmul.
+    nested: the absmax is double-quantized (quantize.unnest_at_load says where it is not), so every gemv_4bit and
+    dequantize_4bit call rebuilds it.
     """
-    table = {"dequantize": DEQUANTIZE_BYTES_PER_WEIGHT, "gemv_rows": 0.5 * rows}  # first wins a tie: one call
+    absmax = ABSMAX_BYTES_PER_WEIGHT["nested_rebuilt" if nested else "fp32"]
+    table = {"dequantize": DEQUANTIZE_BYTES_PER_WEIGHT + absmax,  # first wins a tie: one call
+             "gemv_rows": (0.5 + absmax) * rows}
     if fused_gemm:
-        table["fused_chunks"] = 0.5 * -(-rows // FUSED_ROWS)
+        in_kernel = ABSMAX_BYTES_PER_WEIGHT["nested_in_kernel" if nested else "fp32"]
+        table["fused_chunks"] = (0.5 + in_kernel) * -(-rows // FUSED_ROWS)
     return table
 
 
-def chunk_rows(rows: int, fused_gemm: bool) -> int:
-    """Rows per call that move the fewest weight bytes for a `rows`-row input (rows itself: one call)."""
-    table = weight_bytes_moved(rows, fused_gemm)
+def chunk_rows(rows: int, fused_gemm: bool, nested: bool | None = None) -> int:
+    """Rows per call that move the fewest weight bytes for a `rows`-row input (rows itself: one call). nested: the
+    absmax is double-quantized (None: as the loader leaves it, quantize.unnest_at_load)."""
+    nested = fused_gemm if nested is None else nested
+    table = weight_bytes_moved(rows, fused_gemm, nested)
     best = min(table, key=table.get)
     if best == "dequantize" or rows <= (FUSED_ROWS if fused_gemm else 1):
         return rows
@@ -163,22 +173,18 @@ class Chunked4bit:
     path = "bitsandbytes' 4-bit kernels, batches in the row chunks that move the fewest bytes"
 
     def __init__(self, module: torch.nn.Module, fused_gemm: bool | None = None) -> None:
+        from .quantize import has_fused_gemm
+
         self.module = module
-        self.fused_gemm = _has_fused_gemm() if fused_gemm is None else fused_gemm
+        self.fused_gemm = has_fused_gemm() if fused_gemm is None else fused_gemm
+        self.nested = bool(getattr(module.weight.quant_state, "nested", False))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 1
-        step = chunk_rows(rows, self.fused_gemm)
+        step = chunk_rows(rows, self.fused_gemm, self.nested)
         if step >= rows:
             return self.module(x)
         return torch.cat([self.module(x[first:first + step]) for first in range(0, rows, step)])
-
-
-def _has_fused_gemm() -> bool:
-    from .quantize import import_bitsandbytes
-
-    import_bitsandbytes()
-    return hasattr(torch.ops.bitsandbytes, "gemm_4bit")
 
 
 class Unfused4bit:

@@ -43,9 +43,27 @@ def import_bitsandbytes():
     return bitsandbytes
 
 
+def has_fused_gemm() -> bool:
+    """Whether bitsandbytes has its fused 4-bit GEMM (gemm_4bit, from 0.50), which reads a double-quantized absmax
+    inside the kernel. Before it, matmul_4bit multiplies one row through gemv_4bit and more through dequantize_4bit,
+    and both rebuild a double-quantized absmax first, at every call."""
+    import_bitsandbytes()
+    return hasattr(torch.ops.bitsandbytes, "gemm_4bit")
+
+
+def unnest_at_load(device: torch.device, fused_gemm: bool | None = None) -> bool:
+    """Whether 4-bit weights built for `device` keep their absmax un-nested (fp32): on CUDA without the fused GEMM
+    (bitsandbytes 0.45-0.49, what older JetPack images carry). There every projection call, one per decode row
+    (projections.Chunked4bit), would first rebuild the fp32 absmax from its 8-bit codes (dequantize_blockwise, then
+    + offset: two more launches, 1/64 byte per weight read and 4/64 written and read back); stored as fp32 the GEMV
+    reads it directly, for +3/64 byte per weight held (quantize.weight_bytes counts what is held)."""
+    return device.type == "cuda" and not (has_fused_gemm() if fused_gemm is None else fused_gemm)
+
+
 def linear4bit(weight: torch.Tensor, bias: torch.Tensor | None, quant: str, compute_dtype: torch.dtype,
                device: torch.device) -> nn.Module:
-    """weight [out, in] -> bnb.nn.Linear4bit on `device` (double-quantized absmax, blocks of 64)."""
+    """weight [out, in] -> bnb.nn.Linear4bit on `device` (double-quantized absmax, blocks of 64; un-nested to fp32
+    on CUDA where bitsandbytes has no fused GEMM, unnest_at_load)."""
     bnb = import_bitsandbytes()
     out_features, in_features = weight.shape
     q = bnb.nn.Linear4bit(in_features, out_features, bias=bias is not None, compute_dtype=compute_dtype,
@@ -55,6 +73,8 @@ def linear4bit(weight: torch.Tensor, bias: torch.Tensor | None, quant: str, comp
                                  blocksize=BLOCKSIZE).to(device)
     if bias is not None:
         q.bias = nn.Parameter(bias.to(device=device, dtype=compute_dtype), requires_grad=False)
+    if unnest_at_load(device):
+        unnest_absmax(q.weight.quant_state)
     return q
 
 
