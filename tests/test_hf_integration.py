@@ -18,9 +18,10 @@ import torch
 
 from oval_edge import OvalConfig
 from oval_edge.hf.cache import OvalCache
-from oval_edge.hf.eval_hook import teacher_forced_kl
 from oval_edge.hf.integration import apply_oval_to_model, cache_keyword, oval_active, oval_state, remove_oval
 from oval_edge.sparse.selection import slots_per_step
+
+from hf_teacher_forced import teacher_forced_kl
 
 slow = pytest.mark.slow  # the tests that use the bundled model
 
