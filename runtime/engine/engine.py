@@ -262,15 +262,9 @@ class Engine:
         return self._postprocess(done, logits[rows]) if done else []
 
     def _postprocess(self, requests: list[Request], logits: torch.Tensor) -> list[Request]:
-        """Every row's next token chosen at once on the logits' device (one read back, sampling.choose_batch), then
-        emitted in order."""
-        finished = []
-        rows = [row for row, request in enumerate(requests) if not request.finished]  # else cancelled meanwhile
-        if len(rows) != len(requests):
-            logits, requests = logits[rows], [requests[row] for row in rows]
-        samples = choose_batch([request.sample_row() for request in requests], logits) if requests else []
-        for request, sample in zip(requests, samples):
-            if request.finished:  # cancelled from a callback earlier in this loop
+        finished = []  # every row's token is chosen at once on the device, with one read back (choose_batch)
+        for request, sample in zip(requests, choose_batch([r.sample_row() for r in requests], logits)):
+            if request.finished:  # cancelled from a callback during this step: its sample is dropped
                 continue
             token = request.take(sample)
             self.stats.generated_tokens += 1
