@@ -68,15 +68,17 @@ def compute_dtype_for(device: torch.device, requested: str = "auto",
     auto: fp32 on a CPU (bf16 is only fast inside bitsandbytes' fused 4-bit kernel there); on CUDA bf16 from compute
     capability 8.0 (Ampere; Orin is 8.7: its tensor cores take bf16 at fp16's rate, and bf16 cannot overflow where
     fp16's 65504 ceiling clips large activations), fp16 below. capability: (major, minor), read from the device when
-    None. A CPU takes float32 only: the fused kernels and the C kernels read fp32 activations.
+    None. A CPU takes bfloat16 only when asked: the C GEMV and attention kernels read fp32, so bf16 runs torch's bf16
+    matmuls there (~5x slower per decode step), which is how a CPU computes what CUDA's bf16 step will (docs/bf16.md).
+    float16 is refused on a CPU: no target runs it where bf16 is available, and torch's CPU fp16 matmuls are slow.
     """
     if requested not in ("auto", *ACTIVATION_DTYPES):
         raise ValueError(f"dtype={requested!r} is unknown; allowed: auto, {', '.join(ACTIVATION_DTYPES)}")
     if device.type == "cpu":
-        if requested not in ("auto", "float32"):
-            raise ValueError(f"dtype={requested!r} is not supported on the CPU (activations are float32 there); "
-                             "use --dtype auto or float32")
-        return torch.float32
+        if requested == "float16":
+            raise ValueError("dtype='float16' is not supported on the CPU; use --dtype auto or float32 (fast), or "
+                             "bfloat16 (what CUDA runs on compute capability 8.0+, slower here)")
+        return torch.bfloat16 if requested == "bfloat16" else torch.float32
     if requested != "auto":
         return ACTIVATION_DTYPES[requested]
     if capability is None:
