@@ -54,6 +54,9 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *rows,
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "attend_avx2.h"
+#elif defined(__ARM_NEON)
+#include "kernel_neon.h" /* a slot's K row dotted with the group's queries four at a time */
+#define ATTEND_NEON_READY 1
 #endif
 
 /* One piece of a pair: slots [first, last) of (b, h). Leaves in part the unnormalised sums relative to its own
@@ -91,6 +94,11 @@ static inline __attribute__((always_inline)) void attend_piece(
 #endif
         {
             load_kv_row(row, k_rows, k_scales, idx[t], dim, kv);
+#ifdef ATTEND_NEON_READY
+            if (dim % 4 == 0) /* a constant test for dims 64 and 128 */
+                neon_dot_queries(logit, row, qs, group, dim);
+            else
+#endif
             for (int64_t g = 0; g < group; g++) logit[g] = dot(qs + g * dim, row, dim);
         }
         for (int64_t g = 0; g < group; g++) {
@@ -104,6 +112,10 @@ static inline __attribute__((always_inline)) void attend_piece(
     if (seen == 0) return;
     for (int64_t g = 0; g < group; g++) { /* one vectorised pass: logits -> unnormalised weights */
         float *w = weights + g * slots, sum = 0.0f;
+#ifdef ATTEND_NEON_READY
+        total[g] = neon_exp2_shifted(w + first, last - first, peak[g]);
+        continue;
+#endif
         for (int64_t t = first; t < last; t++) {
             w[t] = exp2_nonpositive(w[t] - peak[g]);
             sum += w[t];

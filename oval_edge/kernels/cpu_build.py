@@ -28,7 +28,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in
                  "quant_kernels.c", "grouped_kernels.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernel_math.h", "score_avx2.h", "score_int4_avx512.h",
                                                                        "attend_avx2.h", "group_avx512.h",
-                                                                       "grouped_bf16.h"))
+                                                                       "grouped_bf16.h", "kernel_neon.h",
+                                                                       "score_neon.h", "grouped_neon.h"))
 LIBRARY_NAME = "oval_kernels.so"
 CHECK_MODULE = "oval_edge.kernels.cpu_check"  # run as `python -m`: exits 0 when the library agrees with torch
 COMPILE_TIMEOUT_S = 120

@@ -17,6 +17,9 @@
 #include <float.h>
 #include <math.h>
 #include "kernel_math.h"
+#if defined(__ARM_NEON)
+#include "kernel_neon.h"
+#endif
 
 #define MAX_RANK 256          /* as score_kernels.c */
 #define MAX_HEADS 64          /* KV heads a coarse mass sums over */
@@ -85,6 +88,13 @@ static inline __attribute__((always_inline)) void dot_queries(float *restrict ou
         }
         return;
     }
+#elif defined(__ARM_NEON)
+    if (dim % 8 == 0) { /* the row widened once, each vector of it dotted with four queries */
+        float row[MAX_DIM];
+        neon_widen(row, base, first, dim, fmt); /* ROW_* numbers the formats as NEON_* does */
+        neon_dot_queries(out, row, q, group, dim);
+        return;
+    }
 #endif
     float row[MAX_DIM];
     for (int64_t d = 0; d < dim; d++)
@@ -146,7 +156,11 @@ static inline __attribute__((always_inline)) float group_mass(
     const int64_t n = kv_heads * group;
     float peak = bound[0], total = 0.0f;
     for (int64_t i = 1; i < n; i++) peak = bound[i] > peak ? bound[i] : peak;
+#if defined(__ARM_NEON)
+    total = neon_exp2_shifted(bound, n, peak); /* no scalar tail; bound is not read again */
+#else
     for (int64_t i = 0; i < n; i++) total += exp2_nonpositive(bound[i] - peak);
+#endif
     return peak + log2f(total);
 }
 

@@ -19,6 +19,8 @@
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 #define CHUNK 32       /* elements per 16 bytes of codes: the kernel's unit along k */
@@ -114,8 +116,48 @@ static inline __attribute__((always_inline)) void weight_row(const uint8_t *code
         dots[r] = sum8(total);
     }
 }
+#elif defined(__ARM_NEON)
+/* 16 codes (0..15) -> their table values w[0..3], in order. The table's 64 bytes sit in four registers, which one
+ * tbl reads as a single 64-byte table: each code c becomes the offsets 4c..4c+3 of its float's bytes, so one tbl
+ * gathers four floats. */
+static inline __attribute__((always_inline)) void lookup16(uint8x16_t codes, uint8x16x4_t table, float32x4_t w[4]) {
+    static const uint8_t spread[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}; /* code of each byte lane */
+    static const uint8_t within[16] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3}; /* byte of its float */
+    const uint8x16_t starts = vshlq_n_u8(codes, 2), lane_code = vld1q_u8(spread), lane_byte = vld1q_u8(within);
+    for (int q = 0; q < 4; q++) { /* codes 4q..4q+3 */
+        const uint8x16_t offsets = vaddq_u8(vqtbl1q_u8(starts, vaddq_u8(lane_code, vdupq_n_u8((uint8_t)(4 * q)))),
+                                            lane_byte);
+        w[q] = vreinterpretq_f32_u8(vqtbl4q_u8(table, offsets));
+    }
+}
+
+/* dots[r] = row `codes` of the weight . xs row r, for `tile` rows: per CHUNK, the 16 high nibbles (elements 2i) and
+ * the 16 low ones (2i + 1) are looked up, times absmax in fp32, and meet xs in chunk_slot order (quad j of the
+ * even elements at 8j, of the odd ones at 8j + 4). Two sums a row: one chain would wait on the fma latency. */
+static inline __attribute__((always_inline)) void weight_row(const uint8_t *codes, const float *absmax,
+                                                             const float *xs, int tile, int64_t k,
+                                                             int64_t blocksize, uint8x16x4_t table,
+                                                             float *dots) {
+    float32x4_t sums[ROW_TILE][2];
+    for (int r = 0; r < ROW_TILE; r++) sums[r][0] = sums[r][1] = vdupq_n_f32(0.0f);
+    for (int64_t c = 0; c < k; c += CHUNK) {
+        const float32x4_t scale = vdupq_n_f32(absmax[c / blocksize]);
+        const uint8x16_t bytes = vld1q_u8(codes + c / 2);
+        float32x4_t even[4], odd[4];
+        lookup16(vshrq_n_u8(bytes, 4), table, even);
+        lookup16(vandq_u8(bytes, vdupq_n_u8(0x0F)), table, odd);
+        for (int j = 0; j < 4; j++) {
+            const float32x4_t w_even = vmulq_f32(even[j], scale), w_odd = vmulq_f32(odd[j], scale);
+            for (int r = 0; r < tile; r++) {
+                sums[r][0] = vfmaq_f32(sums[r][0], w_even, vld1q_f32(xs + r * k + c + 8 * j));
+                sums[r][1] = vfmaq_f32(sums[r][1], w_odd, vld1q_f32(xs + r * k + c + 8 * j + 4));
+            }
+        }
+    }
+    for (int r = 0; r < tile; r++) dots[r] = vaddvq_f32(vaddq_f32(sums[r][0], sums[r][1]));
+}
 #else
-/* The portable form (Arm boards, older x86): the same products, weight = code * absmax in fp32. */
+/* The portable form (older x86, other CPUs): the same products, weight = code * absmax in fp32. */
 static inline __attribute__((always_inline)) void weight_row(const uint8_t *codes, const float *absmax,
                                                              const float *xs, int tile, int64_t k,
                                                              int64_t blocksize, const float *table, float *dots) {
@@ -153,6 +195,9 @@ int gemv_4bit_f32(const float *x, int64_t rows, int64_t x_stride, const uint8_t 
     __m256i planes[4];
     table_planes(table, planes);
 #define LOOKUP planes
+#elif defined(__ARM_NEON)
+    const uint8x16x4_t table_bytes = vld1q_u8_x4((const uint8_t *)table);
+#define LOOKUP table_bytes
 #else
 #define LOOKUP table
 #endif

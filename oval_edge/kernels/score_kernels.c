@@ -79,6 +79,10 @@ static inline __attribute__((always_inline)) float load_int5(const void *basis, 
  * Both bodies end here. */
 static inline float page_score(float total, float peak) { return (log2f(total) + peak) * LN_2; }
 
+#if defined(__ARM_NEON)
+#include "score_neon.h"
+#endif
+
 /* Checks shared by both bodies: 1 for shapes above the limits, 2 for a page index outside the pool, else 0. */
 static int check_scores(const int64_t *page_table, const int64_t *counts, const uint16_t *scales, int64_t batch,
                         int64_t group, int64_t dim, int64_t rank, int64_t page_size, int64_t num_pages,
@@ -157,6 +161,13 @@ static inline __attribute__((always_inline)) void oval_scores_plain(
             sc = sc_values;
         }
         float unit = scale * LOG2_E;
+#ifdef SCORE_NEON_READY
+        if (neon_takes(dim, rank, page_size)) { /* a constant test in the common shapes' instantiations */
+            out[item] = score_page_neon(qh, qbh, mean, basis, coords, sc, record, unit, group, dim, rank, page_size,
+                                        fmt);
+            continue;
+        }
+#endif
         for (int64_t d = 0; d < dim; d++) row[d] = load_record(mean, record * dim + d, mean_fmt);
         for (int64_t g = 0; g < group; g++) offset[g] = unit * (sc ? sc[0] : 1.0f) * dot(qh + g * dim, row, dim);
         for (int64_t i = 0; i < rank; i++) {
@@ -181,9 +192,13 @@ static inline __attribute__((always_inline)) void oval_scores_plain(
             }
         }
         for (int64_t j = 0; j < group * page_size; j++) peak = logits[j] > peak ? logits[j] : peak;
+#ifdef SCORE_NEON_READY
+        out[item] = page_score(neon_exp2_shifted(logits, group * page_size, peak), peak); /* no scalar tail */
+#else
         float total = 0.0f;
         for (int64_t j = 0; j < group * page_size; j++) total += exp2_nonpositive(logits[j] - peak);
         out[item] = page_score(total, peak);
+#endif
     }
 }
 
@@ -251,6 +266,15 @@ int oval_scores_int4(SCORE_ARGS) { SCORE_CALL(FMT_INT4) }
 
 /* Which body scores (for the startup report and the tests): 2 when the AVX2 body and the AVX-512 int4 one
  * (score_int4_avx512.h) were built in, 1 for the AVX2 body alone, else 0. */
+/* 1 when the plain body scores its pages with the Advanced SIMD page (score_neon.h: Arm), else 0. */
+int oval_scores_neon(void) {
+#if defined(SCORE_NEON_READY)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int oval_scores_vectorised(void) {
 #if defined(SCORE_INT4_WIDE_READY)
     return 2;

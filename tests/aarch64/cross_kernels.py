@@ -23,12 +23,13 @@ import numpy as np
 from oval_edge.kernels import cpu_build
 
 HARNESS = Path(__file__).with_name("kernel_harness.c")
+KERNELS = Path(cpu_build.__file__).parent  # the headers the sources include
 CROSS_CC = "aarch64-linux-gnu-gcc"
 CROSS_OBJDUMP = "aarch64-linux-gnu-objdump"
 EMULATOR = "qemu-aarch64"
 SYSROOT = "/usr/aarch64-linux-gnu"  # Debian's gcc-aarch64-linux-gnu: the target's libc, libgomp, loader
 BOARD_FLAGS = ["-mcpu=cortex-a78ae"]  # Orin's core (armv8.2-a + dotprod, fp16): what -mcpu=native picks there
-INSTALL_HINT = "apt-get install -y gcc-aarch64-linux-gnu qemu-user"
+INSTALL_HINT = "apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user"
 RUN_TIMEOUT_S = 300
 # Both sides sum in fp32 in different orders; the int8 and 4-bit projections round their output to bf16, so two
 # sums on either side of a rounding boundary differ by one bf16 step (2^-8 relative).
@@ -58,8 +59,9 @@ def build(folder: Path, target: str) -> Path:
     return out / "harness"
 
 
-def run(harness: Path, target: str) -> dict[str, np.ndarray]:
-    """The harness's results by name (aarch64: under qemu with the cross sysroot)."""
+def run(harness: Path, target: str) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """The harness's results by name and the bodies it was built with (aarch64: under qemu with the cross
+    sysroot)."""
     command = [EMULATOR, "-L", SYSROOT, str(harness)] if target == "aarch64" else [str(harness)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if done.returncode != 0:
@@ -68,19 +70,20 @@ def run(harness: Path, target: str) -> dict[str, np.ndarray]:
     return parse(done.stdout)
 
 
-def parse(text: str) -> dict[str, np.ndarray]:
-    """`name count v0 v1 ...` lines -> {name: values}; the `bodies ...` line -> {"bodies": ...} as text is left out
-    of the comparison (it names which bodies each build compiled in)."""
-    results = {}
+def parse(text: str) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """`name count v0 v1 ...` lines -> {name: values}; the `bodies key=value ...` line (which bodies the build
+    compiled in: they differ between the two sides by design) -> {key: value}."""
+    results, bodies = {}, {}
     for line in text.splitlines():
         name, *fields = line.split()
         if name == "bodies":
+            bodies.update((key, int(value)) for key, value in (field.split("=") for field in fields))
             continue
         values = np.array([float(v) for v in fields[1:]], dtype=np.float64)
         if len(values) != int(fields[0]):
             raise ValueError(f"harness line {name!r}: {len(values)} values, {fields[0]} announced")
         results[name] = values
-    return results
+    return results, bodies
 
 
 def differences(host: dict[str, np.ndarray], target: dict[str, np.ndarray]) -> list[str]:
@@ -110,7 +113,7 @@ def fma_counts(folder: Path) -> dict[str, tuple[int, int]]:
     flags = [f for f in cpu_build.library_flags(BOARD_FLAGS) if f != "-shared"]
     for source in cpu_build.SOURCES:
         obj = folder / f"{source.stem}.o"
-        command = [CROSS_CC, *flags, f"-I{source.parent}", "-c", str(source), "-o", str(obj)]
+        command = [CROSS_CC, *flags, f"-I{KERNELS}", "-c", str(source), "-o", str(obj)]
         subprocess.run(command, check=True, capture_output=True, timeout=cpu_build.COMPILE_TIMEOUT_S)
         text = subprocess.run([CROSS_OBJDUMP, "-d", str(obj)], check=True, capture_output=True, text=True).stdout
         counts[source.name] = (len(re.findall(r"\tfmla\s", text)), len(re.findall(r"\tfmadd\s", text)))
@@ -122,9 +125,10 @@ def main(folder: Path) -> int:
         print(f"missing {', '.join(missing_tools())}: {INSTALL_HINT}")
         return 2
     start = time.perf_counter()
-    host, target = (run(build(folder, side), side) for side in ("host", "aarch64"))
+    (host, _), (target, bodies) = (run(build(folder, side), side) for side in ("host", "aarch64"))
     problems = differences(host, target)
-    print(f"{len(host)} results compared, {len(problems)} differ ({time.perf_counter() - start:.1f} s)")
+    print(f"{len(host)} results compared, {len(problems)} differ ({time.perf_counter() - start:.1f} s); "
+          f"aarch64 bodies: {bodies}")
     print("\n".join(problems))
     for name, (vector, scalar) in fma_counts(folder).items():
         print(f"{name:20s} fmla {vector:4d}  fmadd {scalar:4d}")

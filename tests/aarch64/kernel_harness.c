@@ -6,7 +6,7 @@
  * bit-identical inputs, and tests/aarch64/cross_kernels.py compares the two outputs kernel by kernel.
  *
  * Output: one line per result, `name count v0 v1 ...` (floats as %.9g, -inf for unscored pages), then a line
- * `bodies scores=<oval_scores_vectorised()> grouped_rounds=<grouped_rounds_inputs()>`. Exit 1 when a kernel refuses
+ * `bodies scores=<oval_scores_vectorised()> neon=<oval_scores_neon()> grouped_rounds=<grouped_rounds_inputs()>`. Exit 1 when a kernel refuses
  * shapes it should take (its return code is printed).
  */
 #include <stdint.h>
@@ -38,6 +38,7 @@ int gemv_grouped_f32(const float *, int64_t, int64_t, const uint8_t *, const uin
 int dequantize_grouped(const uint8_t *, const uint16_t *, const uint16_t *, int64_t, int64_t, int64_t, int64_t,
                        int64_t, int64_t, void *, int64_t, int64_t);
 int oval_scores_vectorised(void);
+int oval_scores_neon(void);
 int grouped_rounds_inputs(void);
 
 /* xorshift64: the same integer sequence on every machine (floats are built from it exactly, below). */
@@ -270,6 +271,7 @@ int main(void) {
     check_grouped_scores(64, 4, 1);
     check_grouped_scores(64, 8, 0);
     check_projections();
-    printf("bodies scores=%d grouped_rounds=%d\n", oval_scores_vectorised(), grouped_rounds_inputs());
+    printf("bodies scores=%d neon=%d grouped_rounds=%d\n", oval_scores_vectorised(), oval_scores_neon(),
+           grouped_rounds_inputs());
     return failures ? 1 : 0;
 }
