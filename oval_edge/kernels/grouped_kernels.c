@@ -171,8 +171,10 @@ static inline __attribute__((always_inline)) void weight_row(const uint8_t *row,
     for (int r = 0; r < tile; r++)
         dots[r] = sum8(_mm256_add_ps(_mm256_add_ps(sums[r][0], sums[r][1]), _mm256_add_ps(sums[r][2], sums[r][3])));
 }
+#elif defined(__ARM_NEON)
+#include "grouped_neon.h" /* weight_row in Advanced SIMD (Arm boards) */
 #else
-/* The portable form (Arm boards, older x86): the same weights, formed one at a time; -O3 vectorises the inner sum. */
+/* The portable form (older x86, other CPUs): the same weights, formed one at a time; -O3 vectorises the inner sum. */
 static inline __attribute__((always_inline)) void weight_row(const uint8_t *row, const float *scales,
                                                              const float *mins, int bits, int group,
                                                              const float *x, int64_t x_stride, int tile, int64_t k,
