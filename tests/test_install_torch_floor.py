@@ -101,6 +101,9 @@ def pyproject_torch() -> str:
 def test_pip_keeps_a_jetpack_torch_the_floor_accepts(pip_with_torch, installed):
     to_install, errors = pip_with_torch(installed, pyproject_torch())
     assert to_install == [], (installed, to_install, errors)
+    # the Makefile's constraint names the version with its local part, which pip matches exactly
+    to_install, errors = pip_with_torch(installed, pyproject_torch(), constraint=f"torch=={installed}")
+    assert to_install == [], (installed, to_install, errors)
 
 
 def test_pip_would_replace_a_torch_below_the_floor_unless_the_install_constraint_holds_it(pip_with_torch):
