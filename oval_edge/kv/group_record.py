@@ -26,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from ..spectral import dominant_eigenvectors
 from .huge_pages import pool_tensor
 from .int8 import dequantize_rows, quantize_rows
 
@@ -75,8 +76,7 @@ def group_record(keys: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Ten
     k = keys.float()
     mean = k.mean(dim=1)  # [N, D]
     x = k - mean[:, None]  # [N, T, D]
-    _, vectors = torch.linalg.eigh(x.transpose(1, 2) @ x)  # ascending eigenvalues
-    basis = vectors[..., -rank:].flip(-1)  # [N, D, r]
+    basis = dominant_eigenvectors(x.transpose(1, 2) @ x, rank)  # [N, D, r]
     coords = x @ basis  # [N, T, r]
     bounds = torch.stack((coords.amin(dim=1), coords.amax(dim=1)), dim=1)  # [N, 2, r]
     return mean, basis.transpose(1, 2).contiguous(), bounds

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..spectral import dominant_eigenvectors, orthonormal_basis
 from . import page_record
 from .group_record import GROUP_SLOT, allocate_group_records
 
@@ -69,18 +70,14 @@ def oval_summary(keys: torch.Tensor, values: torch.Tensor, rank: int, eta: float
         weight = eta / tr_out[..., None] * out
         weight.diagonal(dim1=1, dim2=2).add_((1.0 - eta) / tr_key)
         metric = x.transpose(1, 2) @ weight @ x  # [N, D, D]
-        _, vectors = torch.linalg.eigh(metric)
-        basis = vectors[..., -r:].flip(-1)  # [N, D, r]
+        basis = dominant_eigenvectors(metric, r)  # [N, D, r]
     elif r <= page_size < dim:
-        # eigh returns ascending eigenvalues; the last r columns span the dominant directions.
-        _, left = torch.linalg.eigh(x @ x.transpose(1, 2))  # [N, P, P]
-        top = left[..., -r:].flip(-1)  # [N, P, r]
-        # X^T u_i = sqrt(lambda_i) v_i: QR rescales to unit columns and stays orthonormal even where lambda_i ~ 0
-        # (such a direction holds no key energy, so its coordinates X v are ~0 whatever v is).
-        basis = torch.linalg.qr(x.transpose(1, 2) @ top).Q  # [N, D, r]
+        top = dominant_eigenvectors(x @ x.transpose(1, 2), r)  # [N, P, r]
+        # X^T u_i = sqrt(lambda_i) v_i: the orthonormal basis rescales to unit columns and stays orthonormal even
+        # where lambda_i ~ 0 (such a direction holds no key energy, so its coordinates X v are ~0 whatever v is).
+        basis = orthonormal_basis(x.transpose(1, 2) @ top)  # [N, D, r]
     else:
-        _, vectors = torch.linalg.eigh(x.transpose(1, 2) @ x)  # [N, D, D]
-        basis = vectors[..., -r:].flip(-1)
+        basis = dominant_eigenvectors(x.transpose(1, 2) @ x, r)  # [N, D, r]
     coords = x @ basis  # [N, P, r]
     return mean, basis.transpose(1, 2).contiguous(), coords.transpose(1, 2).contiguous()
 
