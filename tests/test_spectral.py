@@ -106,3 +106,21 @@ def test_a_seal_on_cuda_dispatches_only_batched_solver_calls(cuda, monkeypatch):
     assert ops.eigh_sizes, "the seal solved nothing: the check would pass vacuously"
     assert (max(ops.eigh_sizes) > BATCHED_EIGH_MAX) != cuda
     assert (ops.qr > 0) != cuda  # the CPU keeps LAPACK's QR; CUDA forms no QR (orgqr loops per matrix there)
+
+
+@pytest.mark.parametrize("group_pages,eta", [(0, 0.0), (4, 0.0), (0, 0.5)])
+def test_the_startup_report_times_a_seal_without_touching_the_pool(group_pages, eta):
+    from oval_edge.geometry import KVGeometry
+    from oval_edge.kv.pool import PagePool
+    from oval_edge.kv.summaries import seal_cost
+    from oval_edge.runtime.server.serve import describe_seal_cost
+
+    geometry = KVGeometry(layers=3, kv_heads=2, head_dim=64, page_size=16, rank=4, group_pages=group_pages)
+    pool = PagePool(geometry, 32, torch.device("cpu"), eta=eta)
+    before = {name: t.clone() for name, t in pool.summaries.items()}
+    cost = seal_cost(pool, repeats=2)
+    assert sorted(cost) == (["group", "page"] if group_pages else ["page"])
+    assert all(ms > 0 for ms in cost.values())
+    assert all(torch.equal(before[name], t) for name, t in pool.summaries.items())
+    line = describe_seal_cost(cost)
+    assert f"{cost['page']:.2f} ms a page" in line and ("a group of pages" in line) == bool(group_pages)

@@ -5,11 +5,14 @@ Inputs are flattened: N = layers * pages * kv_heads independent pages, each with
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 from ..spectral import dominant_eigenvectors, orthonormal_basis
 from . import page_record
-from .group_record import GROUP_SLOT, allocate_group_records
+from .group_record import GROUP_SLOT, allocate_group_records, group_record
 
 
 def allocate_summaries(geometry, pages: int, dtype: torch.dtype, device, group_slots) -> dict[str, torch.Tensor]:
@@ -145,3 +148,36 @@ def seal_pages(pool, pages, eta: float, kinds=None) -> None:
                                         coords_t.view(*head_major, g.rank, g.page_size).transpose(1, 2),
                                         g.record, keys.dtype)
             page_record.store(pool.summaries, idx, stored)
+
+
+@torch.no_grad()
+def seal_cost(pool, repeats: int = 3) -> dict[str, float]:
+    """Milliseconds sealing costs on the pool's device, the median of `repeats` timed runs after one untimed: 'page'
+    = one page's oval records (every paged layer and KV head; a seal batch timed, divided by its pages) and, with
+    two-level scoring, 'group' = one group's coarse records. Timed on random keys of the pool's shapes, so the
+    pool itself is untouched (the startup report shows it: a seal runs between decode steps)."""
+    g, device = pool.geometry, pool.device
+    if not g.paged_layers or "oval" not in g.summary_kinds:
+        return {}
+    n = pool.seal_chunk
+    rows = g.paged_layers * n * g.kv_heads
+    keys = torch.randn(rows, g.page_size, g.head_dim, device=device)
+    metric = torch.eye(g.head_dim, device=device).expand(rows, g.head_dim, g.head_dim) if pool.eta > 0 else None
+    work = {"page": (lambda: oval_summary(keys, keys, g.rank, pool.eta, metric), n)}
+    if g.group_pages:
+        grouped = torch.randn(g.paged_layers * g.kv_heads, g.group_pages * g.page_size, g.head_dim, device=device)
+        work["group"] = (lambda: group_record(grouped, g.rank), 1)
+    out = {}
+    for name, (run, per) in work.items():
+        times = []
+        for i in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:  # the first run warms caches and allocators
+                times.append((time.perf_counter() - began) * 1e3 / per)
+        out[name] = statistics.median(times)
+    return out
