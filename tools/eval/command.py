@@ -21,6 +21,7 @@ from oval_edge.geometry import RECORD_FORMATS
 from oval_edge.runtime.model.source import quant_choices
 from oval_edge.units import format_bytes, parse_bytes
 
+from .activations import EVAL_DTYPES, dtype_name, load_models
 from .policies import (ALL_POLICIES, POLICY_NAMES, build_policies, parse_float_list, parse_int_list,
                        parse_names)
 from .weights import PEERS
@@ -42,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--no-exact", action="store_true",
                      help="skip the exact-weights perplexity (a second load and dense pass)")
     run.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    run.add_argument("--dtype", default="auto",
+                     help="comma-separated activation dtypes, as serve's --dtype: auto (serve's default: float32 on a "
+                          "CPU, bfloat16 on CUDA from compute capability 8.0), float32, bfloat16, float16. Several, "
+                          "e.g. float32,bfloat16, load the model once each and decode in lockstep: every row is "
+                          "compared with the first one's dense fp32-K/V row, and 'KL own' with its own dense row. "
+                          "bfloat16 runs on a CPU too (torch's bf16 matmuls: what CUDA computes, ~5x slower)")
     run.add_argument("--threads", type=int, default=1,
                      help="CPU threads (decode steps are many small ops; more threads rarely help, on a shared "
                           "machine they hurt)")
@@ -140,11 +147,13 @@ def _settings(args: argparse.Namespace) -> dict:
                         record=args.record, kv_dtype="float32", top_groups=args.top_groups)
              for p in page_sizes]  # validates window, sink, rank, ...
     kv_dtypes = parse_names(args.kv_dtype, "--kv-dtype", EVAL_KV_DTYPES)
+    dtypes = parse_names(args.dtype, "--dtype", EVAL_DTYPES)
     peers = parse_names(args.peers, "--peers", PEERS) if args.peers else []
     if args.text is not None and not os.path.isfile(args.text):
         raise ValueError(f"--text {args.text} is not a file")
     return dict(tasks=tasks, policies=build_policies(names, top_ks, etas, windows, reuse_taus, group_pages),
                 page_sizes=page_sizes, start=start, contexts=contexts, depths=depths, kv_dtypes=tuple(kv_dtypes),
+                dtypes=dtypes,
                 peers=peers,
                 base=bases[0].replace(top_k=top_ks[0]),
                 pool_memory=parse_bytes(args.pool_memory, "--pool-memory"))
@@ -172,19 +181,16 @@ def _window_range(text: str, option: str) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> int:
     s = _settings(args)
     torch.set_num_threads(args.threads)
-    from oval_edge.runtime.model.loader import describe, load_model
-
     from .report import fidelity_table, passkey_table, write_json, write_plot
 
     began = time.perf_counter()
-    loaded = load_model(args.model, args.quant, args.device)
+    models = load_models(args, s["dtypes"], s["kv_dtypes"])
+    loaded = models[0][0]
     limit = loaded.config.max_position_embeddings
     too_long = [c for c in s["contexts"] + [args.length] if c > limit]
     if too_long:
         raise ValueError(f"{too_long} tokens exceed the model's context of {limit}; lower --length / --contexts")
-    print(describe(loaded))
-    served_kv = OvalConfig().pool_dtype(loaded.device.type, str(loaded.dtype).removeprefix("torch."))
-    s["kv_dtypes"] = tuple(dict.fromkeys(served_kv if d == "auto" else d for d in s["kv_dtypes"]))
+    s["kv_dtypes"], s["others"] = models[0][1], models[1:]
     s["module"] = None
     if args.window_module:
         from oval_edge.sparse.window_module import load_module
@@ -202,9 +208,11 @@ def run(args: argparse.Namespace) -> int:
         records += _fidelity(args, s, loaded, base)
         print(fidelity_table([r for r in records if r["task"] == "fidelity"]))
     if "passkey" in s["tasks"]:
-        pk = _passkey(args, s, loaded, base)
-        print(passkey_table(pk))
-        records += pk
+        for model, kv_dtypes in models:  # each activation dtype's rows against its own dense rows
+            pk = [rec | {"activations": dtype_name(model)}
+                  for rec in _passkey(args, s | {"kv_dtypes": kv_dtypes}, model, base)]
+            print(f"activations {dtype_name(model)}\n" if len(models) > 1 else "", passkey_table(pk), sep="")
+            records += pk
     if args.json_path:
         write_json(args.json_path, records)
         print(f"wrote {len(records)} rows to {args.json_path}")
@@ -235,7 +243,8 @@ def _fidelity(args, s, loaded, base: OvalConfig) -> list[dict]:
     print(f"\nfidelity: {source}, {args.length} tokens, dense prefill 0..{s['start'] - 1}, "
           f"{args.length - s['start']} teacher-forced decode steps per row")
     rows = run_fidelity(loaded, ids, s["start"], base, s["policies"], s["page_sizes"], args.prefill_chunk,
-                        show_progress=not args.no_progress, window_module=s["module"], kv_dtypes=s["kv_dtypes"])
+                        show_progress=not args.no_progress, window_module=s["module"], kv_dtypes=s["kv_dtypes"],
+                        others=tuple(s["others"]))
     return fidelity_records(rows) + _weights(args, s, loaded, ids, base, rows)
 
 
@@ -243,11 +252,12 @@ def _weights(args, s, loaded, ids: list[int], base: OvalConfig, rows) -> list[di
     """The weights table (tools/eval/weights.py): served dense vs exact weights and the asked peers."""
     from .weights import exact_perplexity, llamacpp_perplexity, weights_records, weights_table
 
+    activations = dtype_name(loaded)
     served = next(r.ppl for r in rows if r.policy.name == "dense" and r.kv_dtype == s["kv_dtypes"][-1]
-                  and r.page_size == s["page_sizes"][0])
+                  and r.page_size == s["page_sizes"][0] and r.activations == activations)
     exact = None
     if loaded.quant != "none" and not args.no_exact:
-        exact = exact_perplexity(args, ids, s["start"], base, s["page_sizes"][0], s["kv_dtypes"][-1])
+        exact = exact_perplexity(args, ids, s["start"], base, s["page_sizes"][0], s["kv_dtypes"][-1], activations)
     peers = {}
     if "llama.cpp" in s["peers"]:
         if not loaded.source.gguf_file:

@@ -30,6 +30,7 @@ def fidelity_records(rows: list[FidelityRow]) -> list[dict]:
         "steps": r.steps, "reuse_tau": r.policy.reuse_tau, "group_pages": r.policy.group_pages,
         "reuse_hit_rate": r.reuse["hit_rate"] if r.reuse else None,
         "reuse_head_hit_rate": r.reuse["head_hit_rate"] if r.reuse else None, "kv_dtype": r.kv_dtype,
+        "activations": r.activations, "kl_own": r.kl_own,
     } for r in rows]
 
 
@@ -63,7 +64,7 @@ def _label(rec: dict) -> str:
     return _policy_label(rec) + ("" if kv == "float32" else f" {KV_SHORT.get(kv, kv)}")
 
 
-KV_SHORT = {"bfloat16": "bf16", "float16": "fp16", "int8": "int8"}  # K/V storage suffix of a row's label
+KV_SHORT = {"bfloat16": "bf16", "float16": "fp16", "int8": "int8"}  # K/V storage (and activations) short names
 
 
 def _policy_label(rec: dict) -> str:
@@ -92,14 +93,21 @@ def _attended(rec: dict) -> str:
 def fidelity_table(records: list[dict]) -> str:
     # Selection reuse rows (--reuse-tau) add a column: the share of their sparse row-layer steps that reused.
     reuse = any(rec.get("reuse_tau") is not None for rec in records)
-    head = (f"{'policy':<18}{'page':>5}{'k':>4}{'tokens/step':>12}{'read':>7}{'attended/window':>16}{'KL':>11}"
-            f"{'top-1':>8}{'ppl':>8}" + (f"{'reused':>8}" if reuse else ""))
+    # Activations other than fp32 (--dtype) add two columns: the row's activations, and its KL from the dense row of
+    # its own activations and K/V storage (KL is from the one reference: dense, the first --dtype, fp32 K/V).
+    acts = any(rec.get("activations", "float32") != "float32" for rec in records)
+    head = (f"{'policy':<18}" + (f"{'act':>6}" if acts else "") + f"{'page':>5}{'k':>4}{'tokens/step':>12}{'read':>7}"
+            f"{'attended/window':>16}{'KL':>11}" + (f"{'KL own':>11}" if acts else "") + f"{'top-1':>8}{'ppl':>8}"
+            + (f"{'reused':>8}" if reuse else ""))
     lines = [head, "-" * len(head)]
     for rec in records:
         tokens = "all" if rec["tokens_per_step"] is None else str(rec["tokens_per_step"])
         read = "-" if rec["tokens_per_step"] is None else f"{rec['tokens_per_step'] / rec['context']:.0%}"
-        lines.append(f"{_label(rec):<18}{rec['page_size']:>5}{_num(rec['top_k'], 'd'):>4}{tokens:>12}{read:>7}"
-                     f"{_attended(rec):>16}{rec['kl']:>11.4g}{rec['top1']:>8.1%}{_num(rec['ppl'], '.3f'):>8}"
+        act = KV_SHORT.get(rec.get("activations", "float32"), "fp32")
+        lines.append(f"{_label(rec):<18}" + (f"{act:>6}" if acts else "") + f"{rec['page_size']:>5}"
+                     f"{_num(rec['top_k'], 'd'):>4}{tokens:>12}{read:>7}{_attended(rec):>16}{rec['kl']:>11.4g}"
+                     + (f"{_num(rec.get('kl_own'), '11.4g'):>11}" if acts else "")
+                     + f"{rec['top1']:>8.1%}{_num(rec['ppl'], '.3f'):>8}"
                      + (f"{_num(rec.get('reuse_hit_rate'), '.1%'):>8}" if reuse else ""))
     return "\n".join(lines)
 

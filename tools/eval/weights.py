@@ -20,15 +20,16 @@ import numpy as np
 PEERS = ("llama.cpp",)
 
 
-def exact_perplexity(args, ids: list[int], start: int, base, page_size: int, kv_dtype: str) -> float:
-    """Dense perplexity with the exact weights (quant none), through the same teacher-forced runtime path and K/V
-    storage as the served row, so the two differ by the weights alone."""
+def exact_perplexity(args, ids: list[int], start: int, base, page_size: int, kv_dtype: str,
+                     activations: str = "auto") -> float:
+    """Dense perplexity with the exact weights (quant none), through the same teacher-forced runtime path, K/V
+    storage and activation dtype as the served row, so the two differ by the weights alone."""
     from oval_edge.runtime.model.loader import load_model
 
     from .fidelity import run_fidelity
     from .policies import Policy
 
-    exact = load_model(args.model, "none", args.device)
+    exact = load_model(args.model, "none", args.device, activations)
     try:
         rows = run_fidelity(exact, ids, start, base, [Policy("dense")], [page_size], args.prefill_chunk,
                             show_progress=not args.no_progress, kv_dtypes=(kv_dtype,))
