@@ -39,9 +39,10 @@ class TritonKernels:
         self.version = version
 
     def oval_scores(self, q: torch.Tensor, records, page_table: torch.Tensor, scale: float,
-                    counts: torch.Tensor | None = None) -> torch.Tensor | None:
+                    counts: torch.Tensor | None = None, rotation: torch.Tensor | None = None) -> torch.Tensor | None:
         """q [B, Hkv, G, D]; records: page_record.LayerRecords of one layer (any format); page_table [B, Np]
-        -> [B, Hkv, Np] fp32. counts [B]: pages at or past counts[b] score -3e38, unread."""
+        -> [B, Hkv, Np] fp32. counts [B]: pages at or past counts[b] score -3e38, unread. rotation: the int4
+        record's H [D, D] fp32 on q's device, built once by the caller (else built per call)."""
         mean, basis, coords, scales = records
         page = record_page_size(basis, coords)
         present = [t for t in records if t is not None]
@@ -49,7 +50,7 @@ class TritonKernels:
                 and (_floats(mean, basis, coords) or scales is not None)
                 and all(t.is_contiguous() for t in present) and (page & (page - 1)) == 0):
             return None
-        return self._scoring.oval_scores(q, records, page_table, scale, counts)
+        return self._scoring.oval_scores(q, records, page_table, scale, counts, rotation)
 
     def quest_scores(self, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_table: torch.Tensor,
                      scale: float, counts: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -194,11 +194,13 @@ FORMAT_CODES = {torch.int8: 1, torch.uint8: 2}  # the basis dtype -> the kernel'
 
 
 def oval_scores(q: torch.Tensor, records, page_table: torch.Tensor, scale: float,
-                counts: torch.Tensor | None = None) -> torch.Tensor:
+                counts: torch.Tensor | None = None, turn: torch.Tensor | None = None) -> torch.Tensor:
     """scoring.oval_scores over the pages page_table [B, Np] lists, reading one layer's records in place.
 
     q [B, Hkv, G, D]; records: page_record.LayerRecords of one layer (contiguous; any record format)
     -> [B, Hkv, Np] fp32. counts [B] int64: pages at or past counts[b] are not read and score UNSCORED.
+    turn: the int4 record's rotation H [D, D] fp32, built once by the caller (page_record.Rotations); None builds
+    it here (~30 small kernels: the static step passes it).
     """
     mean, basis, coords, scales = records
     fmt = FORMAT_CODES.get(basis.dtype, 0)
@@ -212,7 +214,10 @@ def oval_scores(q: torch.Tensor, records, page_table: torch.Tensor, scale: float
     block_n = _pages_per_program(group, max(block_d, page), num_pages)
     grid = (b * hkv, triton.cdiv(num_pages, block_n))
     q = q.contiguous()
-    qb = q.float() @ rotation(dim, q.device) if fmt == 2 else q  # H is symmetric: q H = H q per row
+    if fmt == 2:  # H is symmetric: q H = H q per row
+        qb = q.float() @ (turn if turn is not None else rotation(dim, q.device))
+    else:
+        qb = q
     _oval_kernel[grid](q, qb.contiguous(), mean, basis, coords, scales if scales is not None else mean, table,
                        _counts_arg(counts, table), out, hkv, group, dim, rank, coord_fifth_ranks(rank), num_pages,
                        pages_total,

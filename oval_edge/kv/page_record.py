@@ -119,6 +119,23 @@ def rotation(dim: int, device=None) -> torch.Tensor:
     return out
 
 
+class Rotations:
+    """H = rotation(dim) per (dim, device, dtype), each built once. Why: the matrix is ~30 small kernels to build
+    (a cat per doubling, a slice copy per block); a decode step that rebuilt it in every sparse layer spent 784 of
+    its ~1,900 launches there (SmolLM2, 28 sparse layers). The static step's owner holds one of these and builds
+    what its steps read before any CUDA graph capture, so a step only reads the tensor."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, dim: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """H [dim, dim] on `device` in `dtype` (fp32 unless asked): built on the first call for the key."""
+        key = (dim, torch.device(device), dtype)
+        if key not in self._built:
+            self._built[key] = rotation(dim, device).to(dtype)
+        return self._built[key]
+
+
 def _quantize(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric quantization of the last axis: x [..., n] -> (q [..., n] int8 in [-levels, levels], s [...])."""
     scale = x.abs().amax(dim=-1).clamp_min(1e-30) / levels

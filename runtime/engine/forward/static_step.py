@@ -26,12 +26,12 @@ import torch
 
 from oval_edge.geometry import batch_buckets
 from oval_edge.kernels.cpu import decode_kernels
-from oval_edge.kv.ring import ring_row
-from oval_edge.sparse.grouped import grouped_scores, uses_groups
-from oval_edge.sparse.scoring import group_queries, score_pages
-from oval_edge.sparse.selection import DecodePlan, slots_per_step
-from oval_edge.sparse.sliding import ring_slots
-from oval_edge.sparse.step_ops import attend_slots, bind_scorer, page_scores, select_slots, write_kv
+from oval_edge.kernels.gpu import gpu_kernels
+from oval_edge.kv.page_record import Rotations
+from oval_edge.sparse.grouped import uses_groups
+from oval_edge.sparse.packed_scores import PackedScorer
+from oval_edge.sparse.selection import slots_per_step
+from oval_edge.sparse.step_ops import bind_scorer
 
 from .paged_llama import PagedLlama
 from .step_rows import StepStats
@@ -43,7 +43,8 @@ ROW_FIELDS = ("ids", "positions", "lengths", "sealed", "real", "write_base", "ri
 class StaticStep:
     """One bucket's step: its preallocated inputs and the static forward over them."""
 
-    def __init__(self, runner: PagedLlama, batch: int, width: int, compile_backend: str | None = None) -> None:
+    def __init__(self, runner: PagedLlama, batch: int, width: int, compile_backend: str | None = None,
+                 rotations: Rotations | None = None) -> None:
         pool = runner.pool
         self.runner, self.pool, self.batch, self.width = runner, pool, batch, width
         dev = pool.device
@@ -79,6 +80,14 @@ class StaticStep:
         # Bound here, not in a step, so every step dispatches the same ops; the pool never replaces its records.
         self.scorers = [None if self.dense[i] or self.sliding[i] else bind_scorer(pool, i, config, width)
                         for i in range(len(runner.layers))]
+        # Where no bound scorer reads the records: the Triton kernels (CUDA), else the torch ops of PackedScorer.
+        # What they read besides the records (the int4 record's rotation, byte tables) is built here, before any
+        # capture, never inside a step.
+        rotations = rotations if rotations is not None else Rotations()
+        self.triton = gpu_kernels(dev) if dev.type != "cpu" else None
+        self.rotation = rotations.get(runner.head_dim, dev)
+        self.record_scorer = None if self.triton is not None or config.scorer != "oval" else PackedScorer(
+            runner.head_dim, runner.scale, dev, rotations)
 
     def load(self, seq_ids: list, tokens: list[int]) -> None:
         """Write this step's inputs for the rows (one new token each) into the buffer: one copy to the device."""
@@ -132,78 +141,9 @@ class StaticStep:
 
     def layer_attention(self) -> "StaticAttention":
         """The per-layer attention of this step over its loaded inputs (also a row group of a mixed step)."""
+        from .static_attention import StaticAttention
+
         return StaticAttention(self)
-
-
-class StaticAttention:
-    """One static step's attention, layer by layer: write the rows' K/V, select (sparse layers), attend. Holds the
-    step's plan and what its sparse layers read, for `stats()`."""
-
-    def __init__(self, step: StaticStep) -> None:
-        self.step, self.runner, self.pool = step, step.runner, step.pool
-        config = self.runner.config
-        self.plan = DecodePlan(config, step.lengths, step.sealed, step.width, self.runner.kv_heads, step.page_table,
-                               static=True)
-        self.slots = (step.write_base[:, None] + step.head_offsets).reshape(-1)  # [B * Hkv] rows this step writes
-        self.ring_slots = self.ring = None
-        if step.sliding_layers:  # the rows' ring rows (the same in every sliding layer) and what the rings hold
-            g = self.pool.geometry
-            base = ring_row(g, step.ring_base, step.positions)  # [B]
-            self.ring_slots = (base[:, None] + step.head_offsets).reshape(-1)  # [B * Hkv]
-            self.ring = ring_slots(step.lengths, step.ring_base, g)  # flat, valid [B, Hkv, R * P]
-        self.valids: list[torch.Tensor] = []
-        self.windows: list[torch.Tensor] = []
-
-    def __call__(self, index: int, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [B, Hq, D], k, v [B, Hkv, D] -> out [B, Hq, D]."""
-        step, plan = self.step, self.plan
-        if step.sliding[index]:
-            write_kv(self.pool, index, self.ring_slots, k, v)
-            flat, valid = self.ring
-            return attend_slots(self.pool, index, q, flat, valid, None, self.runner.scale, self.runner.softcap)
-        write_kv(self.pool, index, self.slots, k, v)
-        if step.dense[index]:
-            dense = plan.full_dense()
-            flat, valid, limits = dense.flat, dense.valid, step.lengths  # row b reads its first lengths[b] slots
-        else:
-            flat, valid, window = select_slots(plan, self._scores(index, q), step.sealed)
-            limits = None
-            self.valids.append(valid)
-            self.windows.append(window)
-        return attend_slots(self.pool, index, q, flat, valid, limits, self.runner.scale, self.runner.softcap)
-
-    def _scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Page scores [B, Hkv, W] of one sparse layer from the records (pages past `sealed` are not candidates)."""
-        runner, step = self.runner, self.step
-        grouped = group_queries(q, runner.kv_heads)  # [B, Hkv, G, D]
-        scorer = None if torch.compiler.is_compiling() else step.scorers[layer]
-        if scorer is not None:
-            scores = scorer(grouped, step.page_table, step.sealed, runner.scale)
-            if scores is not None:
-                return scores
-        config = runner.config
-        if config.scorer == "oval" and uses_groups(step.page_table.shape[1], config.group_pages, config.top_groups):
-            return grouped_scores(grouped, self.pool.summaries, self.pool.paged_index[layer], step.page_table,
-                                  step.sealed, runner.scale, config.group_pages, config.top_groups,
-                                  lambda table, n: page_scores(self.pool, layer, grouped, table, n, runner.scale))
-        if config.scorer == "oval":
-            return page_scores(self.pool, layer, grouped, step.page_table, step.sealed, runner.scale)
-        return score_pages(runner.config.scorer, grouped, self.pool.summaries, layer, step.page_table, runner.scale)
-
-    def stats(self) -> torch.Tensor:
-        """[attended slots, window sum, window count] over the real rows, on the device (no sync)."""
-        step, valids, windows = self.step, self.valids, self.windows
-        real = step.real
-        attended = (step.lengths * real).sum() * (step.dense_layers * self.runner.kv_heads)
-        if self.ring is not None:  # each sliding layer attends to the ring's valid slots
-            attended = attended + (self.ring[1].sum((1, 2)) * real).sum() * step.sliding_layers
-        window_sum = window_count = torch.zeros((), dtype=torch.long, device=real.device)
-        if valids:
-            attended = attended + (torch.stack(valids).sum((0, 2, 3)) * real).sum()
-            sparse = (self.plan.sparse_rows.long() * real)[None, :, None]  # [1, B, 1]
-            window_sum = (torch.stack(windows) * sparse).sum()
-            window_count = sparse.sum() * (len(windows) * self.runner.kv_heads)
-        return torch.stack([attended, window_sum, window_count])
 
 
 class StaticDecoder:
@@ -214,6 +154,7 @@ class StaticDecoder:
         self.buckets = batch_buckets(max_batch)
         self.width = runner.pool.pages_needed(max_tokens)
         self.compile_backend = compile_backend
+        self.rotations = Rotations()  # the int4 record's rotation, built once for every bucket's step
         self._steps: dict[int, StaticStep] = {}  # bucket -> step, built on first use (or all by `capture`)
         self.graphs = None  # cuda_graph.CaptureReport once `capture` ran
 
@@ -231,7 +172,7 @@ class StaticDecoder:
         if bucket is None:
             raise ValueError(f"{rows} rows exceed max_batch={self.buckets[-1]}")
         if bucket not in self._steps:
-            self._steps[bucket] = StaticStep(self.runner, bucket, self.width, self.compile_backend)
+            self._steps[bucket] = StaticStep(self.runner, bucket, self.width, self.compile_backend, self.rotations)
         return self._steps[bucket]
 
     def load(self, seq_ids: list, tokens: list[int]) -> StaticStep:

@@ -1,0 +1,185 @@
+"""The engine's static decode step on a fake `cuda` device (tests/fake_cuda.py): what a Jetson would run, traced on
+a CPU-only torch at SmolLM2-135M's shapes (30 layers, hidden 576, 9 query / 3 KV heads, vocab 49,152), NF4 weights
+through bitsandbytes, the default OVAL config at an 8k context, three rows of 6,000, 2,500 and 90 tokens in the
+batch bucket of 4. Both decode paths: the Triton kernels (their launches recorded, not run) and the torch ops a
+torch without Triton runs (stock JetPack torch has none).
+
+Checked in the step (StaticStep.forward, the function a CUDA graph captures): no op mixes devices, nothing crosses
+between host and device, the host never waits for a device value, and the kernel launches per step stay within a
+budget per path (LAUNCH_BUDGETS; before the rotation was built once per step and the torch path's record
+scoring was rewritten, the Triton path took 1,814 and the torch path 3,296 by this count). The torch path's
+peak of temporaries is printed too. PackedScorer (the torch path's scorer) is checked against record_scores here.
+
+Run with -s to see the counts per path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fake_cuda import (CudaBindings, StepAudit, answer_like_an_orin, clear_triton_loaders, fake_linear4bit, fake_mode,
+                       stub_triton_launches)
+
+# Measured 1,122 and 1,992 (copies made inside .contiguous()/.reshape() included). The issue's targets, 700 and
+# 1,500, are not met yet: docs/gpu-step.md lists where the rest of the launches go.
+LAUNCH_BUDGETS = {"triton": 1150, "torch": 2050}
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+               num_hidden_layers=30, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+               tie_word_embeddings=True)
+CONTEXT = 8192
+ROWS = (("a", 6000), ("b", 2500), ("c", 90))  # one long, one medium, one short row: a bucket of 4, one row padded
+
+
+@pytest.fixture(scope="module")
+def smollm2_folder(tmp_path_factory) -> str:
+    """SmolLM2-135M's shapes with random bf16 weights, saved as a Hugging Face folder with the bundled tokenizer."""
+    import transformers
+
+    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.tokenizer import load_tokenizer
+
+    path = tmp_path_factory.mktemp("smollm2-shapes")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMOLLM2))
+    model.to(torch.bfloat16).eval().save_pretrained(path, safe_serialization=True)
+    load_tokenizer(resolve_model("default")).save_pretrained(path)
+    return str(path)
+
+
+class StepTrace:
+    """One static step of the fake-CUDA engine: its audit, what the bindings saw, the Triton launches' devices."""
+
+    def __init__(self, engine, audit: StepAudit, bindings: CudaBindings, syncs: list, triton_devices: list,
+                 outputs) -> None:
+        self.engine, self.audit, self.bindings, self.syncs = engine, audit, bindings, syncs
+        self.triton_devices, self.outputs = triton_devices, outputs
+
+    def problems(self) -> list[str]:
+        a, b = self.audit, self.bindings
+        off = [f"Triton {name} with tensors on {devices}" for name, devices in self.triton_devices
+               if devices != ("cuda",)]
+        return ([f"mixed devices: {m}" for m in a.mixed] + [f"copy: {c}" for c in a.copies + b.copies]
+                + [f"host read: {r}" for r in a.host_reads + b.host_reads + self.syncs] + off)
+
+
+def trace_static_step(folder: str, triton: bool) -> StepTrace:
+    """Load the engine on the fake device (Triton kernels stubbed, or switched off), make the rows' sequences (host
+    bookkeeping and sealing on fake tensors) and run StaticStep.forward once under the audit."""
+    from oval_edge import OvalConfig
+    from oval_edge.runtime import Engine, EngineConfig
+    from oval_edge.runtime.model import decoder_build, weight_stream
+    from oval_edge.runtime.model.quantize import import_bitsandbytes
+
+    import_bitsandbytes()  # before torch.cuda says yes: its CPU build registers the ops (with fake kernels)
+    syncs: list = []
+    audits: list = []
+    triton_devices: list = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OVAL_EDGE_NATIVE", "0")  # the C kernels are CPU code: nothing of theirs runs on a GPU
+        patch.setenv("OVAL_EDGE_WEIGHT_CACHE", "0")
+        patch.setenv("OVAL_EDGE_TRITON", "1" if triton else "0")
+        answer_like_an_orin(patch, syncs)
+        if triton:
+            pytest.importorskip("triton")
+            stub_triton_launches(patch, audits, triton_devices)
+        clear_triton_loaders()
+        for cls in (weight_stream.SafetensorsWeights, weight_stream.GGUFWeights):  # file reads stay real tensors
+            for name in ("read", "read_rows"):
+                patch.setattr(cls, name, _real_read(getattr(cls, name)))
+        patch.setattr(decoder_build, "linear4bit", fake_linear4bit)
+        bindings = CudaBindings()
+        try:
+            with fake_mode(), bindings:
+                engine = Engine.load(folder, quant="nf4", device="cuda", oval=OvalConfig(),
+                                     config=EngineConfig(num_pages=1100, max_batch=4, max_model_len=CONTEXT,
+                                                         cuda_graphs=False, prefix_cache=False))
+                for seq_id, length in ROWS:
+                    assert engine.pool.allocate(seq_id, length + 64) is not None
+                    engine.pool.advance([seq_id], [length])
+                step = engine.static.load([sid for sid, _ in ROWS], [11, 12, 13])
+                bindings.host_reads.clear()
+                bindings.copies.clear()
+                del syncs[:]
+                audit = StepAudit()
+                audits.append(audit)
+                bindings.audits.append(audit)
+                with torch.inference_mode(), audit:  # as the engine runs it (StaticDecoder.decode)
+                    outputs = step.forward()
+                audits.clear()
+                bindings.audits.clear()
+                return StepTrace(engine, audit, bindings, list(syncs), triton_devices, outputs)
+        finally:
+            clear_triton_loaders()
+
+
+def _real_read(read):
+    def real(self, *args):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return read(self, *args)
+    return real
+
+
+@pytest.fixture(scope="module")
+def torch_ops_step(smollm2_folder) -> StepTrace:
+    return trace_static_step(smollm2_folder, triton=False)
+
+
+@pytest.fixture(scope="module")
+def triton_step(smollm2_folder) -> StepTrace:
+    return trace_static_step(smollm2_folder, triton=True)
+
+
+def _report(label: str, trace: StepTrace) -> str:
+    top = ", ".join(f"{name.removeprefix('aten.').removesuffix('.default')} {count}"
+                    for name, count in trace.audit.launches.most_common(8))
+    return (f"[{label}] launches per step: {trace.audit.total} (budget {LAUNCH_BUDGETS[label]}); "
+            f"temporaries peak {trace.audit.peak / 2**20:.1f} MiB; most launched: {top}")
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_the_static_step_on_cuda_stays_on_the_device_within_its_launch_budget(path, request):
+    trace = request.getfixturevalue("triton_step" if path == "triton" else "torch_ops_step")
+    logits, stats = trace.outputs
+    assert logits.device.type == "cuda" and tuple(logits.shape) == (4, SMOLLM2["vocab_size"])
+    assert stats.device.type == "cuda"
+    assert trace.problems() == []
+    if path == "triton":  # the Triton kernels did run (stubbed), on CUDA tensors only
+        launched = {name for name, _ in trace.triton_devices}
+        assert {"_oval_kernel", "_attend_kernel"} <= launched, launched
+    else:
+        assert not any(name.startswith("triton.") for name in trace.audit.launches)
+    print(_report(path, trace))
+    assert trace.audit.total <= LAUNCH_BUDGETS[path], _report(path, trace)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_scorer_scores_int4_records_as_record_scores_does(dtype):
+    from oval_edge.kv import page_record
+    from oval_edge.sparse.packed_scores import PackedScorer
+    from oval_edge.sparse.scoring import record_scores
+
+    generator = torch.Generator().manual_seed(0)
+    heads, pages, rank, dim, page = 3, 40, 8, 64, 32
+    basis = torch.linalg.qr(torch.randn(heads, pages, dim, rank, generator=generator)).Q.transpose(-1, -2)
+    stored = page_record.encode(torch.randn(heads, pages, dim, generator=generator), basis,
+                                3 * torch.randn(heads, pages, rank, page, generator=generator), "int4", torch.float32)
+    records = page_record.LayerRecords(stored["mean"], stored["basis"], stored["coords"], stored["scales"])
+    q = torch.randn(4, heads, 3, dim, generator=generator).to(dtype)
+    table = torch.randint(0, pages, (4, 17), generator=generator)
+    scorer = PackedScorer(dim, 0.125, "cpu", page_record.Rotations())
+    assert scorer.takes(records)
+    torch.testing.assert_close(scorer(q, records, table), record_scores(q, records, table, 0.125),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_rotations_are_built_once_per_dim_device_and_dtype():
+    from oval_edge.kv.page_record import Rotations, rotation
+
+    rotations = Rotations()
+    first = rotations.get(96, "cpu")
+    assert rotations.get(96, torch.device("cpu")) is first
+    torch.testing.assert_close(first, rotation(96))
+    assert rotations.get(96, "cpu", torch.bfloat16).dtype == torch.bfloat16
