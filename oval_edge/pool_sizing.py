@@ -1,4 +1,4 @@
-"""How many pages a memory budget buys (DESIGN §3): the pool-sizing arithmetic over a KVGeometry.
+"""How many pages a memory budget buys ([R-pool]): the pool-sizing arithmetic over a KVGeometry.
 
 No torch at import time: the planner (`oval-edge plan`) uses this without loading any model.
 """

@@ -72,7 +72,7 @@ def prefill(pool: PagePool, seq_ids, keys, values, lengths, chunk: int) -> None:
         pool.commit(write_tokens(pool, seq_ids, keys, values, counts))
 
 
-# ---- summaries and scores (DESIGN §4.3), one page and one head at a time ------------------------------------
+# ---- summaries and scores ([R-page-score]), one page and one head at a time -----------------------------------------
 def ref_quest_summary(keys_page):
     """keys_page [P, D] -> (min [D], max [D]) by a loop over channels."""
     k = keys_page.double()
@@ -113,7 +113,7 @@ def ref_page_score(scorer, queries, keys_page, values_page, rank, eta, scale, me
     return float(torch.logsumexp(torch.stack(logits), 0))
 
 
-# ---- selection and attention (DESIGN §4.2, §4.4-§4.6) ------------------------------------------------------
+# ---- selection and attention ([R-candidates], [R-top-k] to [R-exact-attention]) ------------------------------
 def ref_selection(config, page_scores: dict, length: int, sealed: int):
     """Expected (index set, chosen pages, window W, window start) for one row and KV head.
 

@@ -1,5 +1,5 @@
-"""Exactness (DESIGN §4.1): when the token budget covers the sequence, OVAL decode is dense causal attention, and
-chunked prefill over the pool is dense causal attention, within 1e-5 in fp32.
+"""Exactness ([R-dense-where-it-pays]): when the token budget covers the sequence, OVAL decode is dense causal
+attention, and chunked prefill over the pool is dense causal attention, within 1e-5 in fp32.
 
 The reference is plain float64 softmax(q K^T * scale) V per query head over positions 0..t.
 """

@@ -1,4 +1,4 @@
-"""The shape of the code (DESIGN §2): folders that name the architecture, small files, no import cycles, and entry
+"""The shape of the code ([R-layout]): folders that name the architecture, small files, no import cycles, and entry
 points that stay free of torch.
 
 Imports are read from the source (top-level and inside functions alike: a lazy import still ties two modules

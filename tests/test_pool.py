@@ -1,4 +1,4 @@
-"""The page pool (DESIGN §3): a rule-based property test of allocate / grow / append / seal / free, plus the budget
+"""The page pool ([R-pool]): a rule-based property test of allocate / grow / append / seal / free, plus the budget
 arithmetic that sizes it.
 
 The state machine keeps its own model of every sequence (the tokens it wrote, in order) and after every rule
@@ -162,7 +162,7 @@ TestPoolStateMachine.settings = settings(
 )
 
 
-# ---- budget arithmetic (DESIGN §3) -------------------------------------------------------------------------
+# ---- budget arithmetic ([R-pool]) -------------------------------------------------------------------------
 @pytest.mark.parametrize("kinds", [("oval",), ("quest",), ("oval", "quest")])
 @pytest.mark.parametrize("dtype, nbytes", [("float32", 4), ("float16", 2)])
 def test_bytes_per_page_counts_kv_and_summaries(kinds, dtype, nbytes):

@@ -1,6 +1,6 @@
-"""Prefix caching on sealed pages (oval_edge/kv/prefix_cache.py, DESIGN §10): the hash chain, the pool's refcounts,
-the LRU of cached pages, a hypothesis state machine over the pool, and exactness through the engine (a request's
-greedy tokens with a prefix hit equal those of the same request on a fresh engine)."""
+"""Prefix caching on sealed pages (oval_edge/kv/prefix_cache.py, [R-kinds-and-tiers]): the hash chain, the pool's
+refcounts, the LRU of cached pages, a hypothesis state machine over the pool, and exactness through the engine (a
+request's greedy tokens with a prefix hit equal those of the same request on a fresh engine)."""
 
 from __future__ import annotations
 

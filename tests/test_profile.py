@@ -27,7 +27,7 @@ def test_top_k_reads_the_default_budget_where_the_page_size_allows():
     ks = {p: top_k_for(p, 224, BASE) for p in (16, 32, 64, 128)}
     assert ks == {16: 9, 32: 4, 64: 1, 128: 1}
     assert [BASE.replace(page_size=p, top_k=k).token_budget for p, k in ks.items()] == [224, 224, 192, 384]
-    assert top_k_for(32, 352, BASE) == 8  # DESIGN §4's k=8 row
+    assert top_k_for(32, 352, BASE) == 8  # [R-oval-decode]'s k=8 row
     assert top_k_for(32, 10, BASE) == 1  # below one page: still select a page (k=0 would be window-only)
 
 

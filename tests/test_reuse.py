@@ -1,4 +1,4 @@
-"""Selection reuse (DESIGN §4.7, issue 10 part 3): a row whose queries barely moved keeps a recent selection.
+"""Selection reuse ([R-reuse], issue 10 part 3): a row whose queries barely moved keeps a recent selection.
 
 The synthetic tests drive `SelectionReuse.decode` over a real page pool (tests/oval_reference.py helpers) and
 compare each step with `decode_attention` scoring afresh on the same step. The model tests use a tiny random

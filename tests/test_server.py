@@ -1,7 +1,7 @@
 """The HTTP server with real clients (the official `openai` package and httpx) against a real uvicorn server on a
 free loopback port, over the bundled model: chat, completion, streaming, usage, API key, disconnects.
 
-Bad input (DESIGN §7) lives in test_server_bad_input.py, lifecycle (loading, queue full) in
+Bad input ([R-bad-input]) lives in test_server_bad_input.py, lifecycle (loading, queue full) in
 test_server_lifecycle.py, the fuzzer in test_server_fuzz.py, the real `oval-edge serve` process in
 test_server_cli.py.
 """

@@ -1,4 +1,4 @@
-"""Bad input gets a clear 4xx with an OpenAI error object and loses nothing (DESIGN §7): after every case below
+"""Bad input gets a clear 4xx with an OpenAI error object and loses nothing ([R-bad-input]): after every case below
 the server still answers and /metrics shows every KV page free."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sparse decode attention equals a naive reference over explicit index sets (DESIGN §4.2-§4.6).
+"""Sparse decode attention equals a naive reference over explicit index sets ([R-candidates to R-exact-attention]).
 
 A batch of 3 sequences (37, 300 and 1000 tokens, so short and long rows share one batch) is prefilled into a pool
 through prepare/write/commit; the decode step writes the last token and attends. The reference re-derives the

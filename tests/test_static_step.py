@@ -1,6 +1,6 @@
-"""The static decode step (runtime/engine/forward/static_step.py, DESIGN §9): the same ops and shapes at every length inside
-a batch bucket, no host sync or device copy inside it, traceable whole by torch.compile with no recompiles, and the
-same logits as the eager forward.
+"""The static decode step (runtime/engine/forward/static_step.py, [R-static-step]): the same ops and shapes at every
+length inside a batch bucket, no host sync or device copy inside it, traceable whole by torch.compile with no
+recompiles, and the same logits as the eager forward.
 
 A small random Llama (transformers' own config class, saved as safetensors next to the bundled tokenizer) keeps this
 fast; the bundled model goes through the static step in tests/test_runtime.py (greedy equals Hugging Face).

@@ -1,4 +1,4 @@
-"""Sealed page summaries and page scores equal plain loop references (DESIGN §4.3) within 1e-5.
+"""Sealed page summaries and page scores equal plain loop references ([R-page-score]) within 1e-5.
 
 The pool builds summaries batched over pages x heads x layers when `commit` seals pages; the references below
 rebuild them one page and one head at a time in float64. Eigenvectors are only defined up to sign (and rotation

@@ -154,7 +154,7 @@ for command in "--help" "plan --help" "serve --help" "plan --device auto --memor
     result "FAIL oval-edge $command (exit $rc)"
   fi
 done
-# The probe's modules must import and, per DESIGN §2, not pull in torch themselves; `import oval_edge` runs the
+# The probe's modules must import and, per [R-layout], not pull in torch themselves; `import oval_edge` runs the
 # package __init__ first, so compare with what that alone loads.
 if python - << 'EOF'
 import importlib, pkgutil, sys

@@ -1,4 +1,4 @@
-"""A transformers `Cache` whose keys and values live in one OVAL `PagePool` (DESIGN §3, §6).
+"""A transformers `Cache` whose keys and values live in one OVAL `PagePool` ([R-pool, R-interfaces]).
 
 transformers calls `cache.update(k, v, layer)` in every attention layer (keys already rotated, [B, Hkv, n, D]) and
 then the registered attention function with what `update` returned. `OvalCache.update` writes the new tokens
@@ -128,7 +128,7 @@ def build_state(model, config: OvalConfig, num_pages: int | None = None) -> Oval
         num_pages = math.ceil(model.config.max_position_embeddings / config.page_size)
     pool = PagePool(geometry, num_pages, device=device, eta=config.eta, sizing=sizing,
                     stage_pages=min(num_pages, HF_STAGE_PAGES))
-    if config.eta > 0 and "basis" in pool.summaries:  # records with eta > 0 weigh values by W_O (DESIGN §4.3)
+    if config.eta > 0 and "basis" in pool.summaries:  # records with eta > 0 weigh values by W_O ([R-page-score])
         c, project = model.config, lambda o_proj: (lambda x: o_proj(x.to(param.dtype)).float())
         pool.set_output_metric([output_metric_sqrt(project(layer.self_attn.o_proj), c.num_attention_heads,
                                                    geometry.kv_heads, geometry.head_dim, device)

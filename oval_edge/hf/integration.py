@@ -1,4 +1,5 @@
-"""OVAL inside Hugging Face `generate()`: `apply_oval_to_model(model, config)` and `remove_oval(model)` (DESIGN §6).
+"""OVAL inside Hugging Face `generate()`: `apply_oval_to_model(model, config)` and `remove_oval(model)`
+([R-interfaces]).
 
 How it plugs in (transformers 5.x, Llama-family models):
 - an attention function and its mask function are registered with `AttentionInterface` / `AttentionMaskInterface`
@@ -281,7 +282,7 @@ def _check_generate_arguments(model, kwargs) -> None:
 
 
 def _admit(state: OvalState, model, args, kwargs) -> None:
-    """Admission by pages (DESIGN §3): refuse before the prefill when prompt + max_new_tokens cannot fit."""
+    """Admission by pages ([R-pool]): refuse before the prefill when prompt + max_new_tokens cannot fit."""
     ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     config = kwargs.get("generation_config") or model.generation_config
     new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))

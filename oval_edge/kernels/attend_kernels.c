@@ -1,4 +1,4 @@
-/* Exact decode attention over pool rows (DESIGN §4.6), called through ctypes by oval_edge/kernels/cpu.py.
+/* Exact decode attention over pool rows ([R-exact-attention]), called through ctypes by oval_edge/kernels/cpu.py.
  *
  * Why C: a decode attention in eager torch first copies every selected K/V row into a new fp32 buffer. Here each
  * slot's row is read once, straight from the pool, in its storage type (fp32, bf16 widened by a 16-bit shift, or

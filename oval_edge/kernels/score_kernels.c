@@ -1,4 +1,4 @@
-/* Page scoring of OVAL decode (DESIGN §4.3), called through ctypes by oval_edge/kernels/cpu.py.
+/* Page scoring of OVAL decode ([R-page-score]), called through ctypes by oval_edge/kernels/cpu.py.
  *
  * Why C: in eager torch, scoring one layer's pages is ~15 separate passes (gather, bf16 -> fp32 copies, a matmul
  * with three rows, r broadcast multiply-adds, a log-sum-exp). Here each page's record is read once, straight from

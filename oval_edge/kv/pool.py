@@ -1,4 +1,4 @@
-"""The KV page pool: allocated once from the budget, never grown (DESIGN §3).
+"""The KV page pool: allocated once from the budget, never grown ([R-pool]).
 
 Tensors (per model):
     K, V     [layers, pages, kv_heads, page_size, head_dim]   (kv_int8: int8 codes; `int8` holds their scales

@@ -1,5 +1,5 @@
-"""Prefix caching on sealed pages (DESIGN §10): full pages are named by a hash chain over their token ids, shared
-between sequences by reference count, and kept after their last owner ends until the pool needs the room.
+"""Prefix caching on sealed pages ([R-kinds-and-tiers]): full pages are named by a hash chain over their token ids,
+shared between sequences by reference count, and kept after their last owner ends until the pool needs the room.
 
 Why: a chat client resends the whole conversation every turn, and N clients share one system prompt; without this
 every request re-prefills what an earlier one already wrote. A sealed OVAL page is immutable (its K/V and its

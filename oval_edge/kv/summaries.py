@@ -1,4 +1,4 @@
-"""Page summaries built once when a page is sealed (DESIGN §4.3), batched over pages x heads x layers.
+"""Page summaries built once when a page is sealed ([R-page-score]), batched over pages x heads x layers.
 
 Inputs are flattened: N = layers * pages * kv_heads independent pages, each with P tokens of head dim D.
 """
@@ -38,7 +38,7 @@ def quest_summary(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def oval_summary(keys: torch.Tensor, values: torch.Tensor, rank: int, eta: float,
                  metric_sqrt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The output-aware local record of each page, as the OVAL authors build it (DESIGN §4.3).
+    """The output-aware local record of each page, as the OVAL authors build it ([R-page-score]).
 
     keys, values [N, P, D] (post-RoPE keys). Returns (mu [N, D], B^T [N, r, D], R^T [N, r, P]) fp32 with
     r = min(rank, P - 1): the page's key mean, the top-r eigenvectors of M and the centred keys' coordinates

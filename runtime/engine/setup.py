@@ -1,4 +1,4 @@
-"""Engine settings and the one-time sizing of the page pool from the memory budget (DESIGN §3)."""
+"""Engine settings and the one-time sizing of the page pool from the memory budget ([R-pool])."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Engines: `oval` and `dense` (this runtime, same 4-bit weights and page pool), `h
 dense, weights dequantized from the same GGUF) and `llama.cpp` (llama-cpp-python on the same GGUF file).
 Every (engine, context, run) runs in its own child process, engines and contexts alternating run by run; the table
 shows medians. With --serve it instead drives concurrent streaming clients against `oval-edge serve`
-(see tools/load/command.py). Timing lives here and in `eval`, never in the tests (DESIGN §8).
+(see tools/load/command.py). Timing lives here and in `eval`, never in the tests ([R-measuring]).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each (engine, context, run) is one job in its own child process. Jobs alternate engine by engine inside a
 context (oval dense hf llama.cpp oval dense …), and the contexts run by run (run 1 of every context, then run 2 …),
 so that machine noise — another process waking up, the CPU clocking down — lands on every engine and every
-context alike instead of on whichever ran last (DESIGN §8): the ratios bench reports (engine over engine, long
+context alike instead of on whichever ran last ([R-measuring]): the ratios bench reports (engine over engine, long
 context over the shortest) compare runs made minutes apart, not a block of runs against another block.
 """
 

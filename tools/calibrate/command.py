@@ -1,4 +1,4 @@
-"""`oval-edge calibrate`: fit the output-aware window module (DESIGN §5) and freeze the oval scorer's eta and r
+"""`oval-edge calibrate`: fit the output-aware window module ([R-window-module]) and freeze the oval scorer's eta and r
 on the model's own dense attention over a calibration text.
 
     oval-edge calibrate --text tools/data/botchan_ch1-2.txt --skip 2048 --length 8192 --out window.safetensors \

@@ -65,7 +65,7 @@ def calibrate(loaded, ids: list[int], s: CalibrationSettings, show_progress: boo
     tally = ScorerTally(list(s.etas), list(s.ranks), config, cap.keys.shape[-1], s.records)
     targets = []
     ms = s.scorer_stride  # the scorer fit attends densely again: a subsample is enough
-    # eta > 0 records weigh the values by the output projection's metric (DESIGN §4.3): one per paged layer.
+    # eta > 0 records weigh the values by the output projection's metric ([R-page-score]): one per paged layer.
     metrics = cap.runner.output_metrics() if any(eta > 0 for eta in s.etas) else None
     for layer, queries, layer_targets in collect(cap, positions, config, s.share, hi, show_progress):
         targets.append(layer_targets)

@@ -1,4 +1,4 @@
-"""Freeze the `oval` scorer's eta, rank r and record format on the calibration split (DESIGN §4.3: "until the
+"""Freeze the `oval` scorer's eta, rank r and record format on the calibration split ([R-page-score]: "until the
 calibrate tool freezes them").
 
 For each candidate (eta, r) the pages of the calibration text are summarised exactly as the pool seals them

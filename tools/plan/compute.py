@@ -218,7 +218,7 @@ def recommend(rows: tuple[PagePlan, ...], tolerance: float = DEFAULT_SPEED_TOLER
     """Issue #26's rule by predicted figures. Among page sizes where the requested context fits, those whose
     predicted step (the served path's; bytes streamed per step when the bandwidth is unknown, the roofline order)
     is within `tolerance` of the fastest tie; of them, the best predicted quality wins: the most K/V tokens
-    attended per step (fidelity rises with the tokens attended: DESIGN §4, k = 4 -> 8 at page 32 halves the KL;
+    attended per step (fidelity rises with the tokens attended: [R-oval-decode], k = 4 -> 8 at page 32 halves the KL;
     plan cannot measure KL, `oval-edge profile` does), then the smaller page (at equal reads smaller pages select
     better: README's profile runs), then the longest context."""
     fitting = [r for r in rows if r.fits]

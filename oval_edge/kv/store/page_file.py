@@ -1,4 +1,4 @@
-"""The page store: a file on the NVMe drive holding sealed pages beyond the in-memory pool (DESIGN §10).
+"""The page store: a file on the NVMe drive holding sealed pages beyond the in-memory pool ([R-kinds-and-tiers]).
 
 Why a file and not host memory: on a Jetson CPU and GPU share one DRAM, so offloading to "host" buys nothing; the
 tier below DRAM is the drive (2-3 GB/s on Orin dev kits). Records stay in memory (the pool's summary tensors),
