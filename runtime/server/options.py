@@ -109,8 +109,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "start (default: on, unless $OVAL_EDGE_WEIGHT_CACHE=0); --no-weight-cache quantizes from "
                             "the model file every time")
     group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-                       help="activations on CUDA: auto (the default) is bfloat16 on compute capability 8.0+ (Orin: "
-                            "8.7) and float16 below; the CPU runs float32")
+                       help="activations: auto (the default) is bfloat16 on CUDA compute capability 8.0+ (Orin: "
+                            "8.7), float16 below, float32 on a CPU; bfloat16 also runs on a CPU (several times "
+                            "slower there: to see what a GPU will compute), float16 does not")
     group.add_argument("--chat-template", metavar="FILE.jinja|NAME",
                        help="a Jinja chat template to use instead of the model's own, or a shipped one by name: "
                             "chatml-tools (ChatML with tool calling, for ChatML models whose template lacks tools, "

@@ -4,7 +4,7 @@ page selection as the reference floor. Everything runs through the real runtime 
 only the oracle reads every key.
 
 The defaults are a quick run (minutes on 2 CPU cores): 192 teacher-forced steps over 1024 tokens the model writes
-itself, and a 1024-token passkey at 3 depths x 2 keys. The DESIGN §4 setting is
+itself, and a 1024-token passkey at 3 depths x 2 keys. The [R-oval-decode] setting is
     oval-edge eval --text tools/data/botchan_ch1-2.txt --length 4096 --start 1024 --tasks fidelity --eta 0,0.5
 """
 
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="a window module from `oval-edge calibrate`; adds the module policy")
     oval.add_argument("--reuse-tau", default=None,
                       help="comma-separated cosines, e.g. 0.9,0.95,0.99: one more oval row per value that reuses a "
-                           "recent page selection when the query moved less (selection reuse, DESIGN §4.7)")
+                           "recent page selection when the query moved less (selection reuse, [R-reuse])")
     oval.add_argument("--group-pages", default=None,
                       help="comma-separated group sizes, e.g. 8,16: one more oval row per value that scores in two "
                            "levels (coarse groups of that many pages, then the pages of the best --top-groups)")

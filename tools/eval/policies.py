@@ -13,8 +13,8 @@ T = (sink_pages + top_k) * page_size + max(window, page_size), so they are compa
 Window policies (oval pages, but each KV head's window varies per step within a range [lo, hi]; they gather
 sink + k pages + max(hi, page) slots and attend a varying part of them, so compare them at equal *average*
 tokens attended per step: pick lo, hi so that their mean window matches the fixed window):
-    entropy  the window from the entropy of the candidate-page scores (DESIGN §4.5)
-    module   the window from the calibrated output-aware module (DESIGN §5, `oval-edge calibrate`)
+    entropy  the window from the entropy of the candidate-page scores ([R-window])
+    module   the window from the calibrated output-aware module ([R-window-module], `oval-edge calibrate`)
 """
 
 from __future__ import annotations
