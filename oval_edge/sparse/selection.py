@@ -17,6 +17,8 @@ import torch
 
 from oval_edge.config import OvalConfig
 
+from .static_select import StaticSelector
+
 
 @dataclass
 class Selection:
@@ -136,6 +138,7 @@ class DecodePlan:
         self.sink_flat = self._flat(self.sink_pos)
         self.win_flat = self._flat(self.win_pos.clamp_min(0))
         self._full: Selection | None = None
+        self._static: StaticSelector | None = None  # built on the first select(detail=False) that it applies to
 
     def _edge_valid(self, start: torch.Tensor):
         # Sink slots count below the window start, window slots at or above it (and not before position 0).
@@ -174,6 +177,11 @@ class DecodePlan:
         """
         if self.all_dense:
             return self.short
+        if not detail and StaticSelector.applies(self):  # a fixed window: a caller's window is the same one
+            if self._static is None:
+                self._static = StaticSelector(self)
+            flat, valid = self._static.select(scores)
+            return Selection(None, valid, None, self.window, self.sparse_rows, flat)
         config, P, k = self.config, self.config.page_size, self.config.top_k
         neg = float("-inf")
         scores = scores if scores.dtype == torch.float32 else scores.float()

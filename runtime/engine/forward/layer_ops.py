@@ -8,10 +8,48 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from oval_edge.runtime.model.projections import bind_norm, bind_projection
 
 MLP_ROW_BLOCK = 128  # prefill rows per MLP call: 128 x 2 x 1536 fp32 = 1.5 MB for SmolLM2 instead of 6 MB
+
+
+# Norm modules computing weight * rms_normalize(x in fp32).to(x.dtype), exactly what F.rms_norm with the weight does
+# (torch normalizes in fp32, casts to x's dtype, then scales): the runtime's own and transformers' Llama family.
+RMS_NORMS = frozenset({"RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
+                       "SmolLM3RMSNorm", "Phi3RMSNorm"})
+
+
+def bind_one_op_norm(module: torch.nn.Module) -> Callable:
+    """A norm as one op on a GPU where its weight is 16-bit (bind_norm keeps such a module's own arithmetic:
+    `rms_norm` then the weight multiply, two kernels, 122 of a 30-layer decode step). bind_norm's binding elsewhere:
+    fp32 weights (the native CPU kernel or the fused op), and 16-bit weights on a CPU, whose figures stay as the
+    module computes them (torch's fused op there rounds once where the module rounds twice)."""
+    bound = bind_norm(module)
+    weight = getattr(module, "weight", None)
+    if bound is not module or weight is None or weight.device.type == "cpu":
+        return bound
+    return one_op_norm(module) or bound
+
+
+def one_op_norm(module: torch.nn.Module) -> Callable | None:
+    """weight * rms_normalize(x) as one F.rms_norm call for a Llama-family RMSNorm `module` (RMS_NORMS), or None.
+    fp32 x gives the module's numbers exactly; x in the weight's 16-bit dtype within one rounding of them."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if type(module).__name__ not in RMS_NORMS or weight is None or eps is None:
+        return None
+    wide = weight.float()  # [hidden] fp32: fp32 activations meet the 16-bit weight promoted, as the module's product
+    shape = tuple(weight.shape)
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == weight.dtype:
+            return F.rms_norm(x, shape, weight, eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, shape, wide, eps)
+        return module(x)  # another mix of dtypes: the module's own promotion
+
+    return norm
 
 
 @dataclass
@@ -78,12 +116,13 @@ class LayerOps:
         gate_up = getattr(mlp, "gate_up_proj", None)
         sandwich = getattr(layer, "pre_feedforward_layernorm", None) is not None
         if sandwich:
-            pre_mlp = bind_norm(layer.pre_feedforward_layernorm)
-            attn_out, mlp_out = bind_norm(layer.post_attention_layernorm), bind_norm(layer.post_feedforward_layernorm)
+            pre_mlp = bind_one_op_norm(layer.pre_feedforward_layernorm)
+            attn_out = bind_one_op_norm(layer.post_attention_layernorm)
+            mlp_out = bind_one_op_norm(layer.post_feedforward_layernorm)
         else:
-            pre_mlp, attn_out, mlp_out = bind_norm(layer.post_attention_layernorm), None, None
+            pre_mlp, attn_out, mlp_out = bind_one_op_norm(layer.post_attention_layernorm), None, None
         return cls(
-            input_norm=bind_norm(layer.input_layernorm), post_norm=pre_mlp, attn_out_norm=attn_out,
+            input_norm=bind_one_op_norm(layer.input_layernorm), post_norm=pre_mlp, attn_out_norm=attn_out,
             mlp_out_norm=mlp_out, rotary=rotary, sliding=sliding,
             qkv=bind_projection(fused) if fused is not None else None,
             q=None if fused is not None else bind_projection(attn.q_proj),

@@ -19,12 +19,11 @@ from oval_edge.geometry import head_dim_of
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
 from oval_edge.kv.summaries import output_metric_sqrt
-from oval_edge.runtime.model.projections import bind_norm
 from oval_edge.sparse.attention import cap_logits, decode_attention
 from oval_edge.sparse.reuse import SelectionReuse
 from oval_edge.sparse.selection import DecodePlan, Selection
 
-from .layer_ops import HeadNorms, LayerOps  # noqa: F401  (HeadNorms: re-exported for the tests)
+from .layer_ops import HeadNorms, LayerOps, bind_one_op_norm  # noqa: F401  (HeadNorms: re-exported for the tests)
 from .step_rows import DecodeRows, PrefillRows, StepStats
 
 ATTENTION_MODES = ("oval", "dense")
@@ -101,7 +100,7 @@ class PagedLlama:
         if any(sliding) and not pool.geometry.ring_layers:
             raise ValueError("this model has sliding-window layers but the pool keeps no ring for them; build the "
                              "pool's geometry with KVGeometry.for_oval(..., ring=ring_layout(config))")
-        self.final_norm = bind_norm(self.decoder.norm)
+        self.final_norm = bind_one_op_norm(self.decoder.norm)
         if config.eta > 0 and "basis" in pool.summaries and pool.output_metric is None:
             pool.set_output_metric(self.output_metrics())  # records with eta > 0 weigh values by W_O (DESIGN §4.3)
 
