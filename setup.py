@@ -13,6 +13,8 @@ from setuptools import find_packages, setup
 # source folder -> the package it installs as
 ROOTS = {"oval_edge": "oval_edge", "runtime": "oval_edge.runtime", "tools": "oval_edge.tools",
          "jetson": "oval_edge.jetson"}
+# One-question experiments run from a checkout (tools/experiments/__init__.py says why); the wheel leaves them out.
+CHECKOUT_ONLY = "oval_edge.tools.experiments"
 
 
 def is_data(name: str) -> bool:
@@ -42,7 +44,9 @@ def find_layout() -> tuple[dict[str, str], dict[str, list[str]]]:
             data.setdefault(package_of[owner], []).extend(
                 os.path.relpath(os.path.join(folder, name), owner).replace(os.sep, "/")
                 for name in sorted(files) if is_data(name))
-    return packages, {name: files for name, files in sorted(data.items()) if files}
+    packages = {name: folder for name, folder in packages.items()
+                if name != CHECKOUT_ONLY and not name.startswith(CHECKOUT_ONLY + ".")}
+    return packages, {name: files for name, files in sorted(data.items()) if files and name in packages}
 
 
 packages, package_data = find_layout()

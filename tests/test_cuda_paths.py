@@ -217,7 +217,7 @@ def test_gpu_check_fits_a_ten_minute_device_slot():
 
 
 def test_four_bit_options_agree_with_the_module():
-    from oval_edge.tools.bench.four_bit_paths import format_rows, measure
+    from oval_edge.tools.experiments.four_bit_paths import format_rows, measure
 
     results = measure(torch.device("cpu"), torch.float32, rows=(1, 5), shapes={"small": (128, 128)})
     assert [r["rows"] for r in results] == [1, 5]

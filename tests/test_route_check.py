@@ -1,4 +1,4 @@
-"""The routing check's logic (tools/load/fleet.py, route_check.py) without a router or a model: two in-process
+"""The routing check's logic (tools/experiments/fleet.py, route_check.py) without a router or a model: two in-process
 stand-in backends that count their requests with the server's own ServerMetrics and drain like `serve` does (503
 on new requests, running ones finish, then gone), behind a pass-through that picks one per request. The live run
 with sglang-router in front of two real servers is the measurement (docs/fleet.md); this checks the counting."""
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from oval_edge.runtime.server.metrics import ServerMetrics
-from oval_edge.tools.load import fleet, route_check
+from oval_edge.tools.experiments import fleet, route_check
 
 httpx = pytest.importorskip("httpx")
 

@@ -28,6 +28,7 @@ ROOTS = {"oval_edge": "oval_edge", "runtime": "oval_edge.runtime", "tools": "ova
 # what Dockerfile.l4t copies into the image to `pip install` (tests/test_dockerfile.py checks it does)
 BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", *ROOTS)
 NOT_SOURCE = shutil.ignore_patterns("__pycache__", "*.pyc", ".*")
+CHECKOUT_ONLY = REPO / "tools" / "experiments"  # one-question experiments: run from a checkout, not shipped
 
 
 def installed_name(path: Path) -> str:
@@ -37,9 +38,10 @@ def installed_name(path: Path) -> str:
 
 
 def source_files() -> list[Path]:
+    """What the wheel must ship: every source file but the checkout-only experiments."""
     return sorted(p for folder in ROOTS for p in (REPO / folder).rglob("*")
                   if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")
-                  and p.suffix not in (".pyc", ".pyo"))
+                  and p.suffix not in (".pyc", ".pyo") and CHECKOUT_ONLY not in p.parents)
 
 
 def isolation_flag() -> list[str]:
@@ -77,7 +79,8 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 
 def test_every_package_and_module_is_in_the_wheel(wheel):
     names = set(wheel.namelist())
-    packages = [p.parent for folder in ROOTS for p in (REPO / folder).rglob("__init__.py")]
+    packages = [p.parent for folder in ROOTS for p in (REPO / folder).rglob("__init__.py")
+                if p.parent != CHECKOUT_ONLY and CHECKOUT_ONLY not in p.parents]
     assert len(packages) >= 20, packages  # the walk sees the source folders
     missing = [installed_name(p) for p in packages if installed_name(p / "__init__.py") not in names]
     assert not missing, f"packages not in the wheel: {missing}"
@@ -108,6 +111,12 @@ def test_files_the_code_reads_at_run_time_ship(wheel):
     read = [*SOURCES, *HEADERS, *SHIPPED_TEMPLATES.values(), Path(SHIPPED_TEXT), TEXT]
     missing = [installed_name(p) for p in read if installed_name(p) not in set(wheel.namelist())]
     assert not missing, f"read at run time, not in the wheel: {missing}"
+
+
+def test_the_experiments_stay_in_the_checkout(wheel):
+    experiments = [p for p in CHECKOUT_ONLY.rglob("*.py")]
+    assert len(experiments) >= 5, experiments  # the folder exists and holds them
+    assert not [n for n in wheel.namelist() if n.startswith("oval_edge/tools/experiments/")]
 
 
 def test_the_wheel_installs_only_the_oval_edge_namespace(wheel):

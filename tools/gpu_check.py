@@ -7,7 +7,7 @@ Stages, each with its own time limit, each printed as it ends:
      Triton head and its torch fallback against the dequantized matmul, captured in a graph, the loader's bytes
      against plan's) and the CPU-side tests of the same paths and of the Triton kernels in the interpreter
      (tests/test_cuda_paths.py, tests/test_triton_kernels.py);
-  3. the ways to multiply a batch by a 4-bit weight, timed side by side (tools/bench/four_bit_paths.py);
+  3. the ways to multiply a batch by a 4-bit weight, timed side by side (tools/experiments/four_bit_paths.py);
   4. `oval-edge bench` on the GPU at 512 and 8k tokens, oval and dense, the static step replayed from CUDA graphs:
      decode tok/s, launches per step and effective GB/s against the device's bandwidth;
   5. the same bench for oval with --no-cuda-graphs (the eager static step): what the graphs buy.
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     began, summary = time.perf_counter(), {"device": describe_device()}
     print("gpu-check: device", json.dumps(summary["device"]), flush=True)
     summary["tests"] = run_stage("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS])
-    summary["four_bit"] = run_stage("four_bit", [sys.executable, "-m", "oval_edge.tools.bench.four_bit_paths"])
+    summary["four_bit"] = run_stage("four_bit", [sys.executable, "-m", "oval_edge.tools.experiments.four_bit_paths"])
     bandwidth = ["--bandwidth", str(args.bandwidth)] if args.bandwidth else []
     common = [sys.executable, "-m", "oval_edge.cli", "bench", "--device", "cuda", "--contexts", "512,8192",
               "--runs", "1", "--gen", "64", "--no-progress", *bandwidth]

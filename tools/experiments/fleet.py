@@ -1,4 +1,4 @@
-"""The two phases of the routing check (tools/load/route_check.py) and what they conclude, apart from how the
+"""The two phases of the routing check (tools/experiments/route_check.py) and what they conclude, apart from how the
 servers and the router are started: anything that speaks HTTP at the URLs given is measured the same way.
 
 Per-backend traffic is read from each server's own /metrics (`oval_edge_http_requests_total` by outcome), because
@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from .client import RequestResult, stream_chat
-from .report import parse_metrics
+from ..load.client import RequestResult, stream_chat
+from ..load.report import parse_metrics
 
 COMPLETED = ("stop", "length")  # outcomes of oval_edge_http_requests_total that delivered a whole answer
 REFUSED = ("unavailable", "busy", "rejected")  # answered at once with an error: never in flight

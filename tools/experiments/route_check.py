@@ -1,7 +1,7 @@
 """Live routing check: two `oval-edge serve` instances behind SGLang's router (`sglang-router` from PyPI), one endpoint.
 
     pip install sglang-router          # optional tool, not a dependency: a Rust router with a Python launcher
-    python -m oval_edge.tools.load.route_check [--router-python /path/to/that/env/bin/python] [--json out.json]
+    python -m oval_edge.tools.experiments.route_check [--router-python /path/to/that/env/bin/python] [--json out.json]
 
 1. 32 concurrent streaming chats through the router: every one must complete, and both servers must have served
    some (each server's own /metrics counts its generation requests by outcome).
@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 from . import fleet
-from .server import LOOPBACK, AutoServer, free_port
+from ..load.server import LOOPBACK, AutoServer, free_port
 
 SERVE_ARGS = "--device cpu --max-batch 4 --threads 1 --shutdown-grace 20"
 ROUTER_HEALTH = ["--health-check-interval-secs", "1", "--health-failure-threshold", "1",
@@ -165,7 +165,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oval_edge.tools.load.route_check",
+    parser = argparse.ArgumentParser(prog="python -m oval_edge.tools.experiments.route_check",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--router-python", default=sys.executable,
                         help="a Python with sglang-router installed (default: this one)")

@@ -1,7 +1,7 @@
 """What a router's scraper costs decode: decode tok/s with and without GET /metrics every 50 ms (20 Hz).
 
-    python -m oval_edge.tools.load.scrape_cost                      # starts its own CPU server (the bundled model)
-    python -m oval_edge.tools.load.scrape_cost --serve http://127.0.0.1:8000 --rounds 8
+    python -m oval_edge.tools.experiments.scrape_cost           # starts its own CPU server (the bundled model)
+    python -m oval_edge.tools.experiments.scrape_cost --serve http://127.0.0.1:8000 --rounds 8
 
 Rounds alternate (off, on, off, on, ...) so drift on a shared machine hits both sides alike. Each round streams
 `--streams` concurrent chats of `--max-tokens` tokens (ignore_eos, so every round decodes the same length); a
@@ -28,8 +28,8 @@ import time
 
 from urllib.parse import urlsplit
 
-from .client import stream_chat
-from .server import AutoServer
+from ..load.client import stream_chat
+from ..load.server import AutoServer
 from .socket_scraper import SocketScraper
 
 SCRAPE_PERIOD_S = 0.05
@@ -156,7 +156,7 @@ async def measure(url: str, rounds: int, streams: int, max_tokens: int, pid: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oval_edge.tools.load.scrape_cost",
+    parser = argparse.ArgumentParser(prog="python -m oval_edge.tools.experiments.scrape_cost",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--serve", default="auto", help="a server URL, or auto (start `oval-edge serve` here)")
     parser.add_argument("--serve-args", default=SERVE_ARGS,
