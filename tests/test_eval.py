@@ -23,8 +23,8 @@ from oval_edge.runtime.model.loader import LoadedModel
 from oval_edge.tools.eval.fidelity import run_fidelity
 from oval_edge.tools.eval.policies import POLICY_NAMES, Policy, build_policies
 from oval_edge.tools.eval.report import fidelity_records, passkey_records, passkey_table, write_json, write_plot
-from oval_edge.tools.eval.runtime import (EvalPool, EvalRunner, ensure_output_metric, geometry_for, load_kv,
-                                         oracle_page_scores)
+from oval_edge.tools.eval.runtime import (EvalRunner, allocate_row, ensure_output_metric, eval_pool, geometry_for,
+                                         load_kv, oracle_page_scores)
 
 TEXT = Path(__file__).resolve().parents[1] / "tools" / "data" / "botchan_ch1-2.txt"
 ALL = list(POLICY_NAMES[1:])
@@ -69,13 +69,13 @@ def test_policies_put_dense_first_and_sweep_every_budget_and_eta():
 def test_eval_pool_seals_each_row_with_its_own_eta():
     torch.manual_seed(1)
     geometry = geometry_for(tiny_loaded().config, 16, 4)
-    pool = EvalPool(geometry, 9)
+    pool = eval_pool(geometry, 9)
     pool.set_output_metric(list(output_metric(geometry.layers, geometry.kv_heads, geometry.head_dim)))
     keys = torch.randn(geometry.layers, 48, geometry.kv_heads, geometry.head_dim)
     values = torch.randn_like(keys)
     etas = {"a": 0.0, "b": 0.7, "c": None}
     for seq, eta in etas.items():
-        pool.allocate_row(seq, 48, eta)
+        allocate_row(pool, seq, 48, eta)
         load_kv(pool, seq, keys, values)
     for seq, eta in etas.items():
         for logical, page in enumerate(pool.page_table(seq)):
@@ -97,10 +97,10 @@ def test_eval_pool_seals_each_row_with_its_own_eta():
 def test_oracle_scores_are_the_true_log_attention_mass_of_each_page():
     torch.manual_seed(2)
     geometry = geometry_for(tiny_loaded().config, 16, 4)
-    pool = EvalPool(geometry, 12)
+    pool = eval_pool(geometry, 12)
     lengths = [40, 75]
     for seq, n in enumerate(lengths):
-        pool.allocate_row(seq, n, None)
+        allocate_row(pool, seq, n, None)
         load_kv(pool, seq, torch.randn(geometry.layers, n, 2, 16), torch.randn(geometry.layers, n, 2, 16))
     step = pool.prepare([0, 1], [0, 0])
     q = torch.randn(2, 4, 16)
@@ -127,11 +127,11 @@ def test_policies_batched_as_rows_decode_exactly_as_each_policy_alone():
     geometry = geometry_for(loaded.config, 16, 4)
 
     def fresh_pool(rows):
-        pool = EvalPool(geometry, len(rows) * 10)
+        pool = eval_pool(geometry, len(rows) * 10)
         runner = PagedLlama(loaded.model, pool, base, attention="dense")
         ensure_output_metric(pool, runner, rows)  # eta = 0.5 rows weigh values by the output projection
         for row, policy in enumerate(rows):
-            pool.allocate_row(row, 160, policy.summary_eta())
+            allocate_row(pool, row, 160, policy.summary_eta())
             step = pool.prepare([row], [prefix])
             runner.forward(step, ids[:prefix], decode=False)
             pool.commit(step)

@@ -16,8 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 # source folder -> installed package name (setup.py's package-dir)
 ROOTS = {"oval_edge": "oval_edge", "runtime": "oval_edge.runtime", "tools": "oval_edge.tools",
          "jetson": "oval_edge.jetson"}
-MAX_LINES = 300
-MAX_MODULES_PER_FOLDER = 12
+# Backstops, not targets ([R-code-shape]): ~300 lines and ~12 modules a folder are the guide, cohesion first; these
+# catch only the file or folder that has clearly taken on a second job.
+MAX_LINES = 400
+MAX_MODULES_PER_FOLDER = 16
 JETSON_ROOT = REPO / "tests" / "fixtures" / "jetson" / "orin_nano_8gb_super_r36"
 
 
@@ -102,7 +104,7 @@ def test_the_cycle_finder_finds_cycles():
 def test_files_stay_small_and_folders_name_the_architecture():
     long = {str(p.relative_to(REPO)): n for p in source_modules().values()
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
-    assert long == {}, f"files over {MAX_LINES} lines: give each one job"
+    assert long == {}, f"files over {MAX_LINES} lines: each has taken on a second job; split it by job"
     crowded = {}
     for folder in ROOTS:
         for directory in [REPO / folder, *(p for p in (REPO / folder).rglob("*") if p.is_dir())]:

@@ -8,8 +8,10 @@ Tensors (per model):
 With a page store (store/tier.py) K/V hold the resident and recall frames, the summaries every page's record.
 
 A logical page holds the same `page_size` token positions in every layer. Sequences own page tables
-(logical page -> physical page). Verbs follow nano-vllm's block manager / vLLM's block pool: few of them, and
-"does not fit" is an answer (False / None), never an exception from inside torch.
+(logical page -> physical page), kept with the free list and the prefix cache's refcounts in `tables`
+(page_tables.py: bookkeeping, no tensors); this class holds the tensors and does the tensor work its verbs imply,
+sealing through `sealer` (summaries.py). Verbs follow nano-vllm's block manager / vLLM's block pool: few of them,
+and "does not fit" is an answer (False / None), never an exception from inside torch.
 """
 
 from __future__ import annotations
@@ -23,21 +25,21 @@ from oval_edge.pool_sizing import PoolSizing
 
 from .huge_pages import pool_tensor
 from .int8 import Int8Pages
-from .prefix_cache import PrefixLedger, page_hashes
+from .invariants import check_pool_invariants
+from .page_tables import PageTables
 from .ring import SlidingRings
 from .store.page_file import PageStore
 from .store.layout import StoreLayout
 from .store.tier import StoreTier
-from .pool_views import PoolViews
 from .step_index import StepIndex, build_step_index
 from .group_record import completed_groups, seal_groups
 from .group_slots import GroupSlots
-from .summaries import allocate_summaries, seal_pages, stack_output_metric
+from .summaries import PageSealer, allocate_summaries, stack_output_metric
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class PagePool(PoolViews):
+class PagePool:
     def __init__(
         self,
         geometry: KVGeometry,
@@ -88,20 +90,97 @@ class PagePool(PoolViews):
         self.group_slots = GroupSlots.for_pool(g, records, self.device)  # two-level scoring's coarse record slots
         self.summaries = allocate_summaries(g, records, dtype, self.device, self.group_slots)
         self.output_metric: torch.Tensor | None = None  # G^{1/2} [paged layers, Hkv, D, D] for eta > 0
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: recently freed pages first (warm)
-        self._tables: dict[Hashable, list[int]] = {}
-        self._lengths: dict[Hashable, int] = {}
-        self._sealed: dict[Hashable, int] = {}
-        # Prefix caching (prefix_cache.py): refcounts, page names, the LRU of cached pages. prefix_salt None: off.
-        # Off with sliding layers: a cached page's positions are long gone from the rings.
-        self.ledger = PrefixLedger(None if self.rings is not None else prefix_salt)
-        self._tail: dict[Hashable, list[int]] = {}  # token ids written past the last named page (None: unknown)
-        self._parent: dict[Hashable, bytes | None] = {}  # name of the sequence's last named page
-        # Sequences no decode step will score (allocate(scored=False)), and the sealed pages they left without
-        # summaries: built only if a scored sequence maps them from the prefix cache (allocate).
-        self._unscored: set[Hashable] = set()
-        self.unsummarized: set[int] = set()
+        # Bookkeeping (page_tables.py). Prefix caching is off with sliding layers: a cached page's positions are
+        # long gone from the rings.
+        self.tables = PageTables(num_pages, g.page_size, None if self.rings is not None else prefix_salt)
+        self.sealer = PageSealer(self.eta)  # a public hook: eval seals each row's pages with that row's eta
         self.store = None if store is None else StoreTier(self, store, store_layout)
+
+    # ---- questions ----------------------------------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self.geometry.page_size
+
+    @property
+    def ledger(self):
+        """The prefix cache's refcounts, names and LRU (prefix_cache.PrefixLedger)."""
+        return self.tables.ledger
+
+    @property
+    def unsummarized(self) -> set[int]:
+        """Sealed pages left without summaries by unscored sequences (allocate(scored=False))."""
+        return self.tables.unsummarized
+
+    @property
+    def num_free(self) -> int:
+        return self.tables.num_free
+
+    @property
+    def num_takeable(self) -> int:
+        """Pages an allocation can take now: num_free and the page store's free blocks (store/tier.py)."""
+        return self.num_free + (len(self.store.free_blocks) if self.store is not None else 0)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages no sequence holds that keep their contents for a later prefix hit (part of num_free)."""
+        return len(self.ledger.lru)
+
+    @property
+    def num_used(self) -> int:
+        """Pages some sequence holds (a shared prefix page counts once)."""
+        return len(self.ledger.refs)
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return self.tables.pages_needed(num_tokens)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the pool holds, its page store included."""
+        return (self.num_pages + (self.store.blocks if self.store else 0)) * self.page_size
+
+    def capacity_note(self) -> str:
+        """' (in memory N tokens, page store M)' with a page store, else '': what a refusal message adds."""
+        if self.store is None:
+            return ""
+        return (f" (the in-memory pool holds {self.resident_tokens} tokens, the page store "
+                f"{self.store.blocks * self.page_size})")
+
+    @property
+    def resident_tokens(self) -> int:
+        """Tokens the in-memory frames hold (capacity_tokens without a store)."""
+        return self.num_pages * self.page_size
+
+    def owns(self, seq_id: Hashable) -> bool:
+        return self.tables.owns(seq_id)
+
+    def page_table(self, seq_id: Hashable) -> list[int]:
+        return list(self.tables.tables[seq_id])
+
+    def length(self, seq_id: Hashable) -> int:
+        return self.tables.lengths[seq_id]
+
+    def sealed_pages(self, seq_id: Hashable) -> int:
+        return self.tables.sealed[seq_id]
+
+    def sequences(self) -> list:
+        return list(self.tables.tables)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the pool allocated (once, at construction)."""
+        rings = [self.rings.k, self.rings.v] if self.rings is not None else []
+        return [self.k, self.v, *self.summaries.values(), *rings, *(self.int8.tensors() if self.int8 else [])]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def storage_pointers(self) -> tuple[int, ...]:
+        """Data pointers of every pool tensor: equal across calls proves nothing was reallocated."""
+        return tuple(t.data_ptr() for t in self.tensors())
+
+    def check_invariants(self) -> None:
+        """AssertionError if a page (or ring) is lost, in two states, shared without its refcount, or a table is
+        inconsistent (used by tests; invariants.py). Free + cached + owned = all pages."""
+        check_pool_invariants(self)
 
     # ---- allocation --------------------------------------------------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
@@ -118,13 +197,9 @@ class PagePool(PoolViews):
         At least one prompt token is left to compute (its logits start the answer); the open page is never shared.
         scored=False: the sequence never grows past the token budget, so no decode step scores its pages, and the
         pages it seals get no summaries (the eigh work is skipped) unless a scored sequence maps them later."""
-        if seq_id in self._tables:
+        if self.tables.owns(seq_id):
             raise ValueError(f"sequence {seq_id!r} already owns pages; free it first or use grow()")
-        hits: list[int] = []
-        names: list[bytes] = []
-        if tokens is not None and self.ledger.enabled:
-            names = page_hashes(tokens, self.page_size, self.ledger.salt)[: (len(tokens) - 1) // self.page_size]
-            hits = self.ledger.lookup(names)
+        hits, names = self.tables.prefix_hits(tokens)
         need = self.pages_needed(max(num_tokens, 1)) - len(hits)
         if need > self.num_takeable - self.ledger.cached_among(hits):
             return None
@@ -138,34 +213,22 @@ class PagePool(PoolViews):
             self.seal(missing)
         if scored:  # groups never built (sealed unscored) or whose record slot went to another group
             seal_groups(self, self.group_slots.lacking(completed_groups(hits, 0, len(hits), self.geometry.group_pages)))
-        if not scored:
-            self._unscored.add(seq_id)
         pages = hits + [self._take() for _ in range(need)]
-        self._tables[seq_id] = pages
-        self._lengths[seq_id] = self._sealed[seq_id] = 0
-        naming = tokens is not None and self.ledger.enabled  # else no id is kept for this sequence
-        self._tail[seq_id], self._parent[seq_id] = ([] if naming else None), None
-        if hits:
-            self._lengths[seq_id], self._sealed[seq_id] = len(hits) * self.page_size, len(hits)
-            self._parent[seq_id] = names[len(hits) - 1]
-        if naming:
-            self.ledger.stats.count(len(tokens), len(hits) * self.page_size)
+        self.tables.open(seq_id, pages, hits, names, tokens, scored)
         return list(pages)
 
     def _take(self) -> int:
         """One page: from the free list, else a store reservation (a frame comes when it is written:
         make_resident), else the least recently used cached page. Callers checked num_takeable."""
-        if not self._free and self.store is not None and self.store.free_blocks:
+        if not self.tables.free and self.store is not None and self.store.free_blocks:
             return self.store.reserve()
-        page = self._free.pop() if self._free else self.ledger.reclaim()
-        self.ledger.take(page)
-        self.unsummarized.discard(page)  # rewritten by its new sequence, sealed again when full
-        self.group_slots.release(page)  # so is any group record keyed by it
+        page = self.tables.take_frame()
+        self.group_slots.release(page)  # a group record keyed by it is rewritten with it
         return page
 
     def grow(self, seq_id: Hashable, num_tokens: int) -> bool:
         """Room for `num_tokens` positions in total; False (and nothing taken) if the pool is short."""
-        table = self._tables[seq_id]
+        table = self.tables.tables[seq_id]
         need = self.pages_needed(num_tokens) - len(table)
         if need <= 0:
             return True
@@ -177,10 +240,7 @@ class PagePool(PoolViews):
     def free(self, seq_id: Hashable) -> int:
         """Release every page of the sequence; returns how many it held. Unknown ids free nothing. A page goes back
         to the free list when no other sequence holds it, or to the cached LRU if it is named (prefix caching)."""
-        pages = self._tables.pop(seq_id, None)
-        for per_sequence in (self._lengths, self._sealed, self._tail, self._parent):
-            per_sequence.pop(seq_id, None)
-        self._unscored.discard(seq_id)
+        pages = self.tables.close(seq_id)
         if self.int8 is not None and pages:
             self.int8.staging.release(pages)
         if self.rings is not None:
@@ -190,7 +250,7 @@ class PagePool(PoolViews):
         held = len(pages)
         if self.store is not None:  # stored ids: their blocks go back (never shared: no refcount)
             pages = self.store.release_stored(pages)
-        self._free.extend(p for p in reversed(pages) if self.ledger.release(p))
+        self.tables.release(pages)
         return held
 
     def make_resident(self, seq_id: Hashable, end_tokens: int) -> bool:
@@ -205,21 +265,19 @@ class PagePool(PoolViews):
 
     def record_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         """The ids of the tokens the next step writes for this sequence, in order (they name its sealed pages)."""
-        tail = self._tail.get(seq_id)
-        if tail is not None:  # a step that failed and is run again recorded its ids already: drop them first
-            del tail[self._lengths[seq_id] - self._sealed[seq_id] * self.page_size :]
-            tail.extend(int(t) for t in token_ids)
+        self.tables.record_tokens(seq_id, token_ids)
 
     # ---- one forward step --------------------------------------------------------------------------------
     def prepare(self, seq_ids: Sequence[Hashable], new_tokens: Sequence[int]) -> StepIndex:
         """Index where `new_tokens[b]` tokens of each sequence go. Pages must already be reserved."""
-        step = build_step_index(seq_ids, new_tokens, self._tables, self._lengths, self._sealed, self.page_size,
+        t = self.tables
+        step = build_step_index(seq_ids, new_tokens, t.tables, t.lengths, t.sealed, self.page_size,
                                 self.geometry.kv_heads, self.device,
                                 resident=None if self.store is None else self.store.base)
         if self.rings is not None:
             step.attach_rings(self.rings, self.device)
         for sid, n in zip(seq_ids, new_tokens) if self.int8 is not None else ():
-            self.int8.stage(self._tables[sid], self._lengths[sid], n, self.page_size)
+            self.int8.stage(t.tables[sid], t.lengths[sid], n, self.page_size)
         return step
 
     def write(self, layer: int, step: StepIndex, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -256,20 +314,16 @@ class PagePool(PoolViews):
         to_seal: list[int] = []
         groups: list[list[int]] = []  # groups whose last page sealed now (two-level scoring)
         for sid, length in zip(seq_ids, lengths):
-            if sid not in self._tables:  # cancelled while the step ran
+            if not self.tables.owns(sid):  # cancelled while the step ran
                 continue
-            self._lengths[sid] = length
-            full = length // self.page_size
-            sealed_now = self._tables[sid][self._sealed[sid] : full]
-            if sid in self._unscored:
-                self.unsummarized.update(sealed_now)
+            before, sealed_now = self.tables.advance(sid, length)
+            if sid in self.tables.unscored:
                 if self.int8 is not None:  # no summaries now; a later seal reads the dequantized keys
                     self.int8.staging.release(sealed_now)
             else:
                 to_seal.extend(sealed_now)
-                groups += completed_groups(self._tables[sid], self._sealed[sid], full, self.geometry.group_pages)
-            self._sealed[sid] = full
-            self._name_pages(sid, sealed_now)
+                groups += completed_groups(self.tables.tables[sid], before, length // self.page_size,
+                                           self.geometry.group_pages)
         if to_seal and self.geometry.paged_layers:  # no paged layer (all sliding): nothing to summarise
             self.seal(to_seal)
             seal_groups(self, groups)
@@ -277,17 +331,10 @@ class PagePool(PoolViews):
             self.store.end_step()
         return len(to_seal)
 
-    def _name_pages(self, seq_id: Hashable, pages: Sequence[int]) -> None:
-        """Name the pages a step sealed for this sequence from the token ids recorded for them (prefix caching)."""
-        tail = self._tail.get(seq_id)
-        if pages and tail is not None:
-            parent = self.ledger.name_run(pages, tail, self.page_size, self._parent[seq_id])
-            self._tail[seq_id], self._parent[seq_id] = (tail, parent) if parent is not None else (None, None)
-
     def seal(self, pages: Sequence[int], eta: float | None = None, kinds: Sequence[str] | None = None) -> None:
         """Build the summaries of full physical pages, every layer and KV head at once (summaries.seal_pages). eta:
         the oval record's output-aware mix (default: the pool's); kinds: which summaries (default: all)."""
-        seal_pages(self, pages, self.eta if eta is None else float(eta), kinds)
+        self.sealer(self, pages, eta, kinds)
         if self.int8 is not None:
             self.int8.staging.release(pages)
 

@@ -113,6 +113,18 @@ def stack_output_metric(per_layer, geometry, device) -> torch.Tensor:
     return metric
 
 
+class PageSealer:
+    """Builds the records of full pages with one eta (the pool's, unless a call names another): the default of
+    PagePool.sealer, the hook a caller replaces to seal other pages otherwise (eval seals each row's pages with
+    that row's eta)."""
+
+    def __init__(self, eta: float) -> None:
+        self.eta = float(eta)
+
+    def __call__(self, pool, pages, eta: float | None = None, kinds=None) -> None:
+        seal_pages(pool, pages, self.eta if eta is None else float(eta), kinds)
+
+
 @torch.no_grad()
 def seal_pages(pool, pages, eta: float, kinds=None) -> None:
     """Build pool.summaries for the full physical `pages`, every layer and KV head at once, pool.seal_chunk pages a

@@ -29,7 +29,8 @@ from tqdm import tqdm
 from oval_edge.config import OvalConfig
 
 from .policies import Policy
-from .runtime import EvalPool, EvalRunner, dense_prefix, ensure_output_metric, geometry_for, groups_of, load_kv
+from .runtime import (EvalRunner, allocate_row, dense_prefix, ensure_output_metric, eval_pool, geometry_for, groups_of,
+                      load_kv)
 
 
 @dataclass
@@ -82,12 +83,12 @@ def _lane(loaded, config: OvalConfig, kv_dtype: str, policies, prefix, total: in
     config = config.replace(kv_dtype=kv_dtype)
     geometry = geometry_for(loaded.config, page_size, config.rank, record=config.record, kv_dtype=kv_dtype,
                             group_pages=groups_of(policies))
-    pool = EvalPool(geometry, count * -(-total // page_size), loaded.device, eta=config.eta,
+    pool = eval_pool(geometry, count * -(-total // page_size), loaded.device, eta=config.eta,
                     stage_pages=count + -(-keys.shape[1] // page_size) + 1)  # int8: the prefix load + open pages
     runner = EvalRunner(loaded.model, pool, config, policies, window_module)
     ensure_output_metric(pool, runner, policies)
     for row, policy in enumerate(policies):
-        pool.allocate_row(row, total, policy.summary_eta())
+        allocate_row(pool, row, total, policy.summary_eta())
         load_kv(pool, row, keys, values)
     return pool, runner
 

@@ -19,11 +19,12 @@ import torch
 from tqdm import tqdm
 
 from oval_edge.config import OvalConfig
+from oval_edge.kv.pool import PagePool
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 
 from .policies import Policy
-from .runtime import (EvalPool, EvalRunner, capture_kv, dense_prefix, ensure_output_metric, geometry_for, groups_of, load_kv,
-                      prefill)
+from .runtime import (EvalRunner, allocate_row, capture_kv, dense_prefix, ensure_output_metric, eval_pool, geometry_for,
+                      groups_of, load_kv, prefill)
 
 INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
                "I will quiz you about the important information there.\n")
@@ -134,7 +135,7 @@ def run_passkey(loaded, cases: list[PasskeyCase], base: OvalConfig, policies: li
     rows = min(per_batch, len(cases)) * count
     # int8 (kv_dtype): staging for every row's open page and the largest load (a whole prompt). Rows after the dense
     # one get the dense row's K/V copied (capture_kv): their pages are sealed from those dequantized keys.
-    pool = EvalPool(geometry_for(loaded.config, base.page_size, base.rank, record=base.record, kv_dtype=base.kv_dtype,
+    pool = eval_pool(geometry_for(loaded.config, base.page_size, base.rank, record=base.record, kv_dtype=base.kv_dtype,
                                  group_pages=groups_of(policies)),
                     rows * pages_per_row, loaded.device, eta=base.eta, stage_pages=rows + pages_per_row + 1)
     prefiller = PagedLlama(model, pool, base, attention="dense")  # chunked prefill is dense in any mode
@@ -148,12 +149,12 @@ def run_passkey(loaded, cases: list[PasskeyCase], base: OvalConfig, policies: li
         row_ids = [(c, r) for c in range(len(batch)) for r in range(count)]
         for c, case in enumerate(batch):
             source = (c, 0)  # the dense row holds the case's own prefill; the others get a copy
-            pool.allocate_row(source, capacity, None)
+            allocate_row(pool, source, capacity, None)
             load_kv(pool, source, keys[:, : case.needle_at], values[:, : case.needle_at])
             prefill(prefiller, source, case.prompt[case.needle_at :], chunk)
             case_keys, case_values = capture_kv(pool, source, len(case.prompt))
             for r in range(1, count):
-                pool.allocate_row((c, r), capacity, policies[r].summary_eta())
+                allocate_row(pool, (c, r), capacity, policies[r].summary_eta())
                 load_kv(pool, (c, r), case_keys, case_values)
             bar.update(1)
         runner = EvalRunner(model, pool, base, [policies[r] for _, r in row_ids], window_module)
@@ -175,7 +176,7 @@ def run_passkey(loaded, cases: list[PasskeyCase], base: OvalConfig, policies: li
     return results
 
 
-def _decode(runner: EvalRunner, pool: EvalPool, row_ids: list, question: list[int]) -> list[list[int]]:
+def _decode(runner: EvalRunner, pool: PagePool, row_ids: list, question: list[int]) -> list[list[int]]:
     """Feed the question to every row, then decode ANSWER_TOKENS greedily; returns each row's answer ids."""
     count = len(row_ids)
     logits = None

@@ -18,6 +18,7 @@ from oval_edge.config import OvalConfig
 from oval_edge.geometry import KVGeometry, kv_dims
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
+from oval_edge.kv.summaries import seal_pages
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.sparse.attention import decode_attention, decode_plan, flat_slots, gather_kv, gather_rows
 from oval_edge.sparse.scoring import group_queries, score_pages
@@ -47,34 +48,43 @@ def ensure_output_metric(pool: PagePool, runner, policies) -> None:
         pool.set_output_metric(runner.output_metrics())
 
 
-class EvalPool(PagePool):
-    """A PagePool whose pages are sealed with the eta of the row that owns them (oval rows with several etas share
-    one pool); pages of rows that never read an oval summary get only the cheap quest summary."""
+class RowEtas:
+    """The eval pool's sealer (PagePool.sealer): oval rows with several etas share one pool, so each page is sealed
+    with the eta of the row that owns it (allocate_row records it); pages of rows that never read an oval summary
+    get only the cheap quest summary. A call that names an eta seals with it."""
 
-    def __init__(self, geometry: KVGeometry, num_pages: int, device="cpu", eta: float = 0.0,
-                 stage_pages: int | None = None):
-        super().__init__(geometry, num_pages, device, eta=eta, stage_pages=stage_pages)
+    def __init__(self, eta: float) -> None:
+        self.eta = float(eta)
         self.page_eta: dict[int, float | None] = {}
 
-    def allocate_row(self, seq_id, num_tokens: int, eta: float | None) -> None:
-        pages = self.allocate(seq_id, num_tokens)
-        if pages is None:
-            raise ValueError(f"the eval pool ({self.num_pages} pages) cannot hold {num_tokens} more tokens")
-        self.page_eta.update(dict.fromkeys(pages, eta))
-
-    def seal(self, pages: Sequence[int], eta: float | None = None, kinds: Sequence[str] | None = None) -> None:
-        """Without an explicit eta, each page is sealed with the eta of the row that owns it (PagePool.commit)."""
+    def __call__(self, pool: PagePool, pages: Sequence[int], eta: float | None = None, kinds=None) -> None:
         if eta is not None:
-            return super().seal(pages, eta=eta, kinds=kinds)
+            return seal_pages(pool, pages, float(eta), kinds)
         by_eta: dict[float, list[int]] = defaultdict(list)
         plain: list[int] = []
         for page in pages:
             page_eta = self.page_eta.get(page, self.eta)
             (plain if page_eta is None else by_eta[page_eta]).append(page)
         for page_eta, group in by_eta.items():
-            super().seal(group, eta=page_eta, kinds=kinds)
+            seal_pages(pool, group, page_eta, kinds)
         if plain:
-            super().seal(plain, kinds=("quest",))
+            seal_pages(pool, plain, self.eta, ("quest",))
+
+
+def eval_pool(geometry: KVGeometry, num_pages: int, device="cpu", eta: float = 0.0,
+              stage_pages: int | None = None) -> PagePool:
+    """A PagePool whose pages are sealed per row (RowEtas); rows join it through allocate_row."""
+    pool = PagePool(geometry, num_pages, device, eta=eta, stage_pages=stage_pages)
+    pool.sealer = RowEtas(eta)
+    return pool
+
+
+def allocate_row(pool: PagePool, seq_id, num_tokens: int, eta: float | None) -> None:
+    """Pages for one eval row whose sealed pages take `eta` (None: the quest summary only); ValueError if full."""
+    pages = pool.allocate(seq_id, num_tokens)
+    if pages is None:
+        raise ValueError(f"the eval pool ({pool.num_pages} pages) cannot hold {num_tokens} more tokens")
+    pool.sealer.page_eta.update(dict.fromkeys(pages, eta))
 
 
 def oracle_page_scores(pool: PagePool, layer: int, page_table: torch.Tensor, lengths: torch.Tensor,

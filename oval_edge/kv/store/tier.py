@@ -100,9 +100,9 @@ class StoreTier:
         """Give frames to the pages the sequence's next tokens (up to `end_tokens`) are written into; False if
         no frame can be found (every resident page is open, shared, or a kept sink/window page)."""
         pool = self.pool
-        table = pool._tables[seq_id]
+        table = pool.tables.tables[seq_id]
         P = pool.page_size
-        for logical in range(pool._lengths[seq_id] // P, min(pool.pages_needed(end_tokens), len(table))):
+        for logical in range(pool.tables.lengths[seq_id] // P, min(pool.pages_needed(end_tokens), len(table))):
             page = table[logical]
             if page < self.base:
                 continue
@@ -115,8 +115,8 @@ class StoreTier:
     def _frame_for(self, seq_id, page: int) -> int | None:
         """A frame for the reservation `page` of seq_id: free or cached (the block goes back), else a swap."""
         pool = self.pool
-        if pool._free or pool.ledger.lru:
-            frame = pool._free.pop() if pool._free else pool.ledger.reclaim()
+        if pool.tables.free or pool.ledger.lru:
+            frame = pool.tables.free.pop() if pool.tables.free else pool.ledger.reclaim()
             pool.ledger.take(frame)
             pool.unsummarized.discard(frame)
             self.release(page)
@@ -125,13 +125,13 @@ class StoreTier:
         if victim is None:
             return None
         owner, logical = victim
-        frame = pool._tables[owner][logical]
+        frame = pool.tables.tables[owner][logical]
         try:
             self.spill(frame, page)
         except StoreError as exc:  # nothing moved: the victim keeps its frame; the caller's request fails
             exc.seq_id = seq_id
             raise
-        pool._tables[owner][logical] = page
+        pool.tables.tables[owner][logical] = page
         name = pool.ledger.name_of.pop(frame, None)  # a frame's name; the stored copy is not shared
         if name is not None:
             del pool.ledger.page_of[name]
@@ -141,11 +141,11 @@ class StoreTier:
         """(sequence, logical page) of the page to store: the oldest sealed, unshared, resident page outside the
         kept sink and window, of seq_id first, then of the sequence holding the most frames."""
         pool = self.pool
-        order = [seq_id] + sorted((s for s in pool._tables if s != seq_id and s not in pool._unscored),
-                                  key=lambda s: -sum(p < self.base for p in pool._tables[s]))
+        order = [seq_id] + sorted((s for s in pool.tables.tables if s != seq_id and s not in pool.tables.unscored),
+                                  key=lambda s: -sum(p < self.base for p in pool.tables.tables[s]))
         for sid in order:
-            table, sealed = pool._tables[sid], pool._sealed[sid]
-            last_kept = (pool._lengths[sid] - 1) // pool.page_size - self.keep_tail  # pages above it stay
+            table, sealed = pool.tables.tables[sid], pool.tables.sealed[sid]
+            last_kept = (pool.tables.lengths[sid] - 1) // pool.page_size - self.keep_tail  # pages above it stay
             for logical in range(self.keep_head, min(sealed, last_kept + 1)):
                 page = table[logical]
                 if page < self.base and pool.ledger.refs.get(page) == 1 and page not in pool.unsummarized:
@@ -198,7 +198,7 @@ class StoreTier:
         try:
             return self._read(layer, row, wanted, ids, flat, valid, span, stored)
         except StoreError as exc:  # name the request whose page it was: only that one fails (engine._guarded)
-            exc.seq_id = next((s for s, t in pool._tables.items() if set(t) & set(wanted)), None)
+            exc.seq_id = next((s for s, t in pool.tables.tables.items() if set(t) & set(wanted)), None)
             raise
 
     def _read(self, layer, row, wanted, ids, flat, valid, span, stored):
