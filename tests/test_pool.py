@@ -204,3 +204,20 @@ def test_prepare_without_room_is_a_clear_error():
         pool.prepare(["s"], [17])
     with pytest.raises(ValueError, match="already owns pages"):
         pool.allocate("s", 1)
+
+
+def test_the_bookkeeping_holds_no_tensors():
+    # page_tables.py (and the prefix ledger it keeps) is the pool's bookkeeping: plain ints and dicts, no torch, so
+    # what can lose a page is tested apart from device memory ([R-pool]).
+    import ast
+    from pathlib import Path
+
+    import oval_edge.kv.page_tables as tables_module
+
+    kv = Path(tables_module.__file__).parent
+    for name in ("page_tables.py", "prefix_cache.py"):
+        tree = ast.parse((kv / name).read_text(encoding="utf-8"))
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert "torch" not in imported, name
