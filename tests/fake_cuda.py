@@ -13,7 +13,7 @@ stand-ins make that possible on a torch built without CUDA:
   argument devices), so the Triton wrappers' Python runs and each launch counts.
 
 `StepAudit` (a TorchDispatchMode) then counts what a step dispatches: kernel launches (ops that compute: views,
-metadata and bare allocations excluded; a composite op counts once), ops whose tensors span devices, copies across
+metadata and bare allocations excluded, a `.to()` that converts included; a composite op counts once), ops whose tensors span devices, copies across
 devices, host reads (item, tolist, nonzero, bool(), synchronize), and the peak of the bytes its temporaries hold.
 """
 
@@ -40,6 +40,8 @@ HOST_READS = frozenset({"aten._local_scalar_dense.default", "aten.item.default",
                         "aten.nonzero.default", "aten.equal.default", "aten.unique.default", "aten._unique2.default",
                         "aten.masked_select.default", "aten.tolist.default"})
 COPIES = frozenset({"aten._to_copy.default", "aten.copy_.default", "aten.to.device", "aten.to.dtype_layout"})
+# .to() overloads: no kernel when they return their input (same dtype and device), a copy kernel otherwise.
+CONVERSIONS = frozenset({"aten.to.dtype", "aten.to.device", "aten.to.dtype_layout"})
 
 
 def tensors_in(value):
@@ -103,7 +105,7 @@ class StepAudit(TorchDispatchMode):
         elif len(devices) > 1:
             self.mixed.append(f"{name} {sorted(devices)}")
         out = func(*args, **kwargs)
-        if not (func.is_view or name in NO_LAUNCH):
+        if not (func.is_view or name in NO_LAUNCH) or (name in CONVERSIONS and out is not args[0]):
             self.launches[name] += 1
         # A fresh allocation is an output the schema does not alias to an input (views, in-place and out= ops
         # return their inputs' storage: the pool's, the weights')

@@ -23,7 +23,7 @@ from fake_cuda import (CudaBindings, StepAudit, answer_like_an_orin, clear_trito
 
 # Measured 1,122 and 1,992 (copies made inside .contiguous()/.reshape() included). The targets, 700 and
 # 1,500, are not met yet: docs/gpu-step.md lists where the rest of the launches go.
-LAUNCH_BUDGETS = {"triton": 1150, "torch": 2050}
+LAUNCH_BUDGETS = {"triton": 700, "torch": 1750}
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                num_hidden_layers=30, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
                tie_word_embeddings=True)

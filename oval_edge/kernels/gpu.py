@@ -83,6 +83,20 @@ class TritonKernels:
         return self._attention.attend_slots(q, k_rows, v_rows, flat, valid, scale, limits, splits, scales)
 
 
+    def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                   slots: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> torch.Tensor | None:
+        """RoPE of the fused projection's q and k heads, the keys and values written into the pool rows `slots`,
+        in one launch (triton_attention.rope_write): qkv [n, (Hq + 2 Hkv) * D]; cos, sin [n, 1, D] -> q [n, Hq, D]."""
+        n, dim = qkv.shape[0], k_rows.shape[-1]
+        if not (_same_device(qkv, cos, sin, slots, k_rows, v_rows) and _floats(qkv, cos, sin, k_rows, v_rows)
+                and qkv.dim() == 2 and qkv.shape[1] == (heads + 2 * kv_heads) * dim and qkv.stride(1) == 1
+                and dim % 2 == 0 and all(t.shape == (n, 1, dim) and t.is_contiguous() for t in (cos, sin))
+                and slots.dtype == torch.int64 and slots.shape == (n, kv_heads) and slots.is_contiguous()
+                and k_rows.is_contiguous() and v_rows.is_contiguous() and v_rows.shape[-1] == dim):
+            return None
+        return self._attention.rope_write(qkv, cos, sin, heads, kv_heads, slots, k_rows, v_rows)
+
+
 def gpu_kernels(device: torch.device) -> TritonKernels | None:
     """The Triton kernels for tensors on `device`, or None where they are off or unavailable (logged once)."""
     loaded = _loaded(torch.device(device))

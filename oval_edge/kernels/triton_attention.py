@@ -141,6 +141,48 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, splits, dim, BLOCK_S: tl.const
     tl.store(out_ptr + head * dim + d, tl.where(total > 0, res, 0.0).to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+@triton.jit
+def _rope_write_kernel(qkv_ptr, row_stride, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, heads, kv_heads, dim,
+                       half, BLOCK_D: tl.constexpr):
+    """One program: token row r (axis 0), head h of the fused q|k heads (axis 1, Hq + Hkv of them).
+
+    qkv [n, (Hq + 2 Hkv) * D] rows of q | k | v heads (row stride row_stride); cos, sin [n, D] (sin signed: its first
+    half negated, rotate_half folded in). RoPE in transformers' rotate_half convention, rounded as torch's
+    x * cos then addcmul (the product in x's dtype, the sum in fp32 then x's dtype). A query head goes to q [n, Hq, D];
+    key head j to k[slots[r, j]] and value head j, unrotated, to v[slots[r, j]] (k, v: a layer's [rows, D] pool
+    rows, in the pool's dtype)."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < dim
+    src = qkv_ptr + r * row_stride + h * dim
+    x = tl.load(src + d, mask=ok, other=0.0)
+    partner = tl.load(src + (d + half) % dim, mask=ok, other=0.0)  # rotate_half's pair: x rolled by D/2
+    c = tl.load(cos_ptr + r * dim + d, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + r * dim + d, mask=ok, other=0.0).to(tl.float32)
+    first = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
+    out = (first + partner.to(tl.float32) * s).to(x.dtype)
+    if h < heads:
+        tl.store(q_ptr + (r * heads + h) * dim + d, out, mask=ok)
+    else:
+        slot = tl.load(slots_ptr + r * kv_heads + (h - heads))
+        tl.store(k_ptr + slot * dim + d, out.to(k_ptr.dtype.element_ty), mask=ok)
+        v = tl.load(src + kv_heads * dim + d, mask=ok, other=0.0)  # value head j sits Hkv heads after key head j
+        tl.store(v_ptr + slot * dim + d, v.to(v_ptr.dtype.element_ty), mask=ok)
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+               slots: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> torch.Tensor:
+    """A layer's q, k, v from its fused projection in one launch: qkv [n, (Hq + 2 Hkv) * D] (unit stride along a
+    row); cos, sin [n, 1, D] contiguous (sin signed); slots [n, Hkv] int64 contiguous; k_rows, v_rows [rows, D]
+    contiguous -> q [n, Hq, D] rotated, contiguous; the rotated keys and the values written at their slots."""
+    n, dim = qkv.shape[0], k_rows.shape[-1]
+    q = torch.empty((n, heads, dim), dtype=qkv.dtype, device=qkv.device)
+    _rope_write_kernel[(n, heads + kv_heads)](qkv, qkv.stride(0), cos, sin, slots, q, k_rows, v_rows, heads,
+                                              kv_heads, dim, dim // 2, BLOCK_D=triton.next_power_of_2(dim))
+    return q
+
+
 def _block_t(group: int, block_d: int, slots: int) -> int:
     """Slots per loop step: as many as keep the [G, T, D] product tile within TILE_ELEMENTS (at least MIN_BLOCK_T)."""
     fits = max(MIN_BLOCK_T, TILE_ELEMENTS // (triton.next_power_of_2(group) * block_d))

@@ -101,6 +101,26 @@ def self_check(kernels, device: torch.device) -> str | None:
                                    scales=(k_scales, v_scales))
         if got is None or not _close(got, want):
             return f"attend_slots int8 splits={splits}"
+    return rope_write_check(kernels, device, gen)
+
+
+def rope_write_check(kernels, device: torch.device, gen: torch.Generator) -> str | None:
+    """None when rope_write rotates 3 query and 1 key heads as x cos + rotate_half(x) sin and stores the key and
+    value at their slots (fp32 pool rows)."""
+    n, heads, kv_heads, dim = 2, 3, 1, 16
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(device)
+    angle = torch.rand(n, 1, dim // 2, generator=gen).to(device) * 6.0
+    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+    signed = torch.cat((-sin[..., : dim // 2], sin[..., dim // 2:]), -1)
+    heads_in = qkv.view(n, heads + 2 * kv_heads, dim)
+    x = heads_in[:, : heads + kv_heads]
+    rotated = x * cos + torch.cat((-x[..., dim // 2:], x[..., : dim // 2]), -1) * sin
+    slots = torch.tensor([[5], [2]], device=device)
+    k_rows, v_rows = torch.zeros(8, dim, device=device), torch.zeros(8, dim, device=device)
+    q = kernels.rope_write(qkv, cos.contiguous(), signed.contiguous(), heads, kv_heads, slots, k_rows, v_rows)
+    if q is None or not _close(q, rotated[:, :heads]) or not _close(k_rows[slots[:, 0]], rotated[:, heads]) \
+            or not _close(v_rows[slots[:, 0]], heads_in[:, heads + kv_heads]) or bool(k_rows[0].any()):
+        return "rope_write"
     return None
 
 

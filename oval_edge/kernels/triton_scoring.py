@@ -74,7 +74,7 @@ def _int4_coord_values(ptr, entry, i, p, rank, fifth, PAGE: tl.constexpr, mask):
 def _oval_kernel(q_ptr, qb_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, table_ptr, counts_ptr, out_ptr,
                  kv_heads, group, dim, rank, fifth, num_pages, pages_total, scale_log2,
                  HAS_COUNTS: tl.constexpr, FMT: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TURN: tl.constexpr = False):
     """One program: row b, KV head h (axis 0 = b * Hkv + h), BLOCK_N listed pages (axis 1).
 
     q [B, Hkv, G, D]; qb: the queries the basis rows are dotted with (q, or H q for the int4 record, whose rows
@@ -97,8 +97,15 @@ def _oval_kernel(q_ptr, qb_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, tab
     g_ok, d_ok = g < group, d < dim
     q = tl.load(q_ptr + (bh * group + g[:, None]) * dim + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     q = q.to(tl.float32) * scale_log2  # [G, D], log2 units
-    qb = tl.load(qb_ptr + (bh * group + g[:, None]) * dim + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    qb = qb.to(tl.float32) * scale_log2
+    if TURN:  # qb_ptr is H [D, D] fp32 (symmetric): qb = q H, one rank-1 update per input dim (no [G, D, D] tile)
+        qb = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        for i in range(0, dim):
+            column = tl.load(q_ptr + (bh * group + g) * dim + i, mask=g_ok, other=0.0).to(tl.float32)  # [G]
+            qb += column[:, None] * tl.load(qb_ptr + i * dim + d, mask=d_ok, other=0.0)[None, :]
+    else:
+        qb = tl.load(qb_ptr + (bh * group + g[:, None]) * dim + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
+                     other=0.0).to(tl.float32)
+    qb = qb * scale_log2
     listed = n < num_pages
     if HAS_COUNTS:
         listed = listed & (n < tl.load(counts_ptr + b))
@@ -214,15 +221,14 @@ def oval_scores(q: torch.Tensor, records, page_table: torch.Tensor, scale: float
     block_n = _pages_per_program(group, max(block_d, page), num_pages)
     grid = (b * hkv, triton.cdiv(num_pages, block_n))
     q = q.contiguous()
-    if fmt == 2:  # H is symmetric: q H = H q per row
-        qb = q.float() @ (turn if turn is not None else rotation(dim, q.device))
-    else:
-        qb = q
-    _oval_kernel[grid](q, qb.contiguous(), mean, basis, coords, scales if scales is not None else mean, table,
+    # int4 records: the kernel rotates the queries itself (qb = q H, H symmetric), from H [D, D] fp32 contiguous;
+    # a separate q.float() @ H would be two more launches per layer
+    qb = q if fmt != 2 else (turn if turn is not None else rotation(dim, q.device)).float().contiguous()
+    _oval_kernel[grid](q, qb, mean, basis, coords, scales if scales is not None else mean, table,
                        _counts_arg(counts, table), out, hkv, group, dim, rank, coord_fifth_ranks(rank), num_pages,
                        pages_total,
                        float(scale) * LOG2_E, HAS_COUNTS=counts is not None, FMT=fmt, PAGE=page, BLOCK_N=block_n,
-                       BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d)
+                       BLOCK_G=triton.next_power_of_2(group), BLOCK_D=block_d, TURN=fmt == 2)
     return out
 
 

@@ -49,7 +49,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tenso
     logits = torch.matmul(qg, k.to(q.dtype).transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, T]
     if softcap:
         logits = cap_logits(logits, softcap)
-    logits.masked_fill_(~valid[:, :, None, :], float("-inf"))
+    logits = torch.where(valid[:, :, None, :], logits, float("-inf"))  # one op: masked_fill_(~valid) is two
     return torch.matmul(torch.softmax(logits, dim=-1), v.to(q.dtype)).view(b, hq, d)
 
 

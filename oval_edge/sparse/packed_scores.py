@@ -78,7 +78,7 @@ class PackedScorer:
         codes = coords.int()
         split = rank * page // 2
         values = self.coord_nibbles[codes[..., :split]].view(hkv, b, n, rank, page)
-        values[..., :fifth, :] += self.coord_bits[codes[..., split:]].view(hkv, b, n, fifth, page)
+        values[..., :fifth, :].add_(self.coord_bits[codes[..., split:]].view(hkv, b, n, fifth, page))  # no copy back
         logits = torch.matmul(values.transpose(-1, -2), proj).add_(centre)  # [Hkv, B, Np, P, G] base-2 logits
         logits = logits.view(hkv, b, n, page * g)
         peak = logits.amax(dim=-1, keepdim=True)

@@ -95,11 +95,19 @@ def _storage(pool, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def write_kv(pool, layer: int, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-    """Store k_new, v_new [N, Hkv, D] at rows `slots` [N * Hkv] of the pool's layer."""
+    """Store k_new, v_new [N, Hkv, D] at rows `slots` of the pool's layer: [N * Hkv], or [N, Hkv] (one per head).
+
+    With [N, Hkv] slots and a float pool without a page store, k_new and v_new are written as they are, strided
+    slices of the fused q|k|v projection included: one index_put_ each, where flattening them for index_copy_
+    copies each first (two more kernels per layer)."""
     if torch.compiler.is_compiling():
-        torch.ops.oval_edge.write_kv(*_storage(pool, layer), slots, k_new, v_new)
+        torch.ops.oval_edge.write_kv(*_storage(pool, layer), slots.reshape(-1), k_new, v_new)
         return
-    pool.write_rows(layer, slots, k_new, v_new)  # on the pool's per-layer views: no view op per call
+    if slots.dim() == 2 and pool.scale_rows[layer] is None and pool.store is None:
+        for rows, new in ((pool.k_rows[layer], k_new), (pool.v_rows[layer], v_new)):
+            rows.index_put_((slots,), new if new.dtype == rows.dtype else new.to(rows.dtype))
+        return
+    pool.write_rows(layer, slots.reshape(-1), k_new, v_new)  # on the pool's per-layer views: no view op per call
 
 
 def page_scores(pool, layer: int, q: torch.Tensor, page_table: torch.Tensor, counts: torch.Tensor,

@@ -170,11 +170,20 @@ class PagedLlama:
     def run_layers(self, hidden: torch.Tensor, tables: list, attention) -> torch.Tensor:
         """The decoder layers over hidden [N, hidden] with the step's rotary tables (rotary_tables);
         attention(layer, x, q, k, v) -> out [N, Hq, D] writes the layer's new K/V and attends (x is the normed
-        input, for the window hook)."""
+        input, for the window hook). An attention with a `rope_write(layer, ops, qkv, cos, sin)` method (the static
+        step's) may take a fused projection's output [N, (Hq + 2 Hkv) * D] whole: it returns q [N, Hq, D] rotated
+        with the layer's K/V already stored, and is then called with k = v = None; or None, and the forward rotates."""
         n = hidden.shape[0]
+        rope_write = getattr(attention, "rope_write", None)
         for index, ops in enumerate(self.ops):
             x = ops.input_norm(hidden)
-            q, k, v = self.qkv(ops, x, n, *tables[ops.rotary])
+            cos, sin = tables[ops.rotary]
+            if rope_write is not None and ops.qkv is not None:
+                fused = ops.qkv(x)  # [n, (Hq + 2 Hkv) * D]
+                q = rope_write(index, ops, fused, cos, sin)
+                q, k, v = (q, None, None) if q is not None else self.split_qkv(ops, fused, n, cos, sin)
+            else:
+                q, k, v = self.qkv(ops, x, n, cos, sin)
             out = ops.o_proj(attention(index, x, q, k, v).reshape(n, self.num_heads * self.head_dim))
             hidden = hidden + (ops.attn_out_norm(out) if ops.attn_out_norm is not None else out)
             out = ops.mlp(ops.post_norm(hidden))
@@ -198,19 +207,23 @@ class PagedLlama:
         """
         hq, hkv, d = self.num_heads, self.kv_heads, self.head_dim
         if ops.qkv is not None:
-            qkv = ops.qkv(x)  # [n, (Hq + 2 Hkv) * D]
-            qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
-            if ops.qk_norm is not None:
-                qk = ops.qk_norm.both(qk)
-            if ops.rope:
-                qk = _rotate(qk, cos, sin)
-            return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+            return self.split_qkv(ops, ops.qkv(x), n, cos, sin)
         q, k = ops.q(x).view(n, hq, d), ops.k(x).view(n, hkv, d)
         if ops.qk_norm is not None:
             q, k = ops.qk_norm.q(q), ops.qk_norm.k(k)
         if ops.rope:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         return q, k, ops.v(x).view(n, hkv, d)
+
+    def split_qkv(self, ops: "LayerOps", qkv: torch.Tensor, n: int, cos: torch.Tensor, sin: torch.Tensor):
+        """The fused projection's output qkv [n, (Hq + 2 Hkv) * D] -> q, k rotated (and head-normed), v (qkv above)."""
+        hq, hkv, d = self.num_heads, self.kv_heads, self.head_dim
+        qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
+        if ops.qk_norm is not None:
+            qk = ops.qk_norm.both(qk)
+        if ops.rope:
+            qk = _rotate(qk, cos, sin)
+        return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(n, hkv, d)
 
     def decode_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan: DecodePlan,
                      window: torch.Tensor | None = None) -> tuple[torch.Tensor, Selection]:

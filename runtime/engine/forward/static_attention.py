@@ -19,6 +19,15 @@ from oval_edge.sparse.sliding import ring_slots
 from oval_edge.sparse.step_ops import attend_slots, page_scores, select_slots, write_kv
 
 
+def rotation_matrices(cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """cos, signed_sin [n, 1, D] (the step's rotary tables) -> M [n, D, D]: a head x [D] of token i rotated is
+    x @ M[i] = x cos + rotate_half(x) sin. M = diag(cos) + S diag(signed sin), S[(j + D/2) % D, j] = 1 taking x to
+    x rolled by D/2 (PagedLlama's _rope). Entries are cos, sin or 0: no rounding until the matmul's own."""
+    d = cos.shape[-1]
+    eye = torch.eye(d, dtype=cos.dtype, device=cos.device)
+    return torch.addcmul(eye * cos, eye.roll(d // 2, dims=0), signed_sin)
+
+
 class StaticAttention:
     """One static step's attention, layer by layer: write the rows' K/V, select (sparse layers), attend. Holds the
     step's plan and what its sparse layers read, for `stats()`."""
@@ -28,25 +37,52 @@ class StaticAttention:
         config = self.runner.config
         self.plan = DecodePlan(config, step.lengths, step.sealed, step.width, self.runner.kv_heads, step.page_table,
                                static=True)
-        self.slots = (step.write_base[:, None] + step.head_offsets).reshape(-1)  # [B * Hkv] rows this step writes
+        self.slots = step.write_base[:, None] + step.head_offsets  # [B, Hkv] rows this step writes
         self.ring_slots = self.ring = None
         if step.sliding_layers:  # the rows' ring rows (the same in every sliding layer) and what the rings hold
             g = self.pool.geometry
             base = ring_row(g, step.ring_base, step.positions)  # [B]
-            self.ring_slots = (base[:, None] + step.head_offsets).reshape(-1)  # [B * Hkv]
+            self.ring_slots = base[:, None] + step.head_offsets  # [B, Hkv]
             self.ring = ring_slots(step.lengths, step.ring_base, g)  # flat, valid [B, Hkv, R * P]
+        self._turns: dict[int, torch.Tensor] = {}  # id(cos) -> its rotation matrices (one per rotary table a step)
         self.valids: list[torch.Tensor] = []
         self.windows: list[torch.Tensor] = []
 
-    def __call__(self, index: int, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [B, Hq, D], k, v [B, Hkv, D] -> out [B, Hq, D]."""
+    def rope_write(self, index: int, ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """RoPE of the fused projection's q and k heads and the K/V write of layer `index` (PagedLlama.run_layers'
+        hook) -> q [B, Hq, D] contiguous, on a GPU: with the Triton kernels one launch, else two batched matmuls
+        and the writes. None where the forward's ops run: a CPU (its figures as measured), head norms, a NoPE layer,
+        under tracing, and for Triton int8 K/V or a page store."""
+        step, pool, runner = self.step, self.pool, self.runner
+        if ops.qk_norm is not None or not ops.rope or torch.compiler.is_compiling() or pool.device.type == "cpu":
+            return None
+        slots = self.ring_slots if step.sliding[index] else self.slots
+        hq, hkv, d = runner.num_heads, runner.kv_heads, runner.head_dim
+        if step.triton is not None and pool.scale_rows[index] is None and pool.store is None:
+            return step.triton.rope_write(qkv, cos, sin, hq, hkv, slots, pool.k_rows[index], pool.v_rows[index])
+        if step.triton is not None or cos.shape[-1] != d:  # partial rotary (Phi-4-mini): the forward's three ops
+            return None
+        # The torch ops: each head times its token's rotation matrix, one batched matmul for q and one for k (no
+        # copy: the heads are strided slices of the projection) instead of three ops and a copy of q
+        turn = self._turns.get(id(cos))
+        if turn is None:
+            turn = self._turns[id(cos)] = rotation_matrices(cos, sin)
+        heads = qkv.view(qkv.shape[0], hq + 2 * hkv, d)
+        write_kv(pool, index, slots, torch.matmul(heads[:, hq : hq + hkv], turn), heads[:, hq + hkv :])
+        return torch.matmul(heads[:, :hq], turn)
+
+    def __call__(self, index: int, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
+                 v: torch.Tensor | None) -> torch.Tensor:
+        """q [B, Hq, D], k, v [B, Hkv, D] (None: rope_write stored them) -> out [B, Hq, D]."""
         step, plan = self.step, self.plan
         q = q.contiguous()  # a slice of the fused q|k heads: copied once here, not by the scorer and the attention
         if step.sliding[index]:
-            write_kv(self.pool, index, self.ring_slots, k, v)
+            if k is not None:
+                write_kv(self.pool, index, self.ring_slots, k, v)
             flat, valid = self.ring
             return attend_slots(self.pool, index, q, flat, valid, None, self.runner.scale, self.runner.softcap)
-        write_kv(self.pool, index, self.slots, k, v)
+        if k is not None:
+            write_kv(self.pool, index, self.slots, k, v)
         if step.dense[index]:
             dense = plan.full_dense()
             flat, valid, limits = dense.flat, dense.valid, step.lengths  # row b reads its first lengths[b] slots
