@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("oval_edge.runtime.server.serve", "serve a model over the OpenAI-compatible HTTP API"),
     "chat": ("oval_edge.runtime.chat", "chat with a model in the terminal"),
+    "pull": ("oval_edge.tools.pull.command", "download org/repo[:quant] from the Hugging Face Hub, if it fits"),
     "plan": ("oval_edge.tools.plan.command", "plan a memory budget for a Jetson Orin module (or this host)"),
     "profile": ("oval_edge.tools.profile.command", "measure page_size / top-k on this device and pick one"),
     "bench": ("oval_edge.tools.bench.command", "decode/prefill speed and memory: OVAL vs dense and peers"),

