@@ -38,11 +38,13 @@ def test_fixed_cost_brings_smollm2_on_orin_nano_below_the_bytes_only_roofline():
     # holds now (the tied head reads 32 instead of 57 MB a step), 632 since the page records scoring reads count
     # too, 657 with the int4 rank-8 records (516 instead of 896 bytes a page and KV head), 654 since their basis
     # rows and most coordinate rows carry a fifth bit (554 bytes); 589.6 since the default load serves the file's own
-    # Q4_1 blocks (5 bits a weight where NF4 took 4.1; issue #50); llama.cpp measures ~165 on the faster Nano Super.
+    # Q4_1 blocks (5 bits a weight where NF4 took 4.1; issue #50); 485.3 (nf4 528.1) since the head on CUDA is int8
+    # only where its Triton kernel runs, which a JetPack torch has not: the tied 16-bit table is read whole each step
+    # (57 instead of 32 MB). llama.cpp measures ~165 on the faster Nano Super.
     one = next(r for r in _smollm2_plan().rows if r.page_size == 32)
-    assert one.roofline_tok_s == pytest.approx(589.6, abs=0.5) and 100 < one.decode_tok_s < 200
+    assert one.roofline_tok_s == pytest.approx(485.3, abs=0.5) and 100 < one.decode_tok_s < 200
     nf4 = next(r for r in _smollm2_plan(quant="nf4").rows if r.page_size == 32)
-    assert nf4.roofline_tok_s == pytest.approx(654.4, abs=0.5)
+    assert nf4.roofline_tok_s == pytest.approx(528.1, abs=0.5)
     assert 1153 == graphed["ops_per_step"]  # 141 + 30 x 2 dense + 34 x 28 sparse (gguf): bench counts 1153 too
 
 
@@ -66,7 +68,12 @@ def test_plan_output_and_json_carry_the_fixed_cost_breakdown(capsys, tmp_path):
     out_json = tmp_path / "p.json"
     rc, out, _ = plan(capsys, "--device", "orin-nano-8gb", "--model", "default", "--json", str(out_json))
     assert rc == 0 and "tok/s = batch / (bytes per step / bandwidth + fixed cost per step)" in out
-    assert "graphed tok/s*" in out and "eager tok/s" in out and "(estimate)" in out and "(measured)" in out
+    assert "graphed tok/s*" in out and "(estimate)" in out and "(measured)" in out
+    # the path serve does not run, and where each figure comes from (third parties' issues among them), only with
+    # --verbose; docs/step-cost.md cites the sources
+    assert "eager tok/s" not in out and "https://" not in out and "docs/step-cost.md" in out
+    rc, verbose, _ = plan(capsys, "--device", "orin-nano-8gb", "--model", "default", "--verbose")
+    assert "eager tok/s" in verbose and "https://" in verbose
     dev = json.loads(out_json.read_text())["devices"][0]
     cost = dev["step_cost"]
     assert cost["served"] == "graphed" and cost["figures"]["graph_launch_us"]["kind"] == "measured"

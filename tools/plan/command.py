@@ -17,18 +17,24 @@ from oval_edge.jetson.modules import ORIN_MODULES, ModuleSpec, get_module, modul
 from oval_edge.runtime.model.source import quant_choices
 from oval_edge.units import parse_bytes
 
+from .catalog import known_model, known_names
 from .compute import DEFAULT_SPEED_TOLERANCE, DevicePlan, PlanRequest, plan_device
-from .model import read_model_shape
+from .model import ModelShape, read_model_shape
+from .models_table import USEFUL_CONTEXT, models_caption, models_table
 from .report import format_all_table, format_device_plan, report_json
+
+
+DEFAULT_CONTEXT = 4096
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto",
                         help=f"auto (probe this machine), all (every Orin module), or one of: {', '.join(module_names())}")
     parser.add_argument("--model", default="default",
-                        help="a .gguf file, a config.json, a Hugging Face folder, or 'default' (bundled SmolLM2-135M)")
+                        help="a .gguf file, a config.json, a Hugging Face folder, 'default' (bundled SmolLM2-135M), "
+                             f"or a model plan knows by name: {', '.join(known_names())}")
     parser.add_argument("--quant", default="auto", choices=quant_choices("auto"), help="weight quantization")
-    parser.add_argument("--context", type=int, default=4096, help="tokens per sequence to plan for (default 4096)")
+    parser.add_argument("--context", type=int, default=None, help="tokens per sequence to plan for (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     parser.add_argument("--memory-budget", default=None,
                         help="bytes the server may use, e.g. 6GiB (default: the device's DRAM minus the OS reserve)")
@@ -52,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime-overhead", default=None,
                         help="resident bytes of the loaded server besides its weights (default: 650MiB CPU, 800MiB CUDA)")
     parser.add_argument("--root", default="/", help="read /proc and /etc under this folder (recorded files)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="every column, and the source of each step-cost figure (docs/step-cost.md cites them)")
+    parser.add_argument("--models", action="store_true",
+                        help="instead of one model: the longest context each known model holds on each Orin module "
+                             f"(--device all or auto) or on --device NAME, as a Markdown table; '-' under --context "
+                             f"when given, else {USEFUL_CONTEXT}")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the full plan as JSON here")
     parser.add_argument("--write-config", default=None, help="write the recommended configuration as TOML here")
 
@@ -69,7 +81,8 @@ def _page_sizes(text: str) -> tuple[int, ...]:
 def build_request(args: argparse.Namespace) -> PlanRequest:
     oval = OvalConfig(top_k=args.top_k, kv_dtype=args.kv_dtype, record=args.record)
     return PlanRequest(
-        quant=args.quant, context=args.context, batch=args.batch, page_sizes=_page_sizes(args.page_size),
+        quant=args.quant, context=DEFAULT_CONTEXT if args.context is None else args.context, batch=args.batch,
+        page_sizes=_page_sizes(args.page_size),
         oval=oval,
         memory_budget=parse_bytes(args.memory_budget, "--memory-budget") if args.memory_budget else None,
         desktop=args.desktop,
@@ -91,15 +104,35 @@ def _auto_device(root: str) -> tuple[ModuleSpec, int | None, str, str]:
     return spec, found.budget_bytes, found.budget_source, found.describe()
 
 
+def planned_shape(model: str | None) -> ModelShape:
+    """A path (read_model_shape), or else a model plan knows by name (catalog.py)."""
+    if model not in (None, "", "default") and not os.path.exists(os.path.expanduser(model)):
+        known = known_model(model)
+        if known is not None:
+            return known.shape()
+        raise ValueError(f"model path {os.path.abspath(os.path.expanduser(model))} does not exist and plan knows no "
+                         f"model named {model!r}; pass a .gguf file, a config.json, a Hugging Face model folder, "
+                         f"'default', or one of: {', '.join(known_names())}")
+    return read_model_shape(model)
+
+
 def run(args: argparse.Namespace) -> int:
-    request = build_request(args)
-    shape = read_model_shape(args.model)
     device = str(args.device).strip().lower()
+    if args.models:
+        modules = ORIN_MODULES if device in ("all", "auto") else (get_module(device, args.root),)
+        if args.model not in (None, "", "default") or args.write_config:
+            raise ValueError("--models plans every known model; leave out --model and --write-config")
+        floor = USEFUL_CONTEXT if args.context is None else args.context
+        request = build_request(args)
+        print(models_caption(request, floor) + "\n\n" + models_table(request, floor, modules))
+        return 0
+    request = build_request(args)
+    shape = planned_shape(args.model)
     if device == "all":
         if args.write_config:
             raise ValueError("--write-config needs one device; use --device NAME or --device auto")
         plans = [plan_device(shape, m, request) for m in ORIN_MODULES]
-        print(format_all_table(plans))
+        print(format_all_table(plans, args.verbose))
         _write_json(args.json_path, plans)
         return 0
     if device == "auto":
@@ -108,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_device(shape, spec, request, budget, source)
     else:
         plan = plan_device(shape, get_module(device, args.root), request)
-    print(format_device_plan(plan))
+    print(format_device_plan(plan, args.verbose))
     _write_json(args.json_path, [plan])
     if args.write_config:
         if not plan.fits:

@@ -125,35 +125,63 @@ def plan_device(shape: ModelShape, device: ModuleSpec, request: PlanRequest,
     load_peak = load_peak_bytes(shape, weights, request.quant, target, overhead)
     rows = tuple(_page_plan(shape, request, p, target, weights, budget, overhead, bandwidth, load_peak, device.kind)
                  for p in request.page_sizes)
-    longest = max(((longest_context(shape, request, p, target, weights.total, budget, overhead, weights.layout), p)
-                   for p in request.page_sizes), key=lambda t: (t[0], -abs(math.log2(t[1] / 32))))
+    longest = max(((row.max_context_per_sequence, row.page_size) for row in rows),
+                  key=lambda t: (t[0], -abs(math.log2(t[1] / 32))))
     choice = recommend(rows, request.speed_tolerance)
     return DevicePlan(device, shape, request, weights, budget, source, overhead, bandwidth, load_peak, rows,
                       choice.chosen if choice else None, longest, STEP_COSTS.for_kind(device.kind),
                       STEP_COSTS.op_count(request.quant), choice)
 
 
-def longest_context(shape: ModelShape, request: PlanRequest, page_size: int, target: str, weights: int,
-                    budget: int, overhead: int, layout: str) -> int:
-    """Largest context (tokens per sequence, up to the model's) whose `batch` sequences fit the pool that is
-    left once the workspace for that context is set aside. Binary search: both needs grow with the context."""
-    geometry = geometry_for(shape, request.oval.replace(page_size=page_size), target)
+@dataclass(frozen=True)
+class PoolAt:
+    """The pool serve builds when it is started for `context` tokens per sequence: the workspace it sets aside
+    grows with the context, so the pages it leaves shrink."""
 
+    pages: int
+    workspace: int  # set aside: max(serve's formula, the largest step's transient)
+    serve_workspace: int  # serve's own formula (geometry.prefill_workspace_bytes + CUDA graphs)
+    parts: dict  # the largest step's transients: prefill, decode, seal, total
+    explain: str  # size_pool's arithmetic, or its message when not one page fits
+
+
+def pool_at(shape: ModelShape, request: PlanRequest, page_size: int, target: str, weights: WeightBreakdown,
+            budget: int, overhead: int, context: int) -> PoolAt:
     oval = request.oval.replace(page_size=page_size)
+    geometry = geometry_for(shape, oval, target)
+    serve_work = reserved_workspace_bytes(shape, geometry, target, request.prefill_chunk, context, request.batch)
+    parts = workspace_bytes(shape, oval, geometry, target, context, request.batch, request.prefill_chunk,
+                            weights.layout)
+    # Set aside what the largest step really needs, even where serve's own formula reserves less (it does not
+    # count the summaries built when pages are sealed); the written budget is lowered by the difference so that
+    # serve, with its formula, allocates the same pages.
+    work = max(serve_work, parts["total"])
+    try:  # serve's own sizing: sliding layers' rings (max_batch sequences) come out before the full pages
+        sizing = size_pool(budget, weights.total, geometry, workspace_bytes=work, reserve_bytes=overhead,
+                           ring_sequences=request.batch)
+        pages, explain = sizing.pages, sizing.explain()
+    except ValueError as exc:  # not one page fits: the message carries the minimum for one page
+        pages, explain = 0, str(exc)
+    return PoolAt(pages, work, serve_work, parts, explain)
 
-    rings = request.batch * geometry.ring_bytes_per_sequence  # sliding layers' rings, before any page
 
-    def fits(tokens: int) -> bool:
-        work = max(reserved_workspace_bytes(shape, geometry, target, request.prefill_chunk, tokens, request.batch),
-                   workspace_bytes(shape, oval, geometry, target, tokens, request.batch, request.prefill_chunk,
-                                   layout)["total"])
-        left = budget - weights - work - overhead - rings
-        return left > 0 and left // geometry.bytes_per_page >= request.batch * math.ceil(tokens / page_size)
+def context_fits(shape: ModelShape, request: PlanRequest, page_size: int, target: str, weights: WeightBreakdown,
+                 budget: int, overhead: int, context: int) -> bool:
+    """Whether `batch` sequences of `context` tokens fit the pool serve builds for that context: the one test
+    behind every "fits" and every longest context that plan prints, writes as JSON or tabulates."""
+    pages = pool_at(shape, request, page_size, target, weights, budget, overhead, context).pages
+    return pages > 0 and pages >= request.batch * math.ceil(context / page_size)
 
+
+def longest_context(shape: ModelShape, request: PlanRequest, page_size: int, target: str, weights: WeightBreakdown,
+                    budget: int, overhead: int) -> int:
+    """Largest context (tokens per sequence, up to the model's) that `context_fits` at this page size. Binary
+    search: the workspace and the pages needed both grow with the context, so the test turns false once."""
     low, high = 0, shape.max_context or (1 << 20)
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+        fits = context_fits(shape, request, page_size, target, weights, budget, overhead, mid)
+        low, high = (mid, high) if fits else (low, mid - 1)
     return low
 
 
@@ -161,29 +189,11 @@ def _page_plan(shape: ModelShape, request: PlanRequest, page_size: int, target: 
                budget: int, overhead: int, bandwidth: float | None, load_peak: int, kind: str) -> PagePlan:
     oval = request.oval.replace(page_size=page_size)
     geometry = geometry_for(shape, oval, target)
-    serve_work = reserved_workspace_bytes(shape, geometry, target, request.prefill_chunk, request.context,
-                                          request.batch)
-    parts = workspace_bytes(shape, oval, geometry, target, request.context, request.batch, request.prefill_chunk,
-                            weights.layout)
-    transient = parts["total"]
-    # Set aside what the largest step really needs, even where serve's own formula reserves less (it does not
-    # count the summaries built when pages are sealed); the written budget is lowered by the difference so that
-    # serve, with its formula, allocates the same pages.
-    work = max(serve_work, transient)
-    # Sliding layers' rings (max_batch sequences, K/V only) come out of the budget before the full pages are sized,
-    # as serve's size_pool does.
+    pool_now = pool_at(shape, request, page_size, target, weights, budget, overhead, request.context)
+    pages, work, serve_work, transient = pool_now.pages, pool_now.workspace, pool_now.serve_workspace, \
+        pool_now.parts["total"]
     rings = request.batch * geometry.ring_bytes_per_sequence
-    try:
-        sizing = size_pool(budget, weights.total, geometry, workspace_bytes=work, reserve_bytes=overhead,
-                           ring_sequences=request.batch)
-        pages, explain = sizing.pages, sizing.explain()
-    except ValueError as exc:  # not one page fits: the message carries the minimum for one page
-        pages, explain = 0, str(exc)
-    per_seq = math.ceil(request.context / page_size)
-    needed = request.batch * per_seq
-    max_ctx = (pages // request.batch) * page_size
-    if shape.max_context:
-        max_ctx = min(max_ctx, shape.max_context)
+    needed = request.batch * math.ceil(request.context / page_size)
     reads = decode_reads(shape, oval, geometry, request.context, request.batch)
     step_bytes = weights.read_per_decode_step + reads["kv_bytes"] + reads["summary_bytes"]
     tok_s = request.batch * bandwidth * 1e9 / step_bytes if bandwidth else None
@@ -194,17 +204,20 @@ def _page_plan(shape: ModelShape, request: PlanRequest, page_size: int, target: 
     serving = overhead + weights.total + transient + pool + rings
     return PagePlan(
         page_size=page_size, pages=pages, bytes_per_page=geometry.bytes_per_page, pool_bytes=pool,
-        tokens_in_pool=pages * page_size, max_context_per_sequence=max_ctx, fits=pages >= needed and pages > 0,
+        tokens_in_pool=pages * page_size,
+        max_context_per_sequence=longest_context(shape, request, page_size, target, weights, budget, overhead),
+        fits=context_fits(shape, request, page_size, target, weights, budget, overhead, request.context),
         pages_needed=needed,
         minimum_budget=weights.total + work + overhead + rings + needed * geometry.bytes_per_page,
         tokens_read_per_step=reads["tokens_per_step"], kv_bytes_read_per_step=reads["kv_bytes"],
         summary_bytes_read_per_step=reads["summary_bytes"], bytes_per_step=step_bytes, roofline_tok_s=tok_s,
         decode_tok_s=served.tok_s, decode_tok_s_per_sequence=served.tok_s_per_sequence,
         step_cost={"formula": FORMULA, "served": served.path, "paths": [p.as_dict() for p in paths]},
-        workspace_bytes=work, serve_workspace_bytes=serve_work, transient_bytes=transient, seal_bytes=parts["seal"],
+        workspace_bytes=work, serve_workspace_bytes=serve_work, transient_bytes=transient,
+        seal_bytes=pool_now.parts["seal"],
         serve_memory_budget=budget - (work - serve_work) - (overhead if target == "cuda" else 0),
         predicted_serving_peak_bytes=serving,
-        predicted_peak_bytes=max(serving, load_peak), explain=explain, ring_bytes=rings,
+        predicted_peak_bytes=max(serving, load_peak), explain=pool_now.explain, ring_bytes=rings,
     )
 
 

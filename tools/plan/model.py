@@ -131,6 +131,14 @@ def _from_config(path: str) -> ModelShape:
         raise ValueError(f"model file {path} is neither a GGUF file nor a JSON config.json ({exc})") from exc
     if not isinstance(config, dict):
         raise ValueError(f"model config {path} is not a JSON object")
+    folder = os.path.dirname(path)
+    name = os.path.basename(folder) if os.path.basename(path) == "config.json" else \
+        os.path.splitext(os.path.basename(path))[0]
+    return shape_from_config(config, path, name)
+
+
+def shape_from_config(config: dict, path: str, name: str) -> ModelShape:
+    """The shape a Hugging Face config.json describes (`path` names it in messages)."""
     config, notes = text_part(config, path)
     arch = config.get("model_type")
     if arch not in PLANNED_ARCHITECTURES:
@@ -147,7 +155,6 @@ def _from_config(path: str) -> ModelShape:
     hidden = need("hidden_size")
     head_dim = config.get("head_dim") or hidden // heads
     kv = config.get("num_key_value_heads") or heads
-    folder = os.path.dirname(path)
     layers, context = need("num_hidden_layers"), int(config.get("max_position_embeddings") or 0)
     window = config.get("sliding_window") or 0
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
@@ -157,8 +164,7 @@ def _from_config(path: str) -> ModelShape:
     if rotary is not None and not (isinstance(rotary, (int, float)) and 0 < rotary <= 1):
         raise ValueError(f"{path}: 'partial_rotary_factor' must be in (0, 1], got {rotary!r}")
     return ModelShape(
-        name=os.path.basename(folder) if os.path.basename(path) == "config.json" else os.path.splitext(os.path.basename(path))[0],
-        path=path, architecture=arch, layers=layers, hidden=hidden,
+        name=name, path=path, architecture=arch, layers=layers, hidden=hidden,
         intermediate=need("intermediate_size"), heads=heads, kv_heads=int(kv), head_dim=int(head_dim),
         vocab=need("vocab_size"), max_context=context,
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),

@@ -1,11 +1,14 @@
-"""Text tables and JSON for `oval-edge plan`."""
+"""Text tables and JSON for `oval-edge plan`. The default text fits 120 columns; `--verbose` adds the columns and
+the figures' sources (docs/step-cost.md cites them too), `--json` holds everything."""
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import asdict
 
 from oval_edge.units import format_bytes
 
+from .answer import answer_line, answer_of, best_row, what_fits_line
 from .compute import FORMULA, DevicePlan, PlanChoice, predicted_step_s
 from .memory import PagePlan, geometry_for
 from .step_cost import GRAPHED
@@ -18,6 +21,21 @@ def _tok_s(value: float | None) -> str:
 def _span(values: list[int]) -> str:
     lo, hi = min(values), max(values)
     return format_bytes(lo) if lo == hi else f"{format_bytes(lo)}..{format_bytes(hi)}"
+
+
+COLUMNS = 120
+
+
+def _wrap(lines: list[str]) -> list[str]:
+    """Prose lines folded to COLUMNS, continuation lines indented past the 'label    : ' column."""
+    out = []
+    for line in lines:
+        out.extend(textwrap.wrap(line, COLUMNS, subsequent_indent=" " * 11, break_on_hyphens=False) or [""])
+    return out
+
+
+def _pick(header: list[str], rows: list[list[str]], keep: list[bool]) -> tuple[list[str], list[list[str]]]:
+    return [h for h, k in zip(header, keep) if k], [[c for c, k in zip(r, keep) if k] for r in rows]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -34,7 +52,7 @@ def device_line(plan: DevicePlan) -> str:
     return f"{d.title}: {format_bytes(d.dram_bytes)}, {bw} ({d.bandwidth_note}){gpu}{modes}"
 
 
-def format_device_plan(plan: DevicePlan) -> str:
+def format_device_plan(plan: DevicePlan, verbose: bool = False) -> str:
     s, r, w = plan.shape, plan.request, plan.weights
     geo = geometry_for(s, r.oval.replace(page_size=plan.rows[0].page_size), w.target)
     lines = [
@@ -71,11 +89,38 @@ def format_device_plan(plan: DevicePlan) -> str:
                          "later starts map the weight cache and quantize nothing")
     if s.max_context and r.context > s.max_context:
         lines.insert(-1, f"warning  : context {r.context} exceeds the model's trained context {s.max_context}")
-    paths = [p["path"] for p in plan.rows[0].step_cost["paths"]]
+    lines = _wrap(lines)
+    lines.append(_table(*_page_table(plan, verbose)))
+    lines.append(f"  * the path serve runs here. tok/s: whole batch of {r.batch}; see 'decode' below")
+    lines.append("")
+    lines.extend(_wrap(decode_lines(plan, verbose)))
+    lines.append("")
+    if plan.recommended is not None:
+        p = plan.recommended
+        tail = [f"recommendation: page_size {p.page_size} -> {p.pages} pages, predicted decode "
+                f"{_tok_s(p.decode_tok_s)} tok/s ({p.step_cost['served']}; roofline {_tok_s(p.roofline_tok_s)}), "
+                f"predicted peak {format_bytes(p.predicted_peak_bytes)}"]
+        if plan.choice is not None:
+            tail.append(f"  why: {choice_text(plan.choice)}")
+        tail.append(f"  {p.explain}")
+    else:
+        tail = [plan.does_not_fit_message(), what_fits_line(plan) or ""]
+    tail.append(answer_line(answer_of(plan)))
+    if plan.bandwidth_gbps is None:
+        tail.append("note: decode tok/s needs the memory bandwidth; pass --bandwidth GB/s to get the prediction")
+    return "\n".join(lines + _wrap(tail))
+
+
+def _page_table(plan: DevicePlan, verbose: bool) -> tuple[list[str], list[list[str]]]:
+    """One row per page size; without `verbose` the columns a reader compares (120 columns wide)."""
+    r = plan.request
+    paths = [(p["path"], p["served"]) for p in plan.rows[0].step_cost["paths"]]
     header = ["page", "pages", "pool", "tokens", "max ctx/seq", f"fits {r.context}x{r.batch}", "read tok/step",
-              "K/V read/step", "summaries read/step", "bytes/step", "roofline tok/s"] + [f"{name} tok/s" + ("*" if served else "")
-                                                                   for name, served in zip(paths, _served(plan))] \
+              "K/V read/step", "summaries read/step", "bytes/step", "roofline tok/s"] \
+        + [f"{name} tok/s" + ("*" if served else "") for name, served in paths] \
         + ["workspace", "transient", "peak"]
+    keep = [True, True, True, verbose, True, True, True, verbose, verbose, True, True] \
+        + [verbose or served for _, served in paths] + [verbose, verbose, True]
     rows = [[str(p.page_size), str(p.pages), format_bytes(p.pool_bytes), str(p.tokens_in_pool),
              str(p.max_context_per_sequence), "yes" if p.fits else "no", str(p.tokens_read_per_step),
              format_bytes(p.kv_bytes_read_per_step), format_bytes(p.summary_bytes_read_per_step),
@@ -83,36 +128,16 @@ def format_device_plan(plan: DevicePlan) -> str:
              _tok_s(p.roofline_tok_s)] + [_tok_s(path["tok_s"]) for path in p.step_cost["paths"]]
             + [format_bytes(p.workspace_bytes), format_bytes(p.transient_bytes), format_bytes(p.predicted_peak_bytes)]
             for p in plan.rows]
-    lines.append(_table(header, rows))
-    lines.append(f"  * the path serve runs here. tok/s: whole batch of {r.batch}; see 'decode' below")
-    lines.append("")
-    lines.extend(decode_lines(plan))
-    lines.append("")
-    if plan.recommended is not None:
-        p = plan.recommended
-        lines.append(
-            f"recommendation: page_size {p.page_size} -> {p.pages} pages, up to {p.max_context_per_sequence} tokens "
-            f"per sequence at batch {r.batch}, predicted decode {_tok_s(p.decode_tok_s)} tok/s "
-            f"({p.step_cost['served']}; roofline {_tok_s(p.roofline_tok_s)}), predicted peak "
-            f"{format_bytes(p.predicted_peak_bytes)}"
-        )
-        if plan.choice is not None:
-            lines.append(f"  why: {choice_text(plan.choice)}")
-        lines.append(f"  {p.explain}")
-    else:
-        lines.append(plan.does_not_fit_message())
-    if plan.bandwidth_gbps is None:
-        lines.append("note: decode tok/s needs the memory bandwidth; pass --bandwidth GB/s to get the prediction")
-    return "\n".join(lines)
+    return _pick(header, rows, keep)
 
 
 def _served(plan: DevicePlan) -> list[bool]:
     return [p["served"] for p in plan.rows[0].step_cost["paths"]]
 
 
-def decode_lines(plan: DevicePlan) -> list[str]:
+def decode_lines(plan: DevicePlan, verbose: bool = False) -> list[str]:
     """How decode tok/s is predicted: the formula, the op count, each path's fixed cost and every figure's kind
-    and source (measured or estimate)."""
+    (measured or estimate); with `verbose` each figure's source too (else docs/step-cost.md names them)."""
     c, ops, s = plan.step_cost, plan.op_count, plan.shape
     row = plan.recommended or plan.rows[0]
     dense = min(plan.request.oval.dense_layers, s.layers)
@@ -131,9 +156,10 @@ def decode_lines(plan: DevicePlan) -> list[str]:
                         f"{row.page_size}" if path["bytes_ms"] is not None else ""))
     named = [("op_host", c.op_host_us), ("step_host", c.step_host_us), ("graph_launch", c.graph_launch_us),
              ("node_gpu", c.node_gpu_us), ("ops/layer", ops.per_sparse_layer)]
-    lines.append("  figures: " + "; ".join(f"{name} {f.label()}" for name, f in named if f is not None))
+    lines.append("  figures: " + "; ".join(f"{name} {f.label()}" for name, f in named if f is not None)
+                 + ("" if verbose else "; their sources: docs/step-cost.md or --verbose"))
     for name, f in named:
-        if f is not None:
+        if f is not None and verbose:
             lines.append(f"    {name}: {f.source}")
     if c.served == GRAPHED:
         lines.append("  the kernel count on CUDA is taken as the CPU step's op count (estimate; `make gpu-check` "
@@ -166,35 +192,37 @@ def choice_text(choice: PlanChoice) -> str:
     return text
 
 
-def best_row(plan: DevicePlan) -> PagePlan:
-    return plan.recommended or max(plan.rows, key=lambda p: (p.pages, -p.minimum_budget))
-
-
-def format_all_table(plans: list[DevicePlan]) -> str:
+def format_all_table(plans: list[DevicePlan], verbose: bool = False) -> str:
+    """One row per module from `answer_of` (the page size, pages, fits and longest context `--device NAME` and the
+    JSON give), then one line for each module that cannot hold the request saying what it holds."""
     r = plans[0].request
-    header = ["device", "DRAM", "GB/s", "budget", "weights", "page", "pages", f"longest ctx x{r.batch}",
+    header = ["device", "DRAM", "GB/s", "budget", "weights", "page", "pages", "longest ctx",
               f"fits {r.context}x{r.batch}", "roofline tok/s", "decode tok/s", "path", "serve peak", "load peak",
               "min budget"]
+    keep = [True, verbose, verbose, True, True, True, True, True, True, verbose, True, verbose, True, verbose,
+            verbose]
     rows = []
     for plan in plans:
-        p = best_row(plan)
+        answer, p = answer_of(plan), best_row(plan)
         bw = f"{plan.bandwidth_gbps:g}" if plan.bandwidth_gbps else "n/a"
         rows.append([plan.device.name, format_bytes(plan.device.dram_bytes), bw, format_bytes(plan.budget_bytes),
-                     format_bytes(plan.weights.total), str(p.page_size), str(p.pages),
-                     str(plan.longest_context[0]), "yes" if p.fits else "no", _tok_s(p.roofline_tok_s),
+                     format_bytes(plan.weights.total), str(answer.page_size), str(answer.pages),
+                     str(answer.longest_context), "yes" if answer.fits else "no", _tok_s(p.roofline_tok_s),
                      _tok_s(p.decode_tok_s), p.step_cost["served"],
                      format_bytes(p.predicted_serving_peak_bytes),
                      format_bytes(plan.load_peak_bytes) + (" (!)" if plan.load_exceeds_budget else ""),
                      format_bytes(min(row.minimum_budget for row in plan.rows))])
     s = plans[0].shape
-    title = (f"{s.name}, {r.quant}, context {r.context} x batch {r.batch} "
-             f"(budget = DRAM - {'desktop' if r.desktop else 'headless'} OS reserve; best page size per module)")
-    text = title + "\n" + _table(header, rows) + (f"\ndecode tok/s: {FORMULA}, for the path serve runs; "
-                                                  "`--device NAME` shows the fixed costs and their sources")
-    if any(plan.load_exceeds_budget for plan in plans):
-        text += ("\n(!) the first start (quantizing one layer at a time) needs more than the budget on this module; "
-                 "later starts map the weight cache")
-    return text
+    lines = [f"{s.name} ({r.quant}), {r.context} tokens x batch {r.batch}, {'desktop' if r.desktop else 'headless'}; "
+             "longest ctx: the most tokens a sequence can hold",
+             _table(*_pick(header, rows, keep))]
+    lines += [line for line in map(what_fits_line, plans) if line]
+    lines.append("decode tok/s: the path serve runs; `--device NAME` shows how it is predicted"
+                 + ("" if verbose else "; --verbose adds columns"))
+    if verbose and any(plan.load_exceeds_budget for plan in plans):
+        lines.append("(!) the first start (quantizing one layer at a time) needs more than the budget on this "
+                     "module; later starts map the weight cache")
+    return "\n".join(_wrap(lines[:1]) + [lines[1]] + _wrap(lines[2:]))
 
 
 def plan_json(plan: DevicePlan) -> dict:
@@ -219,6 +247,7 @@ def plan_json(plan: DevicePlan) -> dict:
                       "ops": {"quant": plan.op_count.quant, "base": plan.op_count.base.as_dict(),
                               "per_dense_layer": plan.op_count.per_dense_layer.as_dict(),
                               "per_sparse_layer": plan.op_count.per_sparse_layer.as_dict()}},
+        "answer": answer_of(plan).as_dict(),  # what the text and the --device all table print
         "fits": plan.fits,
         "longest_context": plan.longest_context[0],
         "longest_context_page_size": plan.longest_context[1],
@@ -226,6 +255,7 @@ def plan_json(plan: DevicePlan) -> dict:
         "predicted_peak_bytes": best.predicted_peak_bytes,
         "predicted_serving_peak_bytes": best.predicted_serving_peak_bytes,
         "message": None if plan.fits else plan.does_not_fit_message(),
+        "what_fits": what_fits_line(plan),
     }
 
 

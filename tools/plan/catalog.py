@@ -1,0 +1,74 @@
+"""The models plan knows by name: the ones Jetson users ask for most, so that `plan --model Qwen3-8B` works before
+anything is downloaded and a module that cannot hold a model can say which known model it does hold.
+
+Each entry keeps the fields of the published Hugging Face `config.json` that plan reads (model.shape_from_config);
+nothing else of the file matters to the plan. Where each was read is in docs/plan.md ("Known models") and, for the
+ones with a full copy under tests/fixtures/configs/, in its README; tests/test_plan_catalog.py checks every entry
+with such a copy against it, and SmolLM2-135M against the bundled GGUF's metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import ModelShape, shape_from_config
+
+_LLAMA3 = {"model_type": "llama", "vocab_size": 128256, "max_position_embeddings": 131072,
+           "num_key_value_heads": 8, "attention_bias": False}
+_QWEN3 = {"model_type": "qwen3", "vocab_size": 151936, "max_position_embeddings": 40960, "head_dim": 128,
+          "num_key_value_heads": 8, "attention_bias": False, "sliding_window": None}
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    repo: str  # the Hugging Face repository, org/name
+    config: dict  # the planner's fields of its config.json
+
+    @property
+    def name(self) -> str:
+        return self.repo.rpartition("/")[2]
+
+    def shape(self) -> ModelShape:
+        return shape_from_config(self.config, f"{self.repo} (known model)", self.name)
+
+
+KNOWN_MODELS = (
+    KnownModel("HuggingFaceTB/SmolLM2-135M-Instruct", {
+        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True}),
+    KnownModel("meta-llama/Llama-3.2-1B-Instruct", _LLAMA3 | {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "head_dim": 64, "tie_word_embeddings": True}),
+    KnownModel("meta-llama/Llama-3.2-3B-Instruct", _LLAMA3 | {
+        "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+        "head_dim": 128, "tie_word_embeddings": True}),
+    KnownModel("Qwen/Qwen3-4B", _QWEN3 | {
+        "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "tie_word_embeddings": True}),
+    KnownModel("microsoft/Phi-4-mini-instruct", {
+        "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+        "num_attention_heads": 24, "num_key_value_heads": 8, "vocab_size": 200064, "max_position_embeddings": 131072,
+        "sliding_window": 262144, "partial_rotary_factor": 0.75, "tie_word_embeddings": True,
+        "attention_bias": False}),
+    # the text decoder of a Gemma3ForConditionalGeneration config: its text_config, transformers' defaults filled
+    KnownModel("google/gemma-3-4b-it", {
+        "model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+        "sliding_window": 1024}),
+    KnownModel("meta-llama/Llama-3.1-8B-Instruct", _LLAMA3 | {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "tie_word_embeddings": False}),
+    KnownModel("Qwen/Qwen3-8B", _QWEN3 | {
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "tie_word_embeddings": False}),
+)
+
+
+def known_model(name: str) -> KnownModel | None:
+    """The entry named `name`: its repository (org/name) or its name alone, any case; None when plan knows none."""
+    wanted = name.strip().lower()
+    return next((m for m in KNOWN_MODELS if wanted in (m.repo.lower(), m.name.lower())), None)
+
+
+def known_names() -> list[str]:
+    return [m.name for m in KNOWN_MODELS]
