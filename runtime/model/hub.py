@@ -132,8 +132,9 @@ def choose_files(hub_id: HubId, listing: dict[str, int | None]) -> ModelFiles:
                          f"folder: use {hub_id.repo} with no tag (quantized to 4 bits at load)")
     others = [p for p in listing if p.endswith((".bin", ".pth", ".pt", ".onnx", ".h5", ".msgpack"))]
     if "config.json" in listing and others:
-        raise ValueError(f"{hub_id.repo} has weights only as {', '.join(sorted({os.path.splitext(p)[1] for p in others}))}; "
-                         f"oval-edge reads *.safetensors or GGUF files: pick a repo that has them")
+        kinds = ", ".join(sorted({os.path.splitext(p)[1] for p in others}))
+        raise ValueError(f"{hub_id.repo} has weights only as {kinds}; oval-edge reads *.safetensors or GGUF files: "
+                         f"pick a repo that has them")
     raise ValueError(f"{hub_id.repo} has neither GGUF files nor a config.json with *.safetensors weights "
                      f"({len(listing)} files); pick a model repo with one of those")
 
@@ -186,16 +187,19 @@ def pulled_model_path(hub_id: HubId) -> tuple[str, ModelFiles]:
     saying which `oval-edge pull` to run when it has not been pulled."""
     folder = snapshot_folder(hub_id.repo)
     if folder is None:
-        offline = " (HF_HUB_OFFLINE is set, so nothing can be downloaded now)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        offline = (" (HF_HUB_OFFLINE is set, so nothing can be downloaded now)" if os.environ.get("HF_HUB_OFFLINE")
+                   else "")
         raise ValueError(f"model {hub_id} has not been pulled into {hub_cache_dir()}{offline}; run "
                          f"`oval-edge pull {hub_id}` first (it checks the model fits this device), or pass a local "
                          f"path (there is no file or folder ./{hub_id.repo})")
     try:
         chosen = choose_files(hub_id, cached_files(folder))
     except ValueError as exc:
-        raise ValueError(f"{exc} (among the files pulled into {folder}; `oval-edge pull {hub_id}` fetches others)") from exc
+        raise ValueError(f"{exc} (among the files pulled into {folder}; `oval-edge pull {hub_id}` fetches "
+                         f"others)") from exc
     missing = _missing_shards(folder) if chosen.kind == "folder" else []
     if missing:
-        raise ValueError(f"model {hub_id} is only partly pulled ({missing[0]} is missing); run `oval-edge pull {hub_id}`")
+        raise ValueError(f"model {hub_id} is only partly pulled ({missing[0]} is missing); run "
+                         f"`oval-edge pull {hub_id}`")
     path = os.path.join(folder, chosen.gguf_file) if chosen.gguf_file else folder
     return path, chosen
