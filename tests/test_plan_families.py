@@ -25,6 +25,8 @@ REAL = {
     "gemma-3-4b-it": ("gemma3_text", 34, 2560, 8, 4, 256, 262208, True, 29, 3.88e9),
     "Phi-4-mini-instruct": ("phi3", 32, 3072, 24, 8, 128, 200064, True, 0, 3.84e9),
     "Llama-3.1-8B-Instruct": ("llama", 32, 4096, 32, 8, 128, 128256, False, 0, 8.03e9),
+    "Llama-3.2-1B-Instruct": ("llama", 16, 2048, 32, 8, 64, 128256, True, 0, 1.24e9),
+    "Qwen3-8B": ("qwen3", 36, 4096, 32, 8, 128, 151936, False, 0, 8.19e9),
 }
 
 

@@ -72,6 +72,5 @@ def models_table(request: PlanRequest | None = None, floor: int = USEFUL_CONTEXT
 
 def models_caption(request: PlanRequest | None = None, floor: int = USEFUL_CONTEXT) -> str:
     request = request or PlanRequest()
-    return (f"Longest context a sequence can hold, in tokens, at batch {request.batch} "
-            f"({'desktop' if request.desktop else 'headless'}), capped by each model's own; '-': under {floor:,}. "
-            f"From `{COMMAND}`.")
+    return (f"Longest context per sequence in tokens, batch {request.batch}, "
+            f"{'desktop' if request.desktop else 'headless'}, capped by each model's own; '-': under {floor:,}")
