@@ -173,11 +173,12 @@ def test_models_table_is_what_plan_answers_and_what_the_docs_quote(capsys):
         assert table in page.read_text(encoding="utf-8"), f"{page}: regenerate the table with `{COMMAND}`"
 
 
-def test_docs_plan_models_blocks_are_the_outputs_of_their_commands(capsys):
-    """docs/plan-models.md: each block is what the command named above it prints today (rerun it to regenerate)."""
-    page = (REPO / "docs" / "plan-models.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"^Command: `oval-edge plan ([^`]+)`\n\n```\n(.*?)\n```", page, re.M | re.S)
-    assert len(blocks) >= 8, "docs/plan-models.md lost its command-and-output blocks"
+@pytest.mark.parametrize("page, least", [("plan-models.md", 8), ("plan.md", 1)])
+def test_docs_blocks_are_the_outputs_of_their_commands(capsys, page, least):
+    """Each docs block under 'Command: `oval-edge plan ARGS`' is what that command prints today."""
+    text = (REPO / "docs" / page).read_text(encoding="utf-8")
+    blocks = re.findall(r"^Command: `oval-edge plan ([^`]+)`\n\n```\n(.*?)\n```", text, re.M | re.S)
+    assert len(blocks) >= least, f"docs/{page} lost its command-and-output blocks"
     for args, quoted in blocks:
         out = plan(capsys, *args.split())[1].rstrip("\n")
-        assert quoted == out, f"docs/plan-models.md is stale: rerun `oval-edge plan {args}` and paste its output"
+        assert quoted == out, f"docs/{page} is stale: rerun `oval-edge plan {args}` and paste its output"
