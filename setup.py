@@ -7,8 +7,15 @@ __init__.py is a package, and every other file in or below a package's folder sh
 """
 
 import os
+import warnings
 
 from setuptools import find_packages, setup
+
+# `pip install -e .` (what `make serve` runs) ended with setuptools' "Editable installation" banner, asking to beware
+# of folders in the working directory named like the package: the one such folder here, oval_edge/, is that
+# package's own source, so it asked for nothing. pip shows what the build warns even with -q; this one is dropped
+# (tests/test_quiet_start.py builds the wheel and the editable wheel and expects no warning from either).
+warnings.filterwarnings("ignore", message="Editable installation")
 
 # source folder -> the package it installs as
 ROOTS = {"oval_edge": "oval_edge", "runtime": "oval_edge.runtime", "tools": "oval_edge.tools",

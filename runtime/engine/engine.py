@@ -35,7 +35,6 @@ class Engine:
     def __init__(self, loaded: LoadedModel, oval: OvalConfig | None = None, config: EngineConfig | None = None):
         self.loaded = loaded
         self.config = config or EngineConfig()
-        self.tokenizer = loaded.tokenizer
         self.chat_template: str | None = None  # `serve --chat-template`: replaces the tokenizer's own template
         model_len = loaded.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or model_len, model_len)
@@ -58,7 +57,8 @@ class Engine:
 
             self.static.capture(CudaGraphs(loaded.device))  # now, while every page is free (cuda_graph.py)
         self.next_decode_trace = None  # a dispatch mode to run the next decode step under (bench's op count)
-        self.eos_ids = eos_token_ids(loaded.tokenizer, loaded.model)
+        self.tokenizer = loaded.tokenizer  # after the pool: it may still be loading (load_model's background load)
+        self.eos_ids = eos_token_ids(self.tokenizer, loaded.model)
         self.stats = EngineStats(pages_total=self.pool.num_pages)
         # Requests that fit the token budget are attended densely at every step: their pages need no summaries.
         scored_above = None if self.config.attention == "dense" else self.oval.token_budget
@@ -70,7 +70,7 @@ class Engine:
     @classmethod
     def load(cls, model: str | None = "default", quant: str = "auto", device: str | None = "auto",
              oval: OvalConfig | None = None, config: EngineConfig | None = None, dtype: str = "auto") -> "Engine":
-        return cls(load_model(model, quant, device, dtype), oval, config)
+        return cls(load_model(model, quant, device, dtype, tokenizer_in_background=True), oval, config)
 
     # ---- admission -----------------------------------------------------------------------------------------
     def describe_decode_step(self) -> str:

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,9 @@ from .weight_stream import GGUFWeights, SafetensorsWeights
 @dataclass
 class LoadedModel:
     model: torch.nn.Module  # runtime.model.decoder.DecoderModel: fused 4-bit (or full-precision) projections
-    tokenizer: object
+    # The tokenizer, or a Future of it while it still loads (load_model(..., tokenizer_in_background=True)); read it
+    # as `tokenizer`, which waits for that load and raises its ValueError.
+    tokenizer_source: object
     source: ModelSource
     quant: str
     device: torch.device
@@ -34,6 +37,12 @@ class LoadedModel:
     load_seconds: float
     precision_note: str = ""  # a GGUF's stored tensor types and what re-quantizing them costs (requantization_note)
     weights_origin: str = ""  # where the weights came from: the weight cache (its path) or quantized, and how long
+
+    @property
+    def tokenizer(self):
+        if isinstance(self.tokenizer_source, Future):
+            self.tokenizer_source = self.tokenizer_source.result()
+        return self.tokenizer_source
 
     @property
     def config(self):
@@ -87,7 +96,8 @@ def compute_dtype_for(device: torch.device, requested: str = "auto",
 
 
 def load_model(model: str | None = "default", quant: str = "auto", device: str | None = "auto",
-               dtype: str = "auto", weight_cache: bool | None = None) -> LoadedModel:
+               dtype: str = "auto", weight_cache: bool | None = None,
+               tokenizer_in_background: bool = False) -> LoadedModel:
     """Load, quantize and report. Raises ValueError naming the path for a missing/broken/unsupported model.
 
     Weights stream from the file one layer at a time into the runtime's own decoder (runtime/model/decoder.py):
@@ -95,6 +105,11 @@ def load_model(model: str | None = "default", quant: str = "auto", device: str |
     model classes are never imported (see runtime/model/config.py for why). The built decoder is kept in the weight
     cache (runtime/model/weight_cache/) and memory-mapped from there at the next load with the same source and
     settings; weight_cache: False bypasses it, None follows $OVAL_EDGE_WEIGHT_CACHE (on unless "0").
+
+    tokenizer_in_background: the tokenizer loads on a thread of its own and `loaded.tokenizer` waits for it. Why:
+    it is mostly importing transformers (0.7-0.9 s of Python holding the GIL, measured), while the weights and then
+    the engine's KV pool (hundreds of MB first touched by torch, GIL released) take as long or longer; the engine
+    reads the tokenizer only after its pool is built (Engine.load), so a warm start overlaps the two.
     """
     start = time.perf_counter()
     source = resolve_model(model)
@@ -107,7 +122,12 @@ def load_model(model: str | None = "default", quant: str = "auto", device: str |
     metadata = cached_metadata_folder(source.path) if source.gguf_file else None
     values = decoder_config_values(source, metadata)
     config = DecoderConfig.from_dict(values, source.path)
-    tokenizer = load_tokenizer(source, metadata)
+    if tokenizer_in_background:
+        loading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oval-edge-tokenizer")
+        tokenizer = loading.submit(load_tokenizer, source, metadata)
+        loading.shutdown(wait=False)  # the one job still runs; the thread ends with it
+    else:
+        tokenizer = load_tokenizer(source, metadata)
 
     def build():
         weights = _open_weights(source, config)
@@ -130,7 +150,7 @@ def load_model(model: str | None = "default", quant: str = "auto", device: str |
     logging.getLogger(__name__).info("loaded %s (%s) on %s: weights %s", source.path, quant, dev, origin)
     return LoadedModel(
         model=decoder,
-        tokenizer=tokenizer,
+        tokenizer_source=tokenizer,
         source=source,
         quant=quant,
         device=dev,

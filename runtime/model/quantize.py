@@ -8,6 +8,7 @@ the head is tied to the embedding in small models, and quantizing it costs the m
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -24,23 +25,46 @@ def import_bitsandbytes():
     compiled; runtime processes also set TORCHDYNAMO_DISABLE). While bitsandbytes imports, both are stood in for
     by the identity: the same eager functions are registered and called. If bitsandbytes was already imported
     (a user's process), it is left as it is.
-    """
-    import sys
 
+    On a CPU with AVX512-BF16 its CPU backend also asks the Hugging Face hub, at import, for an optional GEMM kernel
+    (`kernels.get_kernel`): a network round trip at every start (0.6 s here), a remote kernel only if the hub vouches
+    for its publisher, and otherwise a "Failed to load CPU gemm_4bit_forward ... Set trust_remote_code=True"
+    warning that asks the user for nothing they need to do. The `kernels` package is hidden while bitsandbytes
+    imports, so it falls back to its own library (the path the startup report's `matmuls` line names,
+    projections.PackedCpu4bit), and that one notice is dropped (HubKernelNotice).
+    """
     if "bitsandbytes" in sys.modules:
         return sys.modules["bitsandbytes"]
     saved = torch.compile, torch._disable_dynamo
+    hub = sys.modules.get("kernels", _ABSENT)
 
     def identity(fn=None, *args, **kwargs):
         return fn if fn is not None else (lambda f: f)
 
     torch.compile, torch._disable_dynamo = identity, identity
+    sys.modules["kernels"] = None  # `from kernels import get_kernel` raises ImportError, which bitsandbytes expects
+    logging.getLogger(HUB_KERNEL_LOGGER).addFilter(HubKernelNotice())
     try:
         import bitsandbytes
     finally:
         torch.compile, torch._disable_dynamo = saved
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU backend warns about an optional hub kernel
+        if hub is _ABSENT:
+            sys.modules.pop("kernels", None)
+        else:
+            sys.modules["kernels"] = hub
     return bitsandbytes
+
+
+_ABSENT = object()  # marks "no `kernels` entry in sys.modules" apart from a None entry
+HUB_KERNEL_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+class HubKernelNotice(logging.Filter):
+    """Drops bitsandbytes' warning that its optional hub kernel did not load (import_bitsandbytes says why); its
+    other warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward")
 
 
 def has_fused_gemm() -> bool:

@@ -100,8 +100,8 @@ class EngineLoop:
         """Cancel whatever still runs (pages freed) and end the thread."""
         if not self._thread.is_alive():
             return
-        self._post(lambda: self._cancel_all("the server is shutting down"))
-        self._post(self._stopping.set)
+        self.post(lambda: self._cancel_all("the server is shutting down"))
+        self.post(self._stopping.set)
         self._thread.join(timeout)
 
     def drain(self, grace_s: float) -> int:
@@ -113,7 +113,7 @@ class EngineLoop:
         if self.idle():
             return 0
         cancelled: list[int] = []
-        self._post(lambda: cancelled.append(self._cancel_all("the server is shutting down")))
+        self.post(lambda: cancelled.append(self._cancel_all("the server is shutting down")))
         deadline = time.monotonic() + 5.0
         while not self.idle() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -158,7 +158,7 @@ class EngineLoop:
             self._live[request_id] = request
             self._outbox.send(loop, _resolve, accepted, request)
 
-        self._post(do_submit)
+        self.post(do_submit)
         try:
             result = await accepted
         except asyncio.CancelledError:  # the client left before the engine took it: do not run it for nobody
@@ -170,14 +170,16 @@ class EngineLoop:
 
     def cancel(self, request_id: str) -> None:
         """Stop a request at the next step boundary and free its pages (thread-safe, non-blocking)."""
-        self._post(lambda: self.engine.cancel(request_id))
+        self.post(lambda: self.engine.cancel(request_id))
 
     def forget(self, request_id: str) -> None:
         """Drop the server's note for a finished request (the handler has read it)."""
         self._notes.pop(request_id, None)
 
     # ---- the engine thread ----------------------------------------------------------------------------------
-    def _post(self, command: Callable[[], None]) -> None:
+    def post(self, command: Callable[[], None]) -> None:
+        """Run `command` on the engine thread before its next step (thread-safe, non-blocking); an exception it
+        raises is logged and the thread goes on."""
         with self._pending_lock:
             self._pending += 1
         self._inbox.put(command)
