@@ -255,30 +255,5 @@ def prefill_workspace_bytes(
     return max(chunk, step_tokens or 0) * per_token + gathered + scores
 
 
-def decode_graph_bytes(
-    hidden: int, intermediate: int, q_heads: int, vocab: int, geometry: KVGeometry, max_batch: int, context: int,
-    act_bytes: int,
-) -> int:
-    """Device memory the CUDA graphs of the static decode step keep for their whole life (runtime/engine/forward/cuda_graph.py).
-
-    A captured graph owns the blocks its step allocated: with one pool shared by all buckets, about the largest
-    bucket's live set plus every bucket's outputs. Per row: the layer's activations (6 x hidden + 3 x intermediate),
-    the logits (vocab, in the activation dtype and again in fp32), and the dense layers' attention over the padded
-    page table on the torch path: K/V gathered in the activation dtype (2 x kv_heads x context x D, one KV head at a
-    time from 2,048 slots, as attention.attend_rows does) and fp32 logits (q_heads x context). The Triton kernels need
-    none of the gathered part; this counts the torch path, the larger.
-    """
-    heads_at_once = 1 if context >= 2048 else geometry.kv_heads
-    per_row = ((6 * hidden + 3 * intermediate) * act_bytes + vocab * (act_bytes + 4)
-               + 2 * heads_at_once * context * geometry.head_dim * act_bytes + q_heads * context * 4)
-    outputs = sum(batch_buckets(max_batch)) * vocab * 4  # each bucket's logits outlive its capture
-    return max_batch * per_row + outputs
-
-
-def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """1, 2, 4, ... below max_batch, then max_batch: the batch sizes a static decode step is built for."""
-    sizes, size = [], 1
-    while size < max_batch:
-        sizes.append(size)
-        size *= 2
-    return (*sizes, max_batch)
+# The decode step's graph memory and its buckets live in step_memory.py (re-exported: callers import them here)
+from .step_memory import batch_buckets, decode_graph_bytes  # noqa: E402,F401

@@ -13,8 +13,9 @@ stand-ins make that possible on a torch built without CUDA:
   argument devices), so the Triton wrappers' Python runs and each launch counts.
 
 `StepAudit` (a TorchDispatchMode) then counts what a step dispatches: kernel launches (ops that compute: views,
-metadata and bare allocations excluded, a `.to()` that converts included; a composite op counts once), ops whose tensors span devices, copies across
-devices, host reads (item, tolist, nonzero, bool(), synchronize), and the peak of the bytes its temporaries hold.
+metadata and bare allocations excluded, a `.to()` that converts included; a composite op counts once), ops whose
+tensors span devices, copies across devices, host reads (item, tolist, nonzero, bool(), synchronize), and the peak
+of the bytes its temporaries hold.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class StepAudit(TorchDispatchMode):
         if not (func.is_view or name in NO_LAUNCH) or (name in CONVERSIONS and out is not args[0]):
             self.launches[name] += 1
         # A fresh allocation is an output the schema does not alias to an input (views, in-place and out= ops
-        # return their inputs' storage: the pool's, the weights')
-        fresh = [r.alias_info is None for r in func._schema.returns]
+        # return their inputs' storage: the pool's, the weights'), or a .to() that converted (its schema may alias)
+        fresh = [r.alias_info is None or (name in CONVERSIONS and out is not args[0]) for r in func._schema.returns]
         for tensor, is_fresh in zip(out if isinstance(out, (tuple, list)) else (out,), fresh):
             for part in tensors_in(tensor) if is_fresh else ():
                 self._hold(part)

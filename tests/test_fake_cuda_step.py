@@ -63,7 +63,7 @@ class StepTrace:
                 + [f"host read: {r}" for r in a.host_reads + b.host_reads + self.syncs] + off)
 
 
-def trace_static_step(folder: str, triton: bool) -> StepTrace:
+def trace_static_step(folder: str, triton: bool, rows=ROWS, context: int = CONTEXT) -> StepTrace:
     """Load the engine on the fake device (Triton kernels stubbed, or switched off), make the rows' sequences (host
     bookkeeping and sealing on fake tensors) and run StaticStep.forward once under the audit."""
     from oval_edge import OvalConfig
@@ -92,12 +92,12 @@ def trace_static_step(folder: str, triton: bool) -> StepTrace:
         try:
             with fake_mode(), bindings:
                 engine = Engine.load(folder, quant="nf4", device="cuda", oval=OvalConfig(),
-                                     config=EngineConfig(num_pages=1100, max_batch=4, max_model_len=CONTEXT,
+                                     config=EngineConfig(num_pages=1100, max_batch=4, max_model_len=context,
                                                          cuda_graphs=False, prefix_cache=False))
-                for seq_id, length in ROWS:
+                for seq_id, length in rows:
                     assert engine.pool.allocate(seq_id, length + 64) is not None
                     engine.pool.advance([seq_id], [length])
-                step = engine.static.load([sid for sid, _ in ROWS], [11, 12, 13])
+                step = engine.static.load([sid for sid, _ in rows], [11 + i for i in range(len(rows))])
                 bindings.host_reads.clear()
                 bindings.copies.clear()
                 del syncs[:]
@@ -108,7 +108,9 @@ def trace_static_step(folder: str, triton: bool) -> StepTrace:
                     outputs = step.forward()
                 audits.clear()
                 bindings.audits.clear()
-                return StepTrace(engine, audit, bindings, list(syncs), triton_devices, outputs)
+                trace = StepTrace(engine, audit, bindings, list(syncs), triton_devices, outputs)
+                trace.width = step.width
+                return trace
         finally:
             clear_triton_loaders()
 
@@ -153,6 +155,38 @@ def test_the_static_step_on_cuda_stays_on_the_device_within_its_launch_budget(pa
         assert not any(name.startswith("triton.") for name in trace.audit.launches)
     print(_report(path, trace))
     assert trace.audit.total <= LAUNCH_BUDGETS[path], _report(path, trace)
+
+
+def test_a_short_batch_on_the_torch_path_takes_a_narrow_step(smollm2_folder, torch_ops_step, triton_step):
+    """The torch ops score every listed page and the dense layers read the whole table: a batch of short rows takes
+    the narrowest page-table width bucket holding it (StaticDecoder.widths), not max_model_len's 256 pages."""
+    short = trace_static_step(smollm2_folder, triton=False, rows=(("a", 900), ("b", 90)))
+    assert torch_ops_step.width == 256 and triton_step.width == 256 and short.width == 32  # 901 tokens: 29 pages
+    assert short.problems() == []
+    print(f"[torch, rows of 900 and 90] launches {short.audit.total}, temporaries peak "
+          f"{short.audit.peak / 2**20:.1f} MiB (8k-wide step: {torch_ops_step.audit.peak / 2**20:.1f} MiB)")
+    assert short.audit.peak < torch_ops_step.audit.peak / 4
+
+
+@pytest.mark.parametrize("batch,context", [(1, 2048), (4, 2048), (1, 8192), (4, 8192)])
+def test_decode_graph_bytes_counts_the_torch_steps_temporaries(smollm2_folder, torch_ops_step, batch, context):
+    """step_peak_bytes (what decode_graph_bytes adds to the graphs' outputs) against the peak of the bytes the
+    torch-ops step allocates, measured in the trace, with rows long enough for the widest page table."""
+    from oval_edge.geometry import KVGeometry
+    from oval_edge.step_memory import STEP_BYTES_TOLERANCE, step_peak_bytes
+
+    rows = (("a", context - 100), ("b", context // 3), ("c", 90), ("d", 500))[:batch]
+    trace = torch_ops_step if (batch, context) == (4, CONTEXT) else \
+        trace_static_step(smollm2_folder, triton=False, rows=rows, context=context)
+    geometry = trace.engine.pool.geometry
+    assert isinstance(geometry, KVGeometry) and geometry.record == "int4"
+    act = torch.finfo(trace.engine.runner.decoder.norm.weight.dtype).bits // 8
+    s = SMOLLM2
+    want = step_peak_bytes(s["hidden_size"], s["intermediate_size"], s["num_attention_heads"], s["vocab_size"],
+                           geometry, batch, context, act)
+    print(f"[torch, batch {batch}, {context} tokens] temporaries peak measured {trace.audit.peak / 2**20:.2f} MiB, "
+          f"step_peak_bytes {want / 2**20:.2f} MiB")
+    assert abs(want - trace.audit.peak) <= STEP_BYTES_TOLERANCE * trace.audit.peak
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

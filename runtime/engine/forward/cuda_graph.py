@@ -1,4 +1,5 @@
-"""The static decode step captured into CUDA graphs, one per batch bucket, and replayed (DESIGN §9, gpt-fast's recipe).
+"""The static decode step captured into CUDA graphs, one per batch bucket (and page-table width), and replayed
+(gpt-fast's recipe).
 
 Why: an eager step of a 30-layer model launches ~1,300 kernels, each costing 10-20 us of Python, dispatcher and
 driver work on a Jetson's ARM cores: the GPU then waits on the CPU for most of the step. A captured graph is one
@@ -99,17 +100,23 @@ class CaptureReport:
     buckets: tuple[int, ...]
     seconds: float
     held_bytes: int  # device memory the graphs' pool and warm-up added (measured)
+    widths: tuple[int, ...] = ()  # page-table widths per bucket (StaticDecoder.widths), when more than one
 
     def explain(self) -> str:
-        return (f"CUDA graphs: buckets {', '.join(map(str, self.buckets))} captured in {self.seconds:.1f} s, "
+        widths = (f" x page-table widths {', '.join(map(str, self.widths))} "
+                  f"({len(self.buckets) * len(self.widths)} graphs)") if len(self.widths) > 1 else ""
+        return (f"CUDA graphs: buckets {', '.join(map(str, self.buckets))}{widths} captured in {self.seconds:.1f} s, "
                 f"holding {format_bytes(self.held_bytes)}")
 
 
 def capture_steps(decoder, backend: GraphBackend) -> CaptureReport:
-    """Build and capture every bucket of a StaticDecoder, largest first (the smaller ones reuse its pool blocks)."""
+    """Build and capture every (batch bucket, width) step of a StaticDecoder, largest first (the smaller ones reuse
+    its pool blocks)."""
     began, before = time.perf_counter(), backend.held_bytes()
     for bucket in sorted(decoder.buckets, reverse=True):
-        GraphedStep(decoder.step_for(bucket), backend)
-    report = CaptureReport(tuple(decoder.buckets), time.perf_counter() - began, max(0, backend.held_bytes() - before))
+        for width in sorted(decoder.widths, reverse=True):
+            GraphedStep(decoder.step_for(bucket, width), backend)
+    report = CaptureReport(tuple(decoder.buckets), time.perf_counter() - began, max(0, backend.held_bytes() - before),
+                           tuple(decoder.widths))
     log.info(report.explain())
     return report

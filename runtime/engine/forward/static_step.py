@@ -25,6 +25,7 @@ from contextlib import nullcontext
 import torch
 
 from oval_edge.geometry import batch_buckets
+from oval_edge.step_memory import narrowest_width, width_buckets
 from oval_edge.kernels.cpu import decode_kernels
 from oval_edge.kernels.gpu import gpu_kernels
 from oval_edge.kv.page_record import Rotations
@@ -147,15 +148,24 @@ class StaticStep:
 
 
 class StaticDecoder:
-    """The engine's decode step: picks the bucket for a batch, runs its static step, reads the statistics after it."""
+    """The engine's decode step: picks the step for a batch, runs it, reads the statistics after it.
+
+    A step has static shapes per batch bucket and, where it reads every listed page (the torch ops: every page's
+    record scored, dense layers over the whole padded table), per page-table width too: the narrowest width bucket
+    that holds the batch's longest row, chosen on the host before the step runs (or replays), so a batch of short
+    rows never pays for max_model_len. Where kernels read each row's own pages (native CPU, Triton) one width."""
 
     def __init__(self, runner: PagedLlama, max_batch: int, max_tokens: int, compile_backend: str | None = None) -> None:
         self.runner = runner
+        pool, config = runner.pool, runner.config
         self.buckets = batch_buckets(max_batch)
-        self.width = runner.pool.pages_needed(max_tokens)
+        self.width = pool.pages_needed(max_tokens)
+        # compiled steps keep one width: each (bucket, width) would be one more compilation of the same forward
+        one = decode_kernels(pool.device) is not None or compile_backend is not None
+        self.widths = (self.width,) if one else width_buckets(self.width, narrowest_width(config))
         self.compile_backend = compile_backend
         self.rotations = Rotations()  # the int4 record's rotation, built once for every bucket's step
-        self._steps: dict[int, StaticStep] = {}  # bucket -> step, built on first use (or all by `capture`)
+        self._steps: dict[tuple[int, int], StaticStep] = {}  # (bucket, width) -> step, built on first use or capture
         self.graphs = None  # cuda_graph.CaptureReport once `capture` ran
 
     def capture(self, backend) -> None:
@@ -167,17 +177,28 @@ class StaticDecoder:
             raise ValueError("decode_step='compiled' and CUDA graphs do not combine; use decode_step='static'")
         self.graphs = capture_steps(self, backend)
 
-    def step_for(self, rows: int) -> StaticStep:
+    def step_for(self, rows: int, width: int | None = None) -> StaticStep:
+        """The step of the batch bucket for `rows` rows over page tables `width` wide (one of self.widths; None: the
+        widest)."""
         bucket = next((size for size in self.buckets if size >= rows), None)
         if bucket is None:
             raise ValueError(f"{rows} rows exceed max_batch={self.buckets[-1]}")
-        if bucket not in self._steps:
-            self._steps[bucket] = StaticStep(self.runner, bucket, self.width, self.compile_backend, self.rotations)
-        return self._steps[bucket]
+        width = self.width if width is None else width
+        if width not in self.widths:
+            raise ValueError(f"no static step is built for {width}-page tables; widths: {self.widths}")
+        if (bucket, width) not in self._steps:
+            self._steps[bucket, width] = StaticStep(self.runner, bucket, width, self.compile_backend, self.rotations)
+        return self._steps[bucket, width]
+
+    def width_for(self, seq_ids: list) -> int:
+        """The narrowest width bucket holding every row's pages after this step's token (host bookkeeping only)."""
+        pool = self.runner.pool
+        longest = max(pool.pages_needed(pool.length(sid) + 1) for sid in seq_ids)
+        return next((width for width in self.widths if width >= longest), self.width)  # too long: load() says so
 
     def load(self, seq_ids: list, tokens: list[int]) -> StaticStep:
-        """The bucket's step for these rows, its inputs loaded (one host-to-device copy)."""
-        step = self.step_for(len(seq_ids))
+        """The step for these rows (batch bucket, width bucket), its inputs loaded (one host-to-device copy)."""
+        step = self.step_for(len(seq_ids), self.width_for(seq_ids))
         step.load(seq_ids, tokens)
         return step
 
@@ -198,12 +219,12 @@ class StaticDecoder:
         sparse_layers = len(step.dense) - step.dense_layers - step.sliding_layers
         shorts = all(length <= step.slots for length in step.lengths_list)
         g = self.runner.pool.geometry
-        gathered = rows * self.runner.kv_heads * (step.dense_layers * self.width * g.page_size + sparse_layers
+        gathered = rows * self.runner.kv_heads * (step.dense_layers * step.width * g.page_size + sparse_layers
                                                   * step.slots + step.sliding_layers * g.ring_pages * g.page_size)
         # Scoring reads the records of each row's sealed pages (the kernels stop at sealed[b]), in every sparse layer;
         # in two levels, every group's coarse record and the fine records of a fixed set of pages per row.
         config = self.runner.config
-        if uses_groups(self.width, config.group_pages, config.top_groups):
+        if uses_groups(step.width, config.group_pages, config.top_groups):
             per_head = rows * g.scoring_bytes(self.width, config.top_groups)
         else:
             per_head = sum((length - 1) // g.page_size for length in step.lengths_list) * g.summary_bytes_per_head()
