@@ -6,9 +6,11 @@ torch without Triton runs (stock JetPack torch has none).
 
 Checked in the step (StaticStep.forward, the function a CUDA graph captures): no op mixes devices, nothing crosses
 between host and device, the host never waits for a device value, and the kernel launches per step stay within a
-budget per path (LAUNCH_BUDGETS; before the rotation was built once per step and the torch path's record
-scoring was rewritten, the Triton path took 1,814 and the torch path 3,296 by this count). The torch path's
-peak of temporaries is printed too. PackedScorer (the torch path's scorer) is checked against record_scores here.
+budget per path (LAUNCH_BUDGETS; at 2875b6f, counted as now, the Triton path took 1,278 and the torch path 2,231).
+A batch of short rows takes a narrow page-table width on the torch path, and decode_graph_bytes' count of the torch
+step's temporaries (oval_edge/step_memory.py) stays within its tolerance of the peak measured here at batch 1 and 4,
+2k and 8k. PackedScorer (the torch path's scorer) is checked against record_scores here. docs/gpu-step.md says
+where the launches go.
 
 Run with -s to see the counts per path.
 """
@@ -21,9 +23,9 @@ import torch
 from fake_cuda import (CudaBindings, StepAudit, answer_like_an_orin, clear_triton_loaders, fake_linear4bit, fake_mode,
                        stub_triton_launches)
 
-# Measured 1,122 and 1,992 (copies made inside .contiguous()/.reshape() included). The issue's targets, 700 and
-# 1,500, are not met yet: docs/gpu-step.md lists where the rest of the launches go.
-LAUNCH_BUDGETS = {"triton": 700, "torch": 1750}
+# Measured 678 and 1,719 (budgets just above). The issue's Triton target (700) is met; its torch-ops one (1,500) is
+# not: the int4 record scorer alone is 27 launches a sparse layer in torch ops (docs/gpu-step.md).
+LAUNCH_BUDGETS = {"triton": 690, "torch": 1730}
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                num_hidden_layers=30, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
                tie_word_embeddings=True)
