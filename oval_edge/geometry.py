@@ -1,4 +1,4 @@
-"""KV geometry and the budget arithmetic that sizes the page pool (DESIGN §3).
+"""KV geometry and the budget arithmetic that sizes the page pool ([R-pool]).
 
 No torch at import time: the planner (`oval-edge plan`) uses this without loading any model.
 """
@@ -59,7 +59,7 @@ class KVGeometry:
         if not 1 <= self.rank <= self.head_dim:
             raise ValueError(f"rank={self.rank} must be in [1, head_dim={self.head_dim}]")
         if "oval" in self.summary_kinds and self.rank > self.page_size - 1:
-            # Centred keys of a page span at most P - 1 directions: a P-th one would be noise (DESIGN §4.3).
+            # Centred keys of a page span at most P - 1 directions: a P-th one would be noise ([R-page-score]).
             raise ValueError(f"rank={self.rank} is above page_size - 1 = {self.page_size - 1}: a page's centred keys "
                              f"span at most page_size - 1 directions; lower rank or raise page_size")
         if self.record not in RECORD_FORMATS:

@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 300
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CITATION = re.compile(r"ARCHITECTURE\.md#([\w-]+)")
+RULE_NAMES = re.compile(r"\[(R-[\w-]+(?:(?:, | to |\] to \[)R-[\w-]+)*)\]")  # code cites [R-pool] or several in one bracket
 SOURCE_SUFFIXES = {".py", ".c", ".h", ".sh", ".md", ".toml", ".yaml", ".yml", ".txt", ".cfg"}
 SKIP_DIRS = {".git", ".venv", "build", "node_modules", ".hypothesis", "__pycache__"}
 
@@ -76,10 +77,24 @@ def test_citations_of_the_rules_name_existing_sections():
     assert {"r-pool", "r-static-step", "r-page-score"} <= rules  # the rules the code cites most
     missing = {}
     for path in source_files():
-        cited = set(CITATION.findall(path.read_text(encoding="utf-8", errors="replace")))
+        text = path.read_text(encoding="utf-8", errors="replace")
+        cited = set(CITATION.findall(text)) | {name.lower() for group in RULE_NAMES.findall(text)
+                                               for name in re.findall(r"R-[\w-]+", group)}
         if cited - rules:
             missing[str(path.relative_to(REPO))] = sorted(cited - rules)
     assert missing == {}, f"citations of ARCHITECTURE.md sections that do not exist: {missing}"
+
+
+def test_no_file_cites_a_design_document_outside_the_repository():
+    citing = [str(path.relative_to(REPO)) for path in source_files() if path.name != "test_docs_map.py"
+              and re.search(r"DESIGN §|DESIGN\.md|\.\./shared/", path.read_text(encoding="utf-8", errors="replace"))]
+    assert citing == [], f"these files cite a document outside the repository (cite ARCHITECTURE.md's rules): {citing}"
+
+
+def test_rule_citations_are_read_from_code(tmp_path):
+    text = "x = 1  # ([R-pool], [R-candidates] to [R-exact-attention]; [R-pool, R-window]) and [not a rule]"
+    found = {name for group in RULE_NAMES.findall(text) for name in re.findall(r"R-[\w-]+", group)}
+    assert found == {"R-pool", "R-candidates", "R-exact-attention", "R-window"}
 
 
 def test_the_link_checker_sees_broken_links(tmp_path):

@@ -1,7 +1,7 @@
 """The Triton GPU kernels (triton_scoring.py, triton_attention.py): typed entry points, their switch, self-check.
 
 Why: on CUDA the torch ops gather every selected K/V row and every listed page record into fresh buffers before
-computing on them; the Triton kernels read the pool in place (DESIGN §9). They are an optimisation only:
+computing on them; the Triton kernels read the pool in place ([R-static-step]). They are an optimisation only:
 `gpu_kernels(device)` is None (and callers keep their torch code) when the device is not CUDA, when Triton does
 not import (it is optional on a Jetson), when OVAL_EDGE_TRITON=0, or when a small startup self-check against the
 torch reference fails; the reason is logged once and shown by `describe_gpu_kernels`. Under TRITON_INTERPRET=1

@@ -1,5 +1,5 @@
-"""Sparse decode attention in Triton (DESIGN §4.6, §9): one new token per row over the pool rows a selection names,
-read in place (nothing is gathered), with a split-K (flash-decoding) form for long slot lists.
+"""Sparse decode attention in Triton ([R-exact-attention, R-static-step]): one new token per row over the pool rows a
+selection names, read in place (nothing is gathered), with a split-K (flash-decoding) form for long slot lists.
 
 Why: the torch path (attention.attend_rows) copies every selected K/V row into a [B, Hkv, T, D] buffer, converts
 it to q's dtype and runs two matmuls around a masked softmax: four passes over T·D per head. Here each valid

@@ -1,4 +1,4 @@
-"""Page scoring in Triton (DESIGN §4.3, §9): oval and quest scores read from one layer's records in place.
+"""Page scoring in Triton ([R-page-score, R-static-step]): oval and quest scores read from one layer's records in place.
 
 Why: the torch scorers (oval_edge/sparse/scoring.py) first gather every listed page's record into a new buffer
 ([B, Hkv, Np, r, D + P] for oval), widen it to fp32, then run a matmul, r multiply-adds and a log-sum-exp, each a

@@ -1,4 +1,4 @@
-"""The oval page record in the pool: how it is laid out, quantized when a page seals, and read back (DESIGN §4.3).
+"""The oval page record in the pool: how it is laid out, quantized when a page seals, and read back ([R-page-score]).
 
 A record of one (layer, KV head, page) is the page's key mean mu [D], its basis B^T [r, D] (r orthonormal rows)
 and the centred keys' coordinates R^T [r, P], so that a key k_t ~= mu + B R_t and q . k_t ~= mu . q + R_t . (B^T q).

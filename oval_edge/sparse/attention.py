@@ -1,4 +1,4 @@
-"""Attention over the page pool: gather exactly the selected K/V, then one exact softmax (DESIGN §4.6).
+"""Attention over the page pool: gather exactly the selected K/V, then one exact softmax ([R-exact-attention]).
 
 The decode path reads only the slots a `Selection` names (sink + top-k pages + window, or everything for dense
 layers and short rows) into a contiguous [B, kv_heads, T, head_dim] buffer and runs SDPA on it (GQA-aware).

@@ -1,4 +1,4 @@
-"""Prefill attention over the page pool: dense and exact for chunks of new tokens (DESIGN §4.1).
+"""Prefill attention over the page pool: dense and exact for chunks of new tokens ([R-dense-where-it-pays]).
 
 A chunk that starts a sequence attends to itself (causal); a later chunk also reads the row's earlier pages, one KV
 head at a time. Soft-capped logits (Gemma 2) take the explicit masked path, which SDPA and flash-attn lack.

@@ -1,4 +1,4 @@
-"""Selection reuse (DESIGN §4.7): a row skips page scoring in a layer when its queries barely moved.
+"""Selection reuse ([R-reuse]): a row skips page scoring in a layer when its queries barely moved.
 
 Per sequence, layer and KV head a small LRU (`OvalConfig.reuse_slots` entries, default 8) keeps recent
 selections: the unit query of the KV head's group (its G query heads flattened, [G*D]), and the top-k logical pages

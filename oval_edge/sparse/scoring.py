@@ -1,4 +1,4 @@
-"""Estimate how much attention each page would receive from the current query (DESIGN §4.3).
+"""Estimate how much attention each page would receive from the current query ([R-page-score]).
 
 For GQA the G = q_heads / kv_heads query heads that share a KV head are scored together, so one selection
 serves the whole group. Both scorers return log-scale scores [B, kv_heads, pages]: a softmax over them is an

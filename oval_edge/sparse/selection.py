@@ -1,4 +1,4 @@
-"""Which token positions each KV head attends to at a decode step (DESIGN §4.2, §4.4, §4.5).
+"""Which token positions each KV head attends to at a decode step ([R-candidates, R-top-k, R-window]).
 
 Every row of the batch gets the same number T of slots per KV head, so the gathered buffer has a static shape:
 

@@ -1,4 +1,4 @@
-"""The sparse decode step's kernels as opaque torch operators, so a whole step traces as one graph (DESIGN §9).
+"""The sparse decode step's kernels as opaque torch operators, so a whole step traces as one graph ([R-static-step]).
 
 `torch.compile` cannot trace into the native CPU kernels (ctypes calls) nor keep the KV write in place through its
 own tracing of `index_copy_` on a view of the pool. Registered as operators with a fake (shape-only)

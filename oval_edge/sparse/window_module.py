@@ -1,4 +1,4 @@
-"""The output-aware window module (DESIGN §5): a small network that sets each KV head's local window per step.
+"""The output-aware window module ([R-window-module]): a small network that sets each KV head's local window per step.
 
 Per sparse layer l, a 2-layer MLP with GELU reads the layer's normed hidden state x (the input of its attention)
 and the token's absolute position, and gives, per KV head, `bins` weights and a window offset:

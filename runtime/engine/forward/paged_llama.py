@@ -79,7 +79,7 @@ class PagedLlama:
         self.softcap = float(getattr(cfg, "attn_softcap", 0.0))  # Gemma 2: every attention's logits, tanh-capped
         self.qkv_split = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.hooks = DecodeHooks()
-        # Selection reuse (DESIGN §4.7, oval_edge/sparse/reuse.py); None unless config.reuse_tau is set.
+        # Selection reuse ([R-reuse], oval_edge/sparse/reuse.py); None unless config.reuse_tau is set.
         self.reuse = SelectionReuse.for_model(config, len(self.layers), self.num_heads, self.kv_heads,
                                               self.head_dim, pool.device)
         if self.reuse is not None:
@@ -102,7 +102,7 @@ class PagedLlama:
                              "pool's geometry with KVGeometry.for_oval(..., ring=ring_layout(config))")
         self.final_norm = bind_one_op_norm(self.decoder.norm)
         if config.eta > 0 and "basis" in pool.summaries and pool.output_metric is None:
-            pool.set_output_metric(self.output_metrics())  # records with eta > 0 weigh values by W_O (DESIGN §4.3)
+            pool.set_output_metric(self.output_metrics())  # records with eta > 0 weigh values by W_O ([R-page-score])
 
     @torch.no_grad()
     def output_metrics(self) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The decode step with static shapes (DESIGN §9): per batch bucket, the same ops and shapes at every length.
+"""The decode step with static shapes ([R-static-step]): per batch bucket, the same ops and shapes at every length.
 
 Why: an eager step whose shapes follow the context (the page table widens every page_size tokens) and whose Python
 branches read device values can be neither captured into a CUDA graph nor compiled once, and on a Jetson's ARM
