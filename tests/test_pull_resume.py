@@ -49,8 +49,11 @@ def test_a_pull_stopped_by_ctrl_c_resumes_where_it_stopped(hub, tmp_path):
     part = (tmp_path / "hub" / "models--tiny--resume-GGUF" / "blobs"
             / (hashlib.sha256(source.read_bytes()).hexdigest() + ".part"))
     hub.stall["tiny-Q8_0.gguf"] = 12 * MiB
+    # The stand-in stalls at 12 MiB until released; the hub's own read timeout (10 s) would otherwise end the stall
+    # and resume within this run before the Ctrl-C below, on a loaded machine (CI runs two test workers on 2 cores).
+    env = hub_env(hub, tmp_path, HF_HUB_DOWNLOAD_TIMEOUT="300")
     child = subprocess.Popen([sys.executable, "-m", "oval_edge.cli", "pull", "tiny/resume-GGUF:Q8_0", "--force"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=hub_env(hub, tmp_path))
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 60
         while not (part.exists() and part.stat().st_size >= HUB_CHUNK):

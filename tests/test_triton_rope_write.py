@@ -28,7 +28,8 @@ def _case(act: torch.dtype, rows: int, generator: torch.Generator):
 
 @pytest.mark.parametrize("act,pool", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                       (torch.float32, torch.bfloat16)])
-def test_rope_write_rotates_q_and_k_and_stores_k_and_v_as_the_torch_ops(act, pool):
+def test_rope_write_rotates_q_and_k_and_stores_k_and_v_as_the_torch_ops(act, pool, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the loader offers the kernels for CPU tensors only in the interpreter
     generator = torch.Generator().manual_seed(0)
     rows = 96
     qkv, cos, sin, slots = _case(act, rows, generator)
@@ -50,7 +51,8 @@ def test_rope_write_rotates_q_and_k_and_stores_k_and_v_as_the_torch_ops(act, poo
     assert torch.equal(k_rows[untouched], want_k[untouched])
 
 
-def test_rope_write_declines_what_it_cannot_take():
+def test_rope_write_declines_what_it_cannot_take(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     generator = torch.Generator().manual_seed(1)
     qkv, cos, sin, slots = _case(torch.float32, 96, generator)
     kernels = gpu.gpu_kernels(torch.device("cpu"))

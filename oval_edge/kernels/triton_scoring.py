@@ -98,7 +98,7 @@ def _oval_kernel(q_ptr, qb_ptr, mean_ptr, basis_ptr, coords_ptr, scales_ptr, tab
     q = tl.load(q_ptr + (bh * group + g[:, None]) * dim + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     q = q.to(tl.float32) * scale_log2  # [G, D], log2 units
     if TURN:  # qb_ptr is H [D, D] fp32 (symmetric): qb = q H, one rank-1 update per input dim (no [G, D, D] tile)
-        qb = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        qb = tl.full([BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)  # (tl.zeros is a jit function: triton_ops.py)
         for i in range(0, dim):
             column = tl.load(q_ptr + (bh * group + g) * dim + i, mask=g_ok, other=0.0).to(tl.float32)  # [G]
             qb += column[:, None] * tl.load(qb_ptr + i * dim + d, mask=d_ok, other=0.0)[None, :]
