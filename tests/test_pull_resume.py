@@ -49,18 +49,22 @@ def test_a_pull_stopped_by_ctrl_c_resumes_where_it_stopped(hub, tmp_path):
     part = (tmp_path / "hub" / "models--tiny--resume-GGUF" / "blobs"
             / (hashlib.sha256(source.read_bytes()).hexdigest() + ".part"))
     hub.stall["tiny-Q8_0.gguf"] = 12 * MiB
-    # The stand-in stalls at 12 MiB until released; the hub's own read timeout (10 s) would otherwise end the stall
-    # and resume within this run before the Ctrl-C below, on a loaded machine (CI runs two test workers on 2 cores).
-    env = hub_env(hub, tmp_path, HF_HUB_DOWNLOAD_TIMEOUT="300")
+    # The stand-in stalls at 12 MiB until released. The hub's read timeout bounds both sides of the Ctrl-C below:
+    # before it, the stall must outlast the wait for the partial file (10 s, the default, was too short on a loaded
+    # machine: the pull resumed within its run first); after it, pull waits for the stalled read to time out before
+    # it reports what it kept. 30 s leaves room for both within the minute given to communicate.
+    env = hub_env(hub, tmp_path, HF_HUB_DOWNLOAD_TIMEOUT="30")
+    # SIGINT as a terminal gives it: a test worker (pytest-xdist) may ignore SIGINT, and a child inherits that
     child = subprocess.Popen([sys.executable, "-m", "oval_edge.cli", "pull", "tiny/resume-GGUF:Q8_0", "--force"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not (part.exists() and part.stat().st_size >= HUB_CHUNK):
             assert child.poll() is None and time.monotonic() < deadline, child.communicate()
             time.sleep(0.05)
         child.send_signal(signal.SIGINT)  # the user's Ctrl-C
-        out, err = child.communicate(timeout=60)
+        out, err = child.communicate(timeout=120)
     finally:
         if child.poll() is None:
             child.kill()
