@@ -93,7 +93,10 @@ def op_reference(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, f
     if kernels is None or not kernels.grouped_rounds_inputs:
         return x @ weight.T, 1e-4
     if x.shape[-2] <= DECODE_ROWS:
-        return x.bfloat16().float() @ weight.T, 1e-4
+        # The body's 4-bit code words are 128 + code, the 128 taken back out through the mins' term
+        # (grouped_bf16.h): that cancellation leaves fp32 errors near 2^-24 x 128 x sum|scale x|, measured up to
+        # 2.2e-4 (of |want| + 1) over 200 seeds of the mixed-type projection below.
+        return x.bfloat16().float() @ weight.T, 5e-4
     return x.bfloat16().float() @ weight.bfloat16().float().T, 2e-2  # and the output's bf16 rounding
 
 
@@ -102,8 +105,9 @@ def op_reference(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, f
 def test_the_op_matches_the_reference_matmul(type_name, rows):
     weight_rows, width = 40, 256
     codes, scales, mins, bits = convert(random_blocks(type_name, weight_rows, width, seed=rows), type_name)
-    bias = torch.randn(weight_rows)
-    x = torch.randn(rows, width)
+    gen = torch.Generator().manual_seed(rows)
+    bias = torch.randn(weight_rows, generator=gen)
+    x = torch.randn(rows, width, generator=gen)
     want, tolerance = op_reference(x, grouped_dequantize(codes, scales, mins, bits))
     want = want + bias
     got = grouped_linear(x, codes, scales, mins, bias, bits)
@@ -118,7 +122,7 @@ def test_a_projection_of_mixed_types_stacks_its_row_blocks():
              for i, (t, rows) in enumerate([("Q4_K", 32), ("Q4_K", 16), ("Q6_K", 16)])]
     module = grouped_projection(parts, None, torch.device("cpu"))
     assert [p.origin for p in module.parts] == ["Q4_K", "Q6_K"] and module.out_features == 64
-    x = torch.randn(2, 256)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
     want, tolerance = op_reference(x, torch.cat([grouped_dequantize(*p[:4]) for p in parts]))
     torch.testing.assert_close(module(x), want, rtol=tolerance, atol=tolerance)
 
