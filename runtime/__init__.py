@@ -1,7 +1,7 @@
 """oval_edge.runtime: models in (`model/`), the engine that decodes them over the page pool (`engine/`), the HTTP
 server (`server/`), the terminal chat and the TOML config file.
 
-The public names below import torch, so they load on first use: the torch-free parts (`model.source`,
+The public names below import torch, so they load on first use: the torch-free parts (`model.origin.source`,
 `config_file`) stay importable by the planner without it.
 """
 

@@ -24,7 +24,7 @@ import os
 import sys
 
 from oval_edge.config import OvalConfig
-from oval_edge.runtime.model.source import QUANT_TYPES
+from oval_edge.runtime.model.origin.source import QUANT_TYPES
 from oval_edge.runtime.model.tokenizer import SHIPPED_TEMPLATES
 from oval_edge.units import parse_bytes
 

@@ -19,7 +19,7 @@ from oval_edge.kv.summaries import oval_summary
 from oval_edge.runtime.config_file import load_config_file, oval_config
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.runtime.model.loader import LoadedModel
-from oval_edge.runtime.model.source import ModelSource
+from oval_edge.runtime.model.origin.source import ModelSource
 from oval_edge.sparse.scoring import score_pages
 from oval_edge.sparse.window_module import ModuleCard, load_module, save_module
 from oval_edge.tools.calibrate.capture import capture, layer_queries, window_targets

@@ -17,7 +17,7 @@ from oval_edge import OvalConfig
 from oval_edge.runtime import Engine, EngineConfig
 from oval_edge.runtime.model.config import DecoderConfig
 from oval_edge.runtime.model.loader import load_model
-from oval_edge.runtime.model.source import resolve_model
+from oval_edge.runtime.model.origin.source import resolve_model
 from oval_edge.runtime.model.tokenizer import load_tokenizer
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,

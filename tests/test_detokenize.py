@@ -90,7 +90,7 @@ class CountingTokenizer:
 @functools.cache
 def _bundled():
     from oval_edge.runtime.model.gguf_metadata import cached_metadata_folder
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
     from oval_edge.runtime.model.tokenizer import load_tokenizer
 
     source = resolve_model("default")

@@ -38,7 +38,7 @@ def smollm2_folder(tmp_path_factory) -> str:
     """SmolLM2-135M's shapes with random bf16 weights, saved as a Hugging Face folder with the bundled tokenizer."""
     import transformers
 
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
     from oval_edge.runtime.model.tokenizer import load_tokenizer
 
     path = tmp_path_factory.mktemp("smollm2-shapes")

@@ -15,7 +15,7 @@ import pytest
 from oval_edge.cache_dir import CACHE_ENV
 from oval_edge.runtime.model.gguf_metadata import cached_metadata_folder, metadata_folder_for
 from oval_edge.runtime.model.loader import read_decoder_config
-from oval_edge.runtime.model.source import bundled_gguf_path, resolve_model
+from oval_edge.runtime.model.origin.source import bundled_gguf_path, resolve_model
 from oval_edge.runtime.model.tokenizer import load_tokenizer
 
 TEXTS = ["Hello world, the capital of France is Paris.", "  spaces\tand\nnewlines  ", "émigré 東京 🙂 1234567"]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from oval_edge.runtime.model.loader import load_model
-from oval_edge.runtime.model.source import bundled_gguf_path, resolve_model
+from oval_edge.runtime.model.origin.source import bundled_gguf_path, resolve_model
 
 
 def test_missing_path_names_the_path(tmp_path):

@@ -191,7 +191,7 @@ def test_bad_options_fail_before_the_model_loads(argv, message, capsys):
 @pytest.mark.slow
 def test_tiny_profile_of_the_bundled_model(tmp_path):
     pytest.importorskip("gguf")
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
 
     try:
         resolve_model("default")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hub_standin import HubStandIn, pull, start
-from oval_edge.runtime.model.hub import HubId, choose_files, parse_hub_id, quant_label
+from oval_edge.runtime.model.origin.hub import HubId, choose_files, parse_hub_id, quant_label
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gguf" / "tiny-llama-Q4_K_M.gguf"
 GGUF_REPO = {"Tiny-Llama-Q4_K_M.gguf": 10, "tiny-llama.Q8_0.gguf": 20, "tiny-llama-iq4_xs.gguf": 8,
@@ -94,7 +94,7 @@ def test_pull_a_gguf_by_quant_then_find_it_offline(hub, tmp_path, monkeypatch):
     assert again.returncode == 0 and "HF_HUB_OFFLINE is set" in again.stdout and str(path) in again.stdout
 
     import huggingface_hub.constants
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     source = resolve_model("tiny/llama-GGUF:Q4_K_M")  # what serve does, with no network
@@ -105,7 +105,7 @@ def test_pull_a_gguf_by_quant_then_find_it_offline(hub, tmp_path, monkeypatch):
 
 def test_serve_names_the_pull_to_run_for_a_model_never_pulled(tmp_path, monkeypatch):
     import huggingface_hub.constants
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.chdir(tmp_path)

@@ -21,7 +21,7 @@ def tiny_llama_folder(path) -> None:
     import torch
     import transformers
 
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
     from oval_edge.runtime.model.tokenizer import load_tokenizer
 
     torch.manual_seed(0)

@@ -33,7 +33,7 @@ def hugging_face_model(dtype=torch.float32):
     """transformers' own model for the bundled GGUF (its loader dequantizes every tensor to fp32 first)."""
     from transformers import AutoModelForCausalLM
 
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
 
     source = resolve_model("default")
     return AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=dtype).eval()

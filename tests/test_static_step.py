@@ -27,7 +27,7 @@ MAX_LEN = 1400
 def tiny_folder(tmp_path_factory) -> str:
     import transformers
 
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
     from oval_edge.runtime.model.tokenizer import load_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")

@@ -60,7 +60,7 @@ def test_bundled_shape_is_read_from_the_bundled_header(bundled):
 
 def test_the_file_has_the_asked_positions_the_bundled_types_and_tokenizer(tiny_gguf, tiny):
     from oval_edge.runtime.model.gguf_metadata import header_scalar
-    from oval_edge.runtime.model.source import bundled_gguf_path
+    from oval_edge.runtime.model.origin.source import bundled_gguf_path
 
     path, cache = tiny_gguf
     assert path.startswith(cache) and path == synthetic_gguf_path(tiny)
@@ -92,7 +92,7 @@ def test_the_file_is_made_once_and_a_new_seed_is_another_file(tiny_gguf, tiny):
 @pytest.mark.slow
 def test_this_runtime_loads_and_runs_it_with_the_bundled_tokenizer(tiny_gguf):
     from oval_edge.runtime import Engine, EngineConfig, SamplingParams
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
     from oval_edge.runtime.model.tokenizer import load_tokenizer
     from oval_edge.tools.plan.model import read_model_shape
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .families.gemma import GEMMA_TYPES, gemma_fields, text_part, with_defaults
-from .source import check_architecture
+from .origin.source import check_architecture
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")  # the MLP's gate activation (Gemma: GeGLU with tanh-gelu)

@@ -26,7 +26,7 @@ import tempfile
 
 from oval_edge.cache_dir import cache_root
 
-from .source import ModelSource
+from .origin.source import ModelSource
 
 CONVERT_TIMEOUT_S = 600  # a large vocabulary converts in well under a minute; a hung child must not hang startup
 CONFIG_NAME = "config.json"
@@ -72,7 +72,7 @@ def cached_metadata_folder(gguf_path: str) -> str | None:
 
 def write_metadata_folder(gguf_path: str, folder: str) -> None:
     """Convert (the child's job): parse the GGUF's config and tokenizer and publish them at `folder` atomically."""
-    from .source import resolve_model
+    from .origin.source import resolve_model
     from .tokenizer import load_tokenizer
 
     source = resolve_model(gguf_path)

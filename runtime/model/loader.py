@@ -17,7 +17,7 @@ from .gguf_metadata import PROJECTION_TYPES_KEY, cached_metadata_folder, gguf_co
 from .heap import compact_heap_while_loading, return_freed_memory
 from .embeddings import int8_head_applies, int8_table_applies
 from .quantize import import_bitsandbytes, weight_bytes
-from .source import GROUPED_QUANTS, ModelSource, resolve_model, resolve_quant
+from .origin.source import GROUPED_QUANTS, ModelSource, resolve_model, resolve_quant
 from .tokenizer import load_tokenizer
 from .weight_cache import WeightCacheEntry, cache_enabled, load_or_build
 from .weight_stream import GGUFWeights, SafetensorsWeights

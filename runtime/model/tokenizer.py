@@ -7,7 +7,7 @@ import functools
 import os
 from pathlib import Path
 
-from .source import ModelSource
+from .origin.source import ModelSource
 
 
 def load_tokenizer(source: ModelSource, metadata: str | None = None):

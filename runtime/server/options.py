@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, KV_DTYPES, OvalConfig
-from oval_edge.runtime.model.source import QUANT_TYPES
+from oval_edge.runtime.model.origin.source import QUANT_TYPES
 from oval_edge.runtime.model.tokenizer import read_chat_template
 from oval_edge.units import format_bytes, parse_bytes
 

@@ -161,7 +161,7 @@ def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = N
 
 
 def run(args: argparse.Namespace) -> int:
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
 
     from .app import ServerSettings, create_app
 

@@ -18,7 +18,7 @@ import datetime
 import os
 import platform
 
-from oval_edge.runtime.model.source import quant_choices
+from oval_edge.runtime.model.origin.source import quant_choices
 
 from oval_edge.tools.gguf_write.synthetic import DEFAULT_POSITIONS, SYNTHETIC_MODEL
 
@@ -147,7 +147,7 @@ def build_settings(args: argparse.Namespace) -> BenchSettings:
             print(f"oval-edge bench: skipping llama.cpp: {why}")
             skipped["llama.cpp"] = why
     engines = tuple(e for e in engines if e not in skipped)
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
 
     source = resolve_model(model)  # a missing or wrong model fails here, naming its path
     return BenchSettings(
@@ -209,7 +209,7 @@ def _llamacpp_unavailable(model: str) -> str | None:
     except Exception as exc:  # noqa: BLE001 - ImportError or an OSError from the shared library
         return (f"llama-cpp-python is not importable ({type(exc).__name__}: {exc}); install it with "
                 "CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install llama-cpp-python")
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
 
     if not resolve_model(model).gguf_file:
         return f"llama.cpp needs a GGUF file and --model {model} is a Hugging Face folder"

@@ -24,7 +24,7 @@ WORKER_MODULE = "oval_edge.tools.bench.worker"
 
 def load_tokenizer(model: str):
     """The tokenizer every engine's prompt is built with: the runtime's own (runtime.model.tokenizer.load_tokenizer)."""
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
     from oval_edge.runtime.model.tokenizer import load_tokenizer as runtime_tokenizer
 
     return runtime_tokenizer(resolve_model(model))

@@ -58,7 +58,7 @@ class BenchSettings:
     model: str = "default"
     model_name: str = ""  # what every row is labelled with (a synthetic model's name says "synthetic: speed only")
     synthetic: bool = False  # random weights (--model synthetic-long): speed and memory only, no quality
-    # The model as resolved once by the parent (runtime.model.source.resolve_model): the peers' workers load it
+    # The model as resolved once by the parent (runtime.model.origin.source.resolve_model): the peers' workers load it
     # from these paths, so the llama.cpp worker never imports oval_edge.runtime (and with it torch).
     model_dir: str = ""
     gguf_file: str | None = None

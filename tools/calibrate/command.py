@@ -26,7 +26,7 @@ import torch
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.geometry import RECORD_FORMATS
-from oval_edge.runtime.model.source import quant_choices
+from oval_edge.runtime.model.origin.source import quant_choices
 from oval_edge.tools.eval.policies import parse_float_list, parse_int_list
 
 

@@ -18,7 +18,7 @@ import torch
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.geometry import RECORD_FORMATS
-from oval_edge.runtime.model.source import quant_choices
+from oval_edge.runtime.model.origin.source import quant_choices
 from oval_edge.units import format_bytes, parse_bytes
 
 from .activations import EVAL_DTYPES, dtype_name, load_models

@@ -91,7 +91,7 @@ def bundled_shape(positions: int = DEFAULT_POSITIONS, seed: int = 0) -> Syntheti
     from gguf import GGUFReader
 
     from oval_edge.runtime.model.gguf_metadata import header_scalar
-    from oval_edge.runtime.model.source import DEFAULT_NAME, bundled_gguf_path
+    from oval_edge.runtime.model.origin.source import DEFAULT_NAME, bundled_gguf_path
 
     path = bundled_gguf_path()
     reader = GGUFReader(path)  # parsed once: reading the 49k-entry vocabulary is most of the cost
@@ -175,7 +175,7 @@ def random_tensors(shape: SyntheticShape):
 def synthetic_gguf_path(shape: SyntheticShape) -> str:
     """Where the file for this shape, seed and tensor types lives (it may not exist yet)."""
     from oval_edge.cache_dir import cache_root
-    from oval_edge.runtime.model.source import bundled_gguf_path
+    from oval_edge.runtime.model.origin.source import bundled_gguf_path
 
     bundled = os.stat(bundled_gguf_path())  # the tokenizer is copied from it: another bundled file, another key
     key = f"{sorted(asdict(shape).items())}|{bundled.st_size}|format {GENERATOR_FORMAT}"

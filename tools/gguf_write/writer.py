@@ -48,7 +48,7 @@ def write_gguf_tensors(config, tensors: Iterable[tuple[str, torch.Tensor]], path
     else (norms) is F32. model_name: general.name (a synthetic model says so there)."""
     import gguf
 
-    from oval_edge.runtime.model.source import bundled_gguf_path
+    from oval_edge.runtime.model.origin.source import bundled_gguf_path
 
     writer = gguf.GGUFWriter(path, architecture)
     if model_name:

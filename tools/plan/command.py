@@ -14,7 +14,7 @@ import os
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, KV_DTYPES, OvalConfig
 from oval_edge.geometry import RECORD_FORMATS
 from oval_edge.jetson.modules import ORIN_MODULES, ModuleSpec, get_module, module_names
-from oval_edge.runtime.model.source import quant_choices
+from oval_edge.runtime.model.origin.source import quant_choices
 from oval_edge.units import parse_bytes
 
 from .catalog import known_model, known_names

@@ -20,7 +20,7 @@ the vision tower (oval-edge serves text only), and says so in the shape's notes.
 
 from __future__ import annotations
 
-from oval_edge.runtime.model.source import SUPPORTED_ARCHITECTURES as PLANNED_ARCHITECTURES  # the loader's list
+from oval_edge.runtime.model.origin.source import SUPPORTED_ARCHITECTURES as PLANNED_ARCHITECTURES  # the loader's list
 
 GEMMA = ("gemma2", "gemma3", "gemma3_text")
 QK_NORM = ("qwen3", "gemma3", "gemma3_text")

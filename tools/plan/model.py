@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from oval_edge.runtime.model.source import bundled_gguf_path
+from oval_edge.runtime.model.origin.source import bundled_gguf_path
 
 from .families import PLANNED_ARCHITECTURES, QK_NORM, layer_kinds, norms_per_layer, text_part
 

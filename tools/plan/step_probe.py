@@ -29,7 +29,7 @@ def _tiny_model(folder: str, layers: int) -> None:
     import torch
     import transformers
 
-    from oval_edge.runtime.model.source import resolve_model
+    from oval_edge.runtime.model.origin.source import resolve_model
     from oval_edge.runtime.model.tokenizer import load_tokenizer
 
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,

@@ -40,7 +40,7 @@ import os
 from dataclasses import dataclass
 
 from oval_edge.runtime.model.grouped.gguf_blocks import held_bytes, held_layout
-from oval_edge.runtime.model.source import AUTO_16BIT, GROUPED_QUANTS, QUANT_TYPES
+from oval_edge.runtime.model.origin.source import AUTO_16BIT, GROUPED_QUANTS, QUANT_TYPES
 
 from .model import ModelShape
 

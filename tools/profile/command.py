@@ -18,7 +18,7 @@ import textwrap
 import time
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
-from oval_edge.runtime.model.source import quant_choices
+from oval_edge.runtime.model.origin.source import quant_choices
 from oval_edge.tools.eval.policies import parse_int_list
 from oval_edge.units import format_bytes, parse_bytes
 

@@ -13,8 +13,8 @@ import argparse
 import sys
 
 from oval_edge.config import OvalConfig
-from oval_edge.runtime.model.hub import HubId, ModelFiles, choose_files, hub_cache_dir, parse_hub_id, pulled_model_path
-from oval_edge.runtime.model.source import quant_choices
+from oval_edge.runtime.model.origin.hub import HubId, ModelFiles, choose_files, hub_cache_dir, parse_hub_id, pulled_model_path
+from oval_edge.runtime.model.origin.source import quant_choices
 from oval_edge.units import format_bytes, parse_bytes
 
 from ..plan.compute import PlanRequest

@@ -14,7 +14,7 @@ import fcntl
 import os
 from urllib.parse import urlparse
 
-from oval_edge.runtime.model.hub import HubId, ModelFiles, hub_cache_dir
+from oval_edge.runtime.model.origin.hub import HubId, ModelFiles, hub_cache_dir
 
 PART_SUFFIX = ".part"  # the hub names its own temporary files *.incomplete and deletes them; ours are kept
 WEIGHT_SUFFIXES = (".gguf", ".safetensors")  # the files large enough to be worth resuming

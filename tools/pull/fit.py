@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from oval_edge.runtime.model.hub import HubId, ModelFiles, quant_label
+from oval_edge.runtime.model.origin.hub import HubId, ModelFiles, quant_label
 from oval_edge.units import format_bytes
 
 from ..plan.compute import DevicePlan, PlanRequest, plan_device
