@@ -15,11 +15,11 @@ import argparse
 import os
 import sys
 import textwrap
-import time
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.runtime.model.origin.source import quant_choices
 from oval_edge.tools.eval.policies import parse_int_list
+from oval_edge.tools.timing import Stopwatch, quartiles
 from oval_edge.units import format_bytes, parse_bytes
 
 from .choice import DEFAULT_SPEED_TOLERANCE  # choice.py imports no torch: --help stays fast
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .device import describe_record, device_record
 
-    began = time.perf_counter()
+    watch = Stopwatch()
     loaded = load_model(args.model, args.quant, args.device)
     limit = loaded.config.max_position_embeddings
     if s["context"] > limit or s["calib_tokens"] > limit:
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{text_path} has {len(text_ids)} tokens, fewer than --calib-tokens {s['calib_tokens']}")
     rows = _measure(loaded, s, text_ids, show_progress=not args.no_progress)
     s["text"] = text_path
-    return _conclude(args, s, loaded, device, rows, time.perf_counter() - began)
+    return _conclude(args, s, loaded, device, rows, watch.seconds)
 
 
 def _measure(loaded, s: dict, text_ids: list[int], show_progress: bool):
@@ -189,7 +189,6 @@ def _measure(loaded, s: dict, text_ids: list[int], show_progress: bool):
     from .choice import ProfileRow
     from .measure import (
         context_ids, decode_steps_needed, measure_decode, measure_fidelity, pool_figures, probe_pool_bytes,
-        quartiles,
     )
 
     base = OvalConfig(memory_budget=s["memory_budget"])

@@ -27,14 +27,13 @@ measures what page selection costs.
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from oval_edge.config import OvalConfig
+from oval_edge.tools.timing import device_sync, median, repeat_times, time_call
 
 SEAL_REPEATS = 5  # seal timings per page batch: the median of a few absorbs one-off allocator work
 Advance = Callable[[int], None]  # progress: told of each prefill chunk, decode step and seal timing
@@ -72,19 +71,6 @@ def context_ids(text_ids: list[int], tokens: int) -> list[int]:
 def decode_steps_needed(context: int, warmup: int, steps: int) -> int:
     """Tokens the timed request reserves: the prompt plus every generated token (see DecodeProbe)."""
     return context + warmup + steps + 2
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn, device: torch.device) -> float:
-    _sync(device)
-    began = time.perf_counter()
-    fn()
-    _sync(device)
-    return (time.perf_counter() - began) * 1e3
 
 
 def pool_figures(loaded, oval: OvalConfig, prefill_chunk: int) -> PoolFigures:
@@ -143,9 +129,7 @@ class DecodeProbe:
         return self.request.finished
 
     def step(self) -> None:
-        began = time.perf_counter()
-        self.engine.step()
-        self._times.append((time.perf_counter() - began) * 1e3)
+        self._times.append(time_call(self.engine.step) * 1e3)
         self.advance(1)
 
     def finish(self, interleaved: bool) -> DecodeFigures:
@@ -190,8 +174,9 @@ def _seal_times(pool, seq_id, prefill_chunk: int) -> tuple[float | None, float |
     if not sealed:
         return None, None, None
     chunk = sealed[: max(1, min(len(sealed), prefill_chunk // pool.page_size))]
-    batch = statistics.median(_timed(lambda: pool.seal(chunk), pool.device) for _ in range(SEAL_REPEATS))
-    one = statistics.median(_timed(lambda: pool.seal(chunk[:1]), pool.device) for _ in range(SEAL_REPEATS))
+    sync = device_sync(pool.device)
+    batch = median(repeat_times(lambda: pool.seal(chunk), SEAL_REPEATS, sync=sync)) * 1e3
+    one = median(repeat_times(lambda: pool.seal(chunk[:1]), SEAL_REPEATS, sync=sync)) * 1e3
     return batch, one, len(chunk)
 
 
@@ -203,16 +188,6 @@ def _release_memory() -> None:
     if torch.cuda.is_available():
         # On CUDA build_pool counts torch's reserved memory as in use: hand the freed pool's cached blocks back.
         torch.cuda.empty_cache()
-
-
-def quartiles(values: list[float]) -> tuple[float | None, float | None, float | None]:
-    """(p25, median, p75); None for no values."""
-    if not values:
-        return None, None, None
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    p25, p50, p75 = statistics.quantiles(values, n=4, method="inclusive")
-    return p25, p50, p75
 
 
 @dataclass
