@@ -8,6 +8,10 @@ A decode step here takes tens of milliseconds, so both are small beside it, and 
 Masks are filled on the engine's grammar worker thread while the step's forward runs (`start_mask` before the
 forward, `allowed` after it): the matcher's state only depends on tokens already accepted, not on this step.
 
+Numbers are bounded in every grammar built here (`bound_numbers`): at most 16 digits before the point, 16 after it
+and 2 in an exponent, as llama.cpp's schema converter bounds them. xgrammar's own number rules repeat digits
+without end, and the bundled model, asked for {"x": number}, wrote `100000000000000000000...` until max_tokens.
+
 Keywords xgrammar parses but does not enforce (checked one by one: a document that breaks them was accepted) are
 refused with a 400 naming the keyword and where it is, rather than producing output that fails validation.
 """
@@ -15,6 +19,7 @@ refused with a 400 naming the keyword and where it is, rather than producing out
 from __future__ import annotations
 
 import json
+import re
 import threading
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
@@ -26,6 +31,13 @@ UNENFORCED_KEYWORDS = ("not", "contains", "minContains", "maxContains", "depende
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems", "propertyNames")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+
+
+INTEGRAL_DIGITS = 16  # a number's digits before the point (a double holds ~16 significant digits)
+FRACTION_DIGITS = 16  # after the point
+EXPONENT_DIGITS = 2  # after e/E and its sign: up to 1e99, finite as a double
+# A rule whose body is one digit, which xgrammar's printed grammar repeats with {m, -1} (-1 = no upper bound).
+_DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.MULTILINE)
 
 
 class GrammarError(ValueError):
@@ -55,6 +67,33 @@ def check_enforceable(schema, path: str = "$") -> None:
             check_enforceable(sub, f"{path}.{key}[{i}]")
 
 
+def bound_numbers(ebnf: str) -> str:
+    """xgrammar's printed grammar `ebnf` with every unbounded run of digits bounded: after a leading [1-9] (the
+    integral part) to INTEGRAL_DIGITS in all, after e/E to EXPONENT_DIGITS, elsewhere (a fraction) to
+    FRACTION_DIGITS. Pattern strings are Regex(...) rules and string formats repeat their own rules, so only
+    numbers' digits match. `unbounded_digits` says what is left (tests hold it empty)."""
+    digit_rules = _DIGIT_RULE.findall(ebnf)
+    ebnf = ebnf.replace("[1-9] [0-9]*", f"[1-9] [0-9]{{0, {INTEGRAL_DIGITS - 1}}}")
+    if not digit_rules:
+        return ebnf
+    names = "|".join(re.escape(name) for name in digit_rules)
+
+    def bounded(limit: int):
+        return lambda m: f"{m.group(1)}{m.group(2)}{{{m.group(3)}, {max(int(m.group(3)), limit)}}}"
+
+    ebnf = re.sub(rf"(\[eE\] (?:\w+ )?)({names})\{{(\d+), -1\}}", bounded(EXPONENT_DIGITS), ebnf)
+    ebnf = re.sub(rf"(\[1-9\] )({names})\{{(\d+), -1\}}", bounded(INTEGRAL_DIGITS - 1), ebnf)
+    return re.sub(rf"()({names})\{{(\d+), -1\}}", bounded(FRACTION_DIGITS), ebnf)
+
+
+def unbounded_digits(ebnf: str) -> list[str]:
+    """The lines of a printed grammar that still repeat a digit without end (none after bound_numbers)."""
+    names = set(_DIGIT_RULE.findall(ebnf))
+    return [line for line in ebnf.splitlines() if not line.lstrip().split(" ::= ")[-1].startswith("Regex(")
+            and ("[0-9]*" in line or "[0-9]+" in line
+                 or any(re.search(rf"\b{re.escape(n)}\{{\d+, -1\}}", line) for n in names))]
+
+
 class GrammarCompiler:
     """Compiles JSON schemas for one tokenizer (its vocabulary is scanned once, ~130 ms, on first use)."""
 
@@ -80,6 +119,29 @@ class GrammarCompiler:
         """A compiled grammar for exactly one call `opening{"name": N, "arguments": A}closing`, N one of the
         functions' names and A valid under that function's parameters schema. functions: [(name, parameters)].
         Raises ToolSchemaError(index, message) naming the first function whose schema cannot be enforced."""
+        variants, defs = self._call_variants(functions)
+        xgr = self._xgr
+        body = self._from_schema(_with_defs(variants[0] if len(variants) == 1 else {"anyOf": variants}, defs))
+        literal = lambda text: xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")  # noqa: E731
+        return self._compiler.compile_grammar(xgr.Grammar.concat(literal(opening), body, literal(closing)))
+
+    def tool_json(self, functions: list[tuple[str, object]], max_calls: int, reply: bool) -> object:
+        """The generic tool format, for chat templates that do not render tools: one JSON object, either
+        {"tool_calls": [{"name": N, "arguments": A}, ...]} (1..max_calls calls, each as in tool_call) or, when
+        `reply`, {"response": "text"} (the model answers instead). Raises ToolSchemaError as tool_call does."""
+        variants, defs = self._call_variants(functions)
+        calls = {"type": "object", "properties": {"tool_calls": {
+            "type": "array", "items": variants[0] if len(variants) == 1 else {"anyOf": variants},
+            "minItems": 1, "maxItems": max_calls}}, "required": ["tool_calls"], "additionalProperties": False}
+        schema = calls
+        if reply:
+            answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                      "additionalProperties": False}
+            schema = {"anyOf": [calls, answer]}
+        return self._compiler.compile_grammar(self._from_schema(_with_defs(schema, defs)))
+
+    def _call_variants(self, functions: list[tuple[str, object]]) -> tuple[list[dict], dict]:
+        """([{"name": const N, "arguments": parameters} object schema per function], their hoisted $defs)."""
         variants, defs = [], {}
         for index, (name, parameters) in enumerate(functions):
             try:
@@ -90,13 +152,11 @@ class GrammarCompiler:
             defs.update(own_defs)
             variants.append({"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
                              "required": ["name", "arguments"], "additionalProperties": False})
-        schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-        if defs:
-            schema = {**schema, "$defs": defs}
-        xgr = self._xgr
-        body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
-        literal = lambda text: xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")  # noqa: E731
-        return self._compiler.compile_grammar(xgr.Grammar.concat(literal(opening), body, literal(closing)))
+        return variants, defs
+
+    def _from_schema(self, schema):
+        grammar = self._xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        return self._bounded(grammar)
 
     def _compile(self, schema, strict: bool):
         try:
@@ -105,9 +165,13 @@ class GrammarCompiler:
             raise GrammarError(f"the schema is not JSON-serialisable: {exc}") from exc
         try:
             # Compact separators: a small model given free whitespace may emit it until max_tokens.
-            return self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=strict)
+            grammar = self._xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=strict)
         except RuntimeError as exc:  # xgrammar's message names the construct ("Unsupported type "foo"", ...)
             raise GrammarError(f"the schema cannot be compiled: {_last_line(exc)}") from exc
+        return self._compiler.compile_grammar(self._bounded(grammar))
+
+    def _bounded(self, grammar):
+        return self._xgr.Grammar.from_ebnf(bound_numbers(str(grammar)))
 
 
 class ToolSchemaError(GrammarError):
@@ -116,6 +180,10 @@ class ToolSchemaError(GrammarError):
     def __init__(self, index: int, message: str):
         super().__init__(message)
         self.index = index
+
+
+def _with_defs(schema: dict, defs: dict) -> dict:
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def _hoist_defs(schema, prefix: str):
