@@ -2,7 +2,8 @@
 
 The app answers at once and loads the model in a background thread, so `/health` says 503 "loading" until the
 engine is ready (then 200 {"status": "ok"}), and 503 "draining" after SIGTERM. Routes:
-GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics.
+GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics, and GET / (the chat
+page of webui/, unless `webui` is off).
 
 Model names: a request may omit `model` or name the served model (its id in /v1/models, or "default"); any other
 name is 404 `model_not_found`, as OpenAI and vLLM answer, so a client pointed at the wrong server finds out.
@@ -31,6 +32,7 @@ from .metrics import ServerMetrics
 from .protocol import request_models
 from .tokenize_routes import install_token_routes
 from .tool_calls import ToolPlan, ToolStream, check_messages, tool_grammar, tool_message, tool_plan
+from .webui import install_chat_page
 
 log = logging.getLogger("oval_edge.server")
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
@@ -50,6 +52,7 @@ class ServerSettings:
                       completions default to 16 as in the OpenAI API
     retry_after_s     Retry-After on 503 answers
     metrics_public    with an api_key, leave GET /metrics open too (routers and Prometheus scrape without credentials)
+    webui             serve the chat page at GET / (open without the key: it holds none, and asks for it)
     """
 
     model_name: str
@@ -59,14 +62,16 @@ class ServerSettings:
     default_max_tokens: int = 512
     retry_after_s: int = 2
     metrics_public: bool = False
+    webui: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"model_name={self.model_name!r} must be a non-empty string")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ValueError("api_key must be a non-empty string (or omitted for an open server)")
-        if not isinstance(self.metrics_public, bool):
-            raise ValueError(f"metrics_public={self.metrics_public!r} must be true or false")
+        for name in ("metrics_public", "webui"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         for name, low, high in (("max_body_bytes", 1024, 1 << 30), ("max_tokens_limit", 1, 1 << 24),
                                 ("default_max_tokens", 1, 1 << 24), ("retry_after_s", 1, 3600)):
             value = getattr(self, name)
@@ -187,6 +192,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
     app.add_middleware(BodyGuard, limit=settings.max_body_bytes)
     if settings.api_key:
         open_paths = ("/health", "/metrics") if settings.metrics_public else ("/health",)
+        open_paths += ("/",) if settings.webui else ()
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key, open_paths=open_paths)
 
     @app.get("/health", summary="200 when ready, 503 while loading or draining")
@@ -266,5 +272,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
         return Response(payload, media_type=content_type)
 
     probes["/metrics"] = metrics
+    if settings.webui:
+        install_chat_page(app)
 
     return app

@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--metrics-public", action="store_true",
                        help="with --api-key, leave GET /metrics open as well (routers and Prometheus scrape without "
                        "credentials; the API routes still need the key)")
+    group.add_argument("--no-webui", dest="webui", action="store_false",
+                       help="do not serve the chat page at GET / (then a 404); the API is unchanged")
     group.add_argument("--max-tokens-limit", type=int, default=8192,
                        help="largest max_tokens a request may ask for (default: 8192)")
     group.add_argument("--max-body", type=int, default=1 << 20, metavar="BYTES",
@@ -130,7 +132,7 @@ def describe_store(pool) -> str:
             f"{pool.resident_tokens} tokens + stored up to {tier.blocks * pool.page_size} tokens")
 
 
-def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = None) -> str:
+def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = None, webui: bool = False) -> str:
     from oval_edge.kernels.cpu import describe_kernels
 
     from oval_edge.runtime.model.loader import describe
@@ -153,6 +155,7 @@ def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = N
         *([f"  matmuls   {four_bit}"] if four_bit is not None else []),
         f"  decode    {engine.describe_decode_step()}",
         f"  serving   {url}/v1 (OpenAI API), {url}/health, {url}/metrics, {url}/docs"
+        + (f", {url}/ (chat page)" if webui else "")
         + ("; API key required" if api_key else ""),
     ]
     if marks is not None:
@@ -176,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-grace {args.shutdown_grace} must be >= 0 seconds")
     settings = ServerSettings(model_name=source.name, api_key=args.api_key or None,
                               max_body_bytes=args.max_body, max_tokens_limit=args.max_tokens_limit,
-                              metrics_public=args.metrics_public)
+                              metrics_public=args.metrics_public, webui=args.webui)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
@@ -198,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         marks["ready"] = process_age_s()
         if None in (marks["listening"], marks["load_start"]):
             marks["ready"] = None
-        print(startup_report(engine, spec, url, bool(settings.api_key), marks), flush=True)
+        print(startup_report(engine, spec, url, bool(settings.api_key), marks, settings.webui), flush=True)
         app.state.server.loop.post(lambda: report_seal_cost(engine.pool))
 
     def on_load_error(message: str) -> None:
