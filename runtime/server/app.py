@@ -25,13 +25,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .engine_loop import EngineLoop
-from .errors import ApiError, ApiKeyGuard, BodyGuard, FastProbes, error_body, install_error_handlers
+from .errors import (ApiError, ApiKeyGuard, BodyGuard, FastProbes, error_body, install_error_handlers,
+                     unknown_field_message)
 from .body_params import response_grammar, sampling_params
 from .generate import Job, chat_prompt_ids, completion_prompt_ids, respond, stream, submit
 from .metrics import ServerMetrics
-from .protocol import request_models
+from .protocol import ignored_fields, request_models
 from .tokenize_routes import install_token_routes
-from .tool_calls import ToolPlan, ToolStream, check_messages, tool_grammar, tool_message, tool_plan
+from .tool_calls import ToolPlan, check_messages, tool_grammar, tool_message, tool_plan, tool_stream
 from .webui import install_chat_page
 
 log = logging.getLogger("oval_edge.server")
@@ -51,6 +52,7 @@ class ServerSettings:
     default_max_tokens chat default when max_tokens is omitted (shrunk to fit the token limit);
                       completions default to 16 as in the OpenAI API
     retry_after_s     Retry-After on 503 answers
+    strict_requests   refuse (400) body fields no OpenAI request declares, instead of ignoring and naming them
     metrics_public    with an api_key, leave GET /metrics open too (routers and Prometheus scrape without credentials)
     webui             serve the chat page at GET / (open without the key: it holds none, and asks for it)
     """
@@ -61,12 +63,15 @@ class ServerSettings:
     max_tokens_limit: int = 8192
     default_max_tokens: int = 512
     retry_after_s: int = 2
+    strict_requests: bool = False
     metrics_public: bool = False
     webui: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"model_name={self.model_name!r} must be a non-empty string")
+        if not isinstance(self.strict_requests, bool):
+            raise ValueError(f"strict_requests={self.strict_requests!r} must be true or false")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ValueError("api_key must be a non-empty string (or omitted for an open server)")
         for name in ("metrics_public", "webui"):
@@ -219,9 +224,10 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
         try:
             engine = state.require_ready(job.endpoint)
             state.check_model(body.model)
+            _note_fields(job, body)
             check_messages(body.messages)
             plan = tool_plan(body, engine)  # None: no tools rendered, plain content
-            prompt_ids = await chat_prompt_ids(state, engine, body, plan.tools if plan else None)
+            prompt_ids = await chat_prompt_ids(state, engine, body, plan)
             return await _generate(job, prompt_ids, body, http, plan=plan)
         except ApiError as exc:
             _log_refusal(job, exc)
@@ -233,6 +239,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
         try:
             engine = state.require_ready(job.endpoint)
             state.check_model(body.model)
+            _note_fields(job, body)
             prompt_ids = await completion_prompt_ids(state, engine, body)
             return await _generate(job, prompt_ids, body, http, default_max_tokens=16)
         except ApiError as exc:
@@ -249,8 +256,16 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], object], on_r
                                  engine.loaded.config.vocab_size, grammar)
         tickets = await submit(state, job, prompt_ids, params, body.n or 1)
         if body.stream:
-            return stream(state, job, tickets, (lambda _: ToolStream(plan)) if plan else None)
+            return stream(state, job, tickets, (lambda _: tool_stream(plan)) if plan else None)
         return await respond(state, job, tickets, http, (lambda r: tool_message(r, plan)) if plan else None)
+
+    def _note_fields(job: Job, body) -> None:
+        """Fields the body carries that this server does not act on go to the X-Ignored-Fields header; with
+        strict_requests, one that no OpenAI request declares is a 400 instead."""
+        ignored, unknown = ignored_fields(body)
+        if unknown and settings.strict_requests:
+            raise ApiError(400, unknown_field_message(unknown[0]), unknown[0], "invalid_value")
+        job.note_ignored(ignored, unknown)
 
     def _log_refusal(job: Job, exc: ApiError) -> None:
         if exc.code in ("queue_full",):

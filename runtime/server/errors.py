@@ -85,7 +85,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
                "object", None
     msg = str(first.get("msg", "is invalid"))
     msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
-    if param is None:
+    if param is None and kind != "unknown_field":
         if kind == "missing":
             return "the request body is empty; send a JSON object with Content-Type: application/json", None
         if kind.endswith(_MISMATCH):
@@ -94,10 +94,17 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if kind == "missing":
         return f"'{param}' is required", param
     if kind == "extra_forbidden":
-        return f"unknown field '{param}': this server does not support it; remove it (see /docs)", param
+        return unknown_field_message(param), param
+    if kind == "unknown_field":  # a near miss of a real field (protocol.near_miss); loc is the model holding it
+        field = f"{param}.{ctx['field']}" if param else ctx["field"]
+        return msg.replace(f"'{ctx['field']}'", f"'{field}'", 1), field
     shown = _shown(first.get("input"))
     got = f" (got {shown})" if shown else ""
     return f"{param}: {msg}{got}", param
+
+
+def unknown_field_message(path: str) -> str:
+    return f"unknown field '{path}': this server does not support it; remove it (see /docs)"
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -28,10 +28,12 @@ from oval_edge.runtime.engine.sampling import SamplingParams
 from .choices import choice, end_ids, logprobs_of
 from .engine_loop import FINISH, Ticket
 from .errors import ApiError, error_response
+from .protocol import IGNORED_HEADER
 
 log = logging.getLogger("oval_edge.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DISCONNECT_POLL_S = 0.5
+MAX_IGNORED_HEADER = 1024
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: int = 0
     include_usage: bool = False
+    ignored: list[str] = field(default_factory=list)  # body fields not acted on (protocol.ignored_fields)
 
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -52,11 +55,31 @@ class Job:
     def endpoint(self) -> str:
         return "chat.completions" if self.kind == "chat" else "completions"
 
+    def note_ignored(self, ignored: list[str], unknown: list[str]) -> None:
+        """Keep the fields for the response header, and log them at debug level (as vLLM does)."""
+        self.ignored = ignored + unknown
+        if self.ignored:
+            log.debug("%s ignored fields: %s", self.id, ", ".join(
+                [f"{name} (not acted on)" for name in ignored] + [f"{name} (unknown)" for name in unknown]))
+
+    def headers(self) -> dict[str, str]:
+        """X-Ignored-Fields: the names as JSON string bodies (ASCII, no control characters: a header cannot carry
+        them), the list cut at MAX_IGNORED_HEADER characters."""
+        if not self.ignored:
+            return {}
+        value = ", ".join(json.dumps(name)[1:-1] for name in self.ignored)
+        if len(value) > MAX_IGNORED_HEADER:
+            value = value[:MAX_IGNORED_HEADER].rsplit(", ", 1)[0] + ", ..."
+        return {IGNORED_HEADER: value}
+
 
 # ---- prompt ids: the tokenizer and chat template run on the app's tokenize worker, never on the event loop (a
 # long conversation's jinja templating would stall every other stream's SSE writes) nor on the engine thread.
-async def chat_prompt_ids(state, engine, body, tools: list[dict] | None = None) -> list[int]:
-    messages = [m.for_template() for m in body.messages]
+async def chat_prompt_ids(state, engine, body, plan=None) -> list[int]:
+    """plan: the request's tool_calls.ToolPlan, which says how its tools reach the template (None: no tools)."""
+    messages, tools = [m.for_template() for m in body.messages], None
+    if plan is not None:
+        messages, tools = plan.template_input(messages)
     try:
         return await state.off_loop(engine.encode_chat, messages, *([tools] if tools else []))
     except ApiError:
@@ -179,7 +202,8 @@ async def respond(state, job: Job, tickets: list[Ticket], http: HttpRequest, mes
         out.append(choice(job.kind, index, request, logprobs, message(request) if message else None))
     obj = "chat.completion" if job.kind == "chat" else "text_completion"
     return JSONResponse({"id": job.id, "object": obj, "created": job.created, "model": job.model,
-                         "choices": out, "usage": _usage(job, requests), "system_fingerprint": None})
+                         "choices": out, "usage": _usage(job, requests), "system_fingerprint": None},
+                        headers=job.headers())
 
 
 def _sse(payload) -> str:
@@ -277,4 +301,4 @@ async def _events(state, job: Job, tickets: list[Ticket], stream_text=None):
 
 def stream(state, job: Job, tickets: list[Ticket], stream_text=None) -> StreamingResponse:
     return StreamingResponse(_events(state, job, tickets, stream_text), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+                             headers=SSE_HEADERS | job.headers())

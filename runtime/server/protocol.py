@@ -1,15 +1,22 @@
 """Request bodies of the OpenAI routes, with OpenAI's field names, validated strictly (wrong types are 400s).
 
 The models are built per app by `request_models(max_tokens_limit)` so that the operator's cap on `max_tokens`
-is part of the published OpenAPI schema (clients and fuzzers see the real bound). Unknown fields are refused,
-as OpenAI refuses them; accepted-but-unsupported OpenAI fields only accept their neutral value.
+is part of the published OpenAPI schema (clients and fuzzers see the real bound).
+
+Every field of OpenAI's current request objects is accepted, because a user cannot edit what LangChain or an agent
+framework sends. Those this server does not act on are listed in each model's IGNORED; a field no model declares
+is accepted too (as vLLM and llama.cpp's server accept them), unless `serve --strict-requests`. `ignored_fields`
+names both kinds for the X-Ignored-Fields header. A name one typo away from a real field (`max_token`) is a 400
+with "did you mean", since the client surely meant the real one. Fields whose value would change what the answer
+is (`echo`, `suffix`, `best_of`, SGLang's extensions) accept only their neutral value.
 """
 
 # (no `from __future__ import annotations`: FastAPI and pydantic read these annotations at runtime)
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from oval_edge.runtime.engine.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
@@ -46,10 +53,74 @@ MAX_CHOICES = 8  # n: each choice is a row of the batch; more would crowd out ot
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
 JsonSchema = Union[dict, bool]
+Label = Annotated[str, Field(max_length=512), AfterValidator(_valid_unicode)]  # an ignored field's short text
+IGNORED_HEADER = "X-Ignored-Fields"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """Strict types; unknown fields kept in model_extra (named by ignored_fields), near misses refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    IGNORED: ClassVar[frozenset[str]] = frozenset()  # OpenAI fields accepted and not acted on
+
+    @model_validator(mode="after")
+    def _no_near_misses(self):
+        names = [info.alias or name for name, info in type(self).model_fields.items()]
+        for key in self.model_extra or ():
+            known = near_miss(key, names)
+            if known is not None:
+                raise PydanticCustomError(
+                    "unknown_field", "unknown field '{field}': did you mean '{known}'? Fix the name (unknown fields "
+                    "are otherwise ignored, and this one would change nothing)", {"field": key, "known": known})
+        return self
+
+
+def near_miss(name: str, known: list[str]) -> str | None:
+    """The field `name` surely meant: the same once case and separators are dropped (maxTokens), or, for names of
+    6+ characters, one edit away (max_token, temprature, a swapped pair). Shorter names and two edits (min_tokens,
+    vLLM's extension, against max_tokens) are other fields, not typos."""
+    flat = name.replace("_", "").replace("-", "").lower()
+    for field in known:
+        if field.replace("_", "").lower() == flat or (len(name) >= 6 and _one_edit(name, field)):
+            return field
+    return None
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """Whether a and b differ by one insertion, deletion, substitution or swap of neighbours (a != b)."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    start = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if len(a) == len(b):
+        return a[start + 1:] == b[start + 1:] or (a[start + 2:] == b[start + 2:] and a[start:start + 2] ==
+                                                    b[start:start + 2][::-1])
+    return (a[start + 1:] == b[start:]) if len(a) > len(b) else (a[start:] == b[start + 1:])
+
+
+def ignored_fields(body: BaseModel) -> tuple[list[str], list[str]]:
+    """(OpenAI fields present, not null, that this server does not act on; fields no model declares), each as its
+    path in the body ("store", "messages[1].refusal", "stream_options.include_obfuscation")."""
+    ignored: list[str] = []
+    unknown: list[str] = []
+
+    def walk(node, path: str) -> None:
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, f"{path}[{i}]")
+            return
+        if not isinstance(node, BaseModel):
+            return
+        at = (path + ".") if path else ""
+        unknown.extend(at + key for key in node.model_extra or ())
+        for name, info in type(node).model_fields.items():
+            value = getattr(node, name)
+            if name in node.IGNORED and value is not None:
+                ignored.append(at + (info.alias or name))
+            elif value is not None:
+                walk(value, at + (info.alias or name))
+
+    walk(body, "")
+    return ignored, unknown
 
 
 class TextPart(_Strict):
@@ -69,6 +140,8 @@ class ToolCall(_Strict):
 
 
 class ChatMessage(_Strict):
+    IGNORED = frozenset({"refusal", "audio", "function_call"})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[TextPart], None] = None
     name: Annotated[str, Field(max_length=64)] | None = None
@@ -77,6 +150,9 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = Field(None, description="assistant messages only: the calls it made")
     tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
         None, description="tool messages only (required there): the id of the call this message answers")
+    refusal: Text | None = Field(None, description="ignored (an earlier assistant refusal)")
+    audio: dict | None = Field(None, description="ignored (an earlier assistant audio reply)")
+    function_call: dict | None = Field(None, description="ignored (deprecated by OpenAI for tool_calls)")
 
     def for_template(self) -> dict:
         """The dict the model's chat template takes (developer is OpenAI's new name for system); tool calls carry
@@ -145,12 +221,17 @@ class NamedToolChoice(_Strict):
 
 
 class StreamOptions(_Strict):
+    IGNORED = frozenset({"include_obfuscation"})
+
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(None, description="ignored: chunks are never padded")
 
 
 class _Generation(_Strict):
     """Fields both routes share. Extensions beyond OpenAI (as vLLM names them): top_k, min_p, repetition_penalty,
-    stop_token_ids, ignore_eos."""
+    stop_token_ids, ignore_eos. `user` is accepted and ignored (as OpenAI's newer safety_identifier)."""
+
+    IGNORED = frozenset({"user"})
 
     model: Annotated[str, Field(max_length=256)] | None = Field(None, description="the served model id (or omit)")
     temperature: Temperature | None = Field(None, description="0 = greedy; default 1.0 as in the OpenAI API")
@@ -219,6 +300,28 @@ def request_models(max_tokens_limit: int) -> tuple[type[BaseModel], type[BaseMod
         tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice, None] = None
         parallel_tool_calls: bool | None = None
         # More of SGLang's router defaults (see _Generation); the reasoning ones act only with a reasoning parser.
+        # OpenAI fields this server accepts and does not act on (named in the X-Ignored-Fields header): storage,
+        # billing and caching hints, other modalities, reasoning controls, and the deprecated function calling.
+        IGNORED = _Generation.IGNORED | {
+            "audio", "function_call", "functions", "metadata", "modalities", "moderation", "prediction",
+            "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning_effort",
+            "safety_identifier", "service_tier", "store", "verbosity", "web_search_options"}
+        audio: dict | None = Field(None, description="ignored: text output only")
+        function_call: Union[Label, dict, None] = Field(None, description="ignored (deprecated: use tool_choice)")
+        functions: list[dict] | None = Field(None, description="ignored (deprecated: use tools)")
+        metadata: dict[str, Label] | None = Field(None, description="ignored: nothing is stored")
+        modalities: list[Label] | None = Field(None, description="ignored: text output only")
+        moderation: dict | None = Field(None, description="ignored")
+        prediction: dict | None = Field(None, description="ignored (predicted output)")
+        prompt_cache_key: Label | None = Field(None, description="ignored: the prefix cache matches by tokens")
+        prompt_cache_options: dict | None = Field(None, description="ignored")
+        prompt_cache_retention: Label | None = Field(None, description="ignored")
+        reasoning_effort: Label | None = Field(None, description="ignored")
+        safety_identifier: Label | None = Field(None, description="ignored")
+        service_tier: Label | None = Field(None, description="ignored: one tier")
+        store: bool | None = Field(None, description="ignored: nothing is stored")
+        verbosity: Label | None = Field(None, description="ignored")
+        web_search_options: dict | None = Field(None, description="ignored: no web search")
         continue_final_message: Literal[False] | None = Field(None, description="SGLang extension; only false")
         separate_reasoning: Literal[True] | None = Field(None, description="SGLang extension; only true")
         stream_reasoning: Literal[True] | None = Field(None, description="SGLang extension; only true")

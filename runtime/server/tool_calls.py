@@ -1,7 +1,11 @@
-"""Tool calling on /v1/chat/completions: which tools the template renders, the grammar that forces a call, and the
-model's calls parsed into OpenAI `tool_calls` (whole responses and SSE deltas).
+"""Tool calling on /v1/chat/completions: which format the request's tools take, the grammar that forces a call, and
+the model's calls parsed into OpenAI `tool_calls` (whole responses and SSE deltas).
 
-The call format is the Hermes / Qwen2.5 one that the shipped `chatml-tools` template teaches:
+A chat template that renders tools gets the Hermes format below. Any other (the bundled SmolLM2's own) gets the
+generic format of tool_json.py: tools in the system message, the answer a JSON call or reply under a grammar, for
+every tool_choice, auto included.
+
+The Hermes call format is the Hermes / Qwen2.5 one that the shipped `chatml-tools` template teaches:
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call, text around it is content.
 tool_choice: `none` renders no tools and parses nothing; `auto` renders them and parses whatever calls the model
 wrote; `required` and a named function also constrain decoding to exactly one call whose arguments follow the
@@ -11,16 +15,17 @@ function's parameters schema (runtime/engine/grammar.py), so they validate unles
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 
 from oval_edge.runtime.engine.grammar import ToolSchemaError
-from oval_edge.runtime.model.tokenizer import SHIPPED_TEMPLATES, renders_tools
+from oval_edge.runtime.model.tokenizer import renders_tools
 
+from . import tool_json
 from .errors import ApiError
 from .protocol import NamedToolChoice
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_PARALLEL_CALLS = 8  # generic format with parallel_tool_calls: true (a bound: a small model may list calls on)
 
 
 @dataclass(frozen=True)
@@ -28,12 +33,26 @@ class ToolPlan:
     """tools    the request's tools as the chat template takes them (OpenAI's shape)
     names    the functions a parsed call may name
     forced   indexes into tools the grammar offers (required: all of them; named: that one); () for auto
-    parallel whether more than one parsed call is returned (parallel_tool_calls)"""
+    parallel whether more than one parsed call is returned (parallel_tool_calls)
+    generic  the template does not render tools: the tool_json format, under a grammar for every tool_choice
+    max_calls generic format: calls one answer may list (MAX_PARALLEL_CALLS when parallel_tool_calls is true, as
+             llama.cpp's server only allows several when asked; else 1)"""
 
     tools: list[dict]
     names: frozenset[str]
     forced: tuple[int, ...]
     parallel: bool
+    generic: bool = False
+    max_calls: int = 1
+
+    def template_input(self, messages: list[dict]) -> tuple[list[dict], list[dict] | None]:
+        """(messages, tools) for the chat template: as they are for a template that renders tools; for the generic
+        format, the tools and the answer format described in the system message, and no `tools`."""
+        if not self.generic:
+            return messages, self.tools
+        forced = [self.tools[i]["function"]["name"] for i in self.forced]
+        system = tool_json.instructions(self.tools, forced, not self.forced, self.max_calls)
+        return tool_json.prompt_messages(messages, system), None
 
 
 def check_messages(messages) -> None:
@@ -72,12 +91,6 @@ def tool_plan(body, engine) -> ToolPlan | None:
         raise ApiError(400, problem[1], problem[0], "invalid_value")
     if not body.tools or body.tool_choice == "none":
         return None
-    if not renders_tools(engine.tokenizer, engine.chat_template):
-        raise ApiError(400, "tools: this model's chat template does not render tools (it never reads `tools`), so "
-                       "the model would not see them. Start the server with --chat-template "
-                       f"{next(iter(SHIPPED_TEMPLATES))} (shipped, for ChatML models such as SmolLM2 and Qwen2.5) "
-                       "or --chat-template FILE.jinja with a template that renders tools; or send tool_choice "
-                       "'none'", "tools", "tools_unsupported")
     for param, on in (("logprobs", body.logprobs), ("ignore_eos", body.ignore_eos)):
         if on:
             raise ApiError(400, f"{param} cannot be combined with tools on this server; drop one of them", param,
@@ -91,27 +104,42 @@ def tool_plan(body, engine) -> ToolPlan | None:
         forced = (names.index(body.tool_choice.function.name),)
     else:
         forced = tuple(range(len(names))) if body.tool_choice == "required" else ()
-    tools = [tool.model_dump(exclude_none=True, by_alias=True) for tool in body.tools]
-    return ToolPlan(tools, frozenset(names), forced, body.parallel_tool_calls is not False)
+    tools = [tool.model_dump(exclude_none=True, by_alias=True, exclude=_extras(tool)) for tool in body.tools]
+    generic = not renders_tools(engine.tokenizer, engine.chat_template)
+    max_calls = MAX_PARALLEL_CALLS if generic and body.parallel_tool_calls is True else 1
+    return ToolPlan(tools, frozenset(names), forced, body.parallel_tool_calls is not False, generic, max_calls)
 
 
-def _compile(engine, functions):
+def _extras(tool) -> dict:
+    """model_dump's exclude for the unknown fields a tool carries (they are named in X-Ignored-Fields, not sent to
+    the template)."""
+    out: dict = {key: True for key in tool.model_extra or ()}
+    if tool.function.model_extra:
+        out["function"] = {key: True for key in tool.function.model_extra}
+    return out
+
+
+def _compile(engine, functions, plan: ToolPlan):
+    if plan.generic:
+        return engine.grammars().tool_json(functions, plan.max_calls, reply=not plan.forced)
     return engine.grammars().tool_call(functions, OPEN + "\n", "\n" + CLOSE)
 
 
 async def tool_grammar(state, engine, plan: ToolPlan | None):
-    """The compiled grammar forcing one call among plan.forced (None when nothing is forced); 400 naming the
-    function whose parameters schema cannot be enforced."""
-    if plan is None or not plan.forced:
+    """The compiled grammar of the plan's answer: Hermes, one call among plan.forced (None when nothing is forced);
+    generic, a call among plan.forced or, for auto, a call to any tool or a reply. 400 naming the function whose
+    parameters schema cannot be enforced."""
+    if plan is None or not (plan.forced or plan.generic):
         return None
+    offered = plan.forced or tuple(range(len(plan.tools)))
     # A schema that allows any value (true, {}) is taken as omitted parameters, a function without arguments:
     # forced, its arguments are {} (as any value, they could be a number, or an object whose keys never end).
     functions = [(plan.tools[i]["function"]["name"], _object_schema(plan.tools[i]["function"]["parameters"]))
-                 for i in plan.forced]
+                 for i in offered]
     try:
-        return await state.off_loop(_compile, engine, functions)
+        return await state.off_loop(_compile, engine, functions, plan)
     except ToolSchemaError as exc:
-        param = f"tools[{plan.forced[exc.index]}].function.parameters"
+        param = f"tools[{offered[exc.index]}].function.parameters"
         raise ApiError(400, f"{param}: {exc}", param, "invalid_schema") from exc
 
 
@@ -122,21 +150,9 @@ def _object_schema(parameters):
 def _call(inner: str, names: frozenset[str]) -> dict | None:
     """The OpenAI tool call in one block's text, or None when it is not a call to one of `names`."""
     try:
-        data = json.loads(inner)
+        return tool_json.openai_call(json.loads(inner), names)
     except ValueError:
         return None
-    if not isinstance(data, dict) or data.get("name") not in names:
-        return None
-    arguments = data.get("arguments", {})
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": data["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
@@ -155,11 +171,19 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
 
 
 def tool_message(request, plan: ToolPlan) -> dict:
-    content, calls = parse_calls(request.text, plan)
+    if plan.generic:
+        content, calls = tool_json.parse_output(request.text, plan.names, plan.max_calls)
+    else:
+        content, calls = parse_calls(request.text, plan)
     message = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def tool_stream(plan: ToolPlan):
+    """One choice's SSE filter for the plan's format."""
+    return tool_json.JsonToolStream(plan.names, plan.max_calls) if plan.generic else ToolStream(plan)
 
 
 class ToolStream:
