@@ -36,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "credentials; the API routes still need the key)")
     group.add_argument("--no-webui", dest="webui", action="store_false",
                        help="do not serve the chat page at GET / (then a 404); the API is unchanged")
+    group.add_argument("--strict-requests", action="store_true",
+                       help="refuse (400) request fields that no OpenAI request declares; by default they are "
+                       "ignored and named in the X-Ignored-Fields response header, as OpenAI fields this server does "
+                       "not act on are")
     group.add_argument("--max-tokens-limit", type=int, default=8192,
                        help="largest max_tokens a request may ask for (default: 8192)")
     group.add_argument("--max-body", type=int, default=1 << 20, metavar="BYTES",
@@ -179,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-grace {args.shutdown_grace} must be >= 0 seconds")
     settings = ServerSettings(model_name=source.name, api_key=args.api_key or None,
                               max_body_bytes=args.max_body, max_tokens_limit=args.max_tokens_limit,
-                              metrics_public=args.metrics_public, webui=args.webui)
+                              metrics_public=args.metrics_public, webui=args.webui,
+                              strict_requests=args.strict_requests)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
