@@ -17,7 +17,7 @@ import pytest
 
 from oval_edge.tools.bench import command as bench_command
 from oval_edge.tools.bench.meters import MemoryMeter, TokenClock
-from oval_edge.tools.bench.report import aggregate, effective_gb_s, format_table, label_rows, median, ratios, scaling
+from oval_edge.tools.bench.report import aggregate, effective_gb_s, format_table, label_rows, ratios, scaling
 from oval_edge.tools.bench.runner import run_worker
 from oval_edge.tools.bench.settings import (BenchSettings, group_pages_of, parse_engines, parse_int_list,
                                             prompt_length, schedule, with_groups)
@@ -123,12 +123,6 @@ def test_llamacpp_worker_modules_do_not_import_torch():
 
 
 # ---- arithmetic ----------------------------------------------------------------------------------------------
-def test_median_ignores_missing_values():
-    assert median([3.0, 1.0, 2.0]) == 2.0
-    assert median([4.0, 1.0, None, 2.0, 3.0]) == 2.5
-    assert median([None]) is None and median([]) is None
-
-
 def _run(engine, context, run, decode, prefill=100.0, rss=500.0, kv=1000, weights=10_000, summary=0):
     return {"engine": engine, "context": context, "run": run, "decode_tok_s": decode, "prefill_tok_s": prefill,
             "peak_rss_mb": rss, "run_peak_rss_mb": rss, "kv_bytes_per_step": kv, "summary_bytes_per_step": summary,

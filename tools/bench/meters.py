@@ -5,9 +5,8 @@ No torch at import time (the llama.cpp worker must not load it): CUDA figures im
 
 from __future__ import annotations
 
-import time
-
 from oval_edge.runtime.engine.memory import peak_rss_bytes, process_rss_bytes
+from oval_edge.tools.timing import clock, rate
 
 MB = 2**20
 
@@ -21,10 +20,10 @@ class TokenClock:
         self.token_ids: list[int] = []
 
     def begin(self) -> None:
-        self.start = time.perf_counter()
+        self.start = clock()
 
     def tick(self, token_id: int) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append(clock())
         self.token_ids.append(int(token_id))
 
     def summary(self, prompt_tokens: int) -> dict:
@@ -37,11 +36,11 @@ class TokenClock:
             "prompt_tokens": prompt_tokens,
             "gen_tokens": len(self.times),
             "prefill_s": prefill_s,
-            "prefill_tok_s": prompt_tokens / prefill_s if prefill_s > 0 else None,
+            "prefill_tok_s": rate(prompt_tokens, prefill_s),
             "ttft_s": prefill_s,
             "decode_s": decode_s,
             "decode_steps": steps,
-            "decode_tok_s": steps / decode_s if decode_s > 0 else None,
+            "decode_tok_s": rate(steps, decode_s),
             "output_ids": self.token_ids[:16],  # lets a reader check that the engines agree on greedy tokens
         }
 

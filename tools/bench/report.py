@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-import statistics
+
+from oval_edge.tools.timing import median
 
 REFERENCE = "oval"
 # Per-run numbers whose median becomes the row's figure.
@@ -13,12 +14,6 @@ MEDIAN_FIELDS = ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_mb", "run_
 # Per-run facts that do not vary between runs: taken from the first successful run.
 FIRST_FIELDS = ("label", "prompt_tokens", "gen_tokens", "decode_steps", "kv_bytes_source", "kv_dtype", "device",
                 "threads", "pool_pages", "pool_bytes", "n_ctx", "output_ids", "ops_counted", "decode_path")
-
-
-def median(values) -> float | None:
-    """Median of the values that are numbers (None and failed runs left out); None when there are none."""
-    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return statistics.median(numbers) if numbers else None
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

@@ -16,8 +16,9 @@ import json
 import os
 import signal
 import sys
-import time
 import traceback
+
+from oval_edge.tools.timing import Stopwatch
 
 from .meters import MemoryMeter, TokenClock
 
@@ -53,7 +54,7 @@ def run_job(job: dict) -> dict:
     clock = TokenClock()
     uses_torch_cuda = job["device"] == "cuda" and engine != "llama.cpp"
     meter = MemoryMeter(cuda=uses_torch_cuda)
-    began = time.perf_counter()
+    watch = Stopwatch()
     if runs_runtime(job):
         from .runtime_engine import run_runtime
 
@@ -73,7 +74,7 @@ def run_job(job: dict) -> dict:
     row.update(clock.summary(len(job["prompt_ids"])))
     row.update(meter.finish())
     row.update(extra)
-    row["wall_s"] = time.perf_counter() - began
+    row["wall_s"] = watch.seconds
     row["torch_imported"] = "torch" in sys.modules  # False for llama.cpp: its RSS holds no torch
     return row
 

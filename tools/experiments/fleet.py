@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from ..load.client import RequestResult, stream_chat
 from ..load.report import parse_metrics
+from ..timing import Stopwatch, clock
 
 COMPLETED = ("stop", "length")  # outcomes of oval_edge_http_requests_total that delivered a whole answer
 REFUSED = ("unavailable", "busy", "rejected")  # answered at once with an error: never in flight
@@ -95,7 +95,7 @@ async def _watch_stop(http, victim: Victim, marks: dict) -> None:
     marks["counts_at_signal"], samples = at_signal
     marks["running_at_signal"] = samples.get("oval_edge_requests_running", 0.0)
     marks["waiting_at_signal"] = samples.get("oval_edge_requests_waiting", 0.0)
-    marks["signal_at"] = time.perf_counter()
+    marks["signal_at"] = clock()
     victim.signal()
     exit_task = asyncio.create_task(victim.wait_exit())
     last = marks["counts_at_signal"]
@@ -104,10 +104,10 @@ async def _watch_stop(http, victim: Victim, marks: dict) -> None:
         if reading is not None:
             last = reading[0]
         if victim.routed is not None and "router_dropped_at" not in marks and await victim.routed() is False:
-            marks["router_dropped_at"] = time.perf_counter()
+            marks["router_dropped_at"] = clock()
         await asyncio.sleep(POLL_S)
     marks["exit_code"] = exit_task.result()
-    marks["exited_at"] = time.perf_counter()
+    marks["exited_at"] = clock()
     marks["counts_last"] = last
     marks["ended"] = None if victim.ended_after_signal is None else victim.ended_after_signal()
 
@@ -118,12 +118,12 @@ async def failover(http, router: str, survivor: str, victim: Victim, model: str,
     rows: list[tuple[float, RequestResult]] = []  # (start time, result)
     marks: dict = {}
     survivor_before, victim_before = await read_counts(http, survivor), await read_counts(http, victim.url)
-    began = time.perf_counter()
+    running = Stopwatch()
 
     async def client(cid: int) -> None:
         index = 1
-        while time.perf_counter() - began < run_s:
-            start = time.perf_counter()
+        while running.seconds < run_s:
+            start = clock()
             rows.append((start, await stream_chat(http, router, chat_body(model, cid, index, max_tokens), {}, cid,
                                                   index)))
             index += 1

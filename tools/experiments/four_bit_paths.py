@@ -17,12 +17,12 @@ runtime's own graphs remove) does not hide the kernels' cost; on a CPU it is a p
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from oval_edge.tools.timing import median, repeat_times
 
 REPS = 20
 SHAPES = {"smollm2 gate_up": (3072, 576), "llama3-8b down": (4096, 14336)}  # (out_features, in_features)
@@ -89,14 +89,8 @@ def time_option(fn: Callable, x: torch.Tensor) -> float:
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) * 1000 / REPS)
-        return statistics.median(times)
-    fn(x)
-    times = []
-    for _ in range(REPS):
-        began = time.perf_counter()
-        fn(x)
-        times.append((time.perf_counter() - began) * 1e6)
-    return statistics.median(times)
+        return median(times)
+    return median(repeat_times(lambda: fn(x), REPS, warmup=1)) * 1e6
 
 
 def measure(device: torch.device, dtype: torch.dtype, rows: tuple[int, ...] = (1, 2, 4, 8, 16),

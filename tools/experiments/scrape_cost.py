@@ -22,14 +22,12 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import sys
-import time
-
 from urllib.parse import urlsplit
 
 from ..load.client import stream_chat
 from ..load.server import AutoServer
+from ..timing import Stopwatch, clock, median, rate
 from .socket_scraper import SocketScraper
 
 SCRAPE_PERIOD_S = 0.05
@@ -39,14 +37,14 @@ PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 async def _scraper(http, url: str, stop: asyncio.Event, latencies: list[float]) -> None:
     """GET url (a server's /metrics) at a fixed rate (a late scrape shortens the next wait, as Go's ticker would)."""
-    next_at = time.perf_counter()
+    next_at = clock()
     while not stop.is_set():
-        began = time.perf_counter()
+        began = clock()
         response = await http.get(url)
         response.raise_for_status()
-        latencies.append(time.perf_counter() - began)
+        latencies.append(clock() - began)
         next_at += SCRAPE_PERIOD_S
-        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        await asyncio.sleep(max(0.0, next_at - clock()))
 
 
 class _HttpxScraping:
@@ -82,20 +80,20 @@ class _SocketScraping:
 async def _round(http, url: str, model: str, streams: int, max_tokens: int, scraping=None) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, "stream": True}
-    began = time.perf_counter()
+    watch = Stopwatch()
     if scraping is not None:
         scraping.begin()
     results = await asyncio.gather(*(stream_chat(http, url, body, {}, i, 0) for i in range(streams)))
-    wall = time.perf_counter() - began
+    wall = watch.seconds
     latencies = await scraping.end() if scraping is not None else []
     rates = []
     for result in results:
         if result.outcome != "completed" or not result.itl_s:
             raise RuntimeError(f"a request failed: {result.error or result.problem}")
-        rates.append(len(result.itl_s) / sum(result.itl_s))
+        rates.append(rate(len(result.itl_s), sum(result.itl_s)))
     return {"scrape": scraping is not None, "decode_tok_s_per_stream": rates, "wall_s": wall,
             "scrapes": len(latencies),
-            "scrape_latency_ms_p50": 1000 * statistics.median(latencies) if latencies else None}
+            "scrape_latency_ms_p50": 1000 * median(latencies) if latencies else None}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -138,20 +136,20 @@ async def measure(url: str, rounds: int, streams: int, max_tokens: int, pid: int
                 for i in range(2 * rounds)]
     side = {flag: [r for row in rows if row["scrape"] == flag for r in row["decode_tok_s_per_stream"]]
             for flag in (False, True)}
-    off, on = statistics.median(side[False]), statistics.median(side[True])
+    off, on = median(side[False]), median(side[True])
     scraped = [row for row in rows if row["scrape"]]
-    without = [statistics.median(r["decode_tok_s_per_stream"]) for r in rows if not r["scrape"]]
-    with_ = [statistics.median(r["decode_tok_s_per_stream"]) for r in scraped]
+    without = [median(r["decode_tok_s_per_stream"]) for r in rows if not r["scrape"]]
+    with_ = [median(r["decode_tok_s_per_stream"]) for r in scraped]
     return {"scrape_path": path, "scraper": scraper, "idle_cpu_cost": idle_cost, "rounds_per_side": rounds,
             "streams": streams, "max_tokens": max_tokens,
             "median_decode_tok_s_per_stream_without": off, "median_decode_tok_s_per_stream_with": on,
             "ratio_with_to_without": on / off, "change_percent": 100.0 * (on - off) / off,
             "round_medians_without": without, "round_medians_with": with_,
             # each scraped round over the unscraped round just before it: drift slower than a round cancels
-            "median_pair_ratio": statistics.median(w / o for o, w in zip(without, with_)),
+            "median_pair_ratio": median(w / o for o, w in zip(without, with_)),
             "scrapes_per_round": [row["scrapes"] for row in scraped],
             "scrape_hz": [row["scrapes"] / row["wall_s"] for row in scraped],
-            "scrape_latency_ms_p50": statistics.median(row["scrape_latency_ms_p50"] for row in scraped),
+            "scrape_latency_ms_p50": median(row["scrape_latency_ms_p50"] for row in scraped),
             "rounds": rows}
 
 
@@ -189,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
           f"scraper {report['median_decode_tok_s_per_stream_with']:.2f} (ratio {report['ratio_with_to_without']:.3f}, "
           f"{report['change_percent']:+.1f}%; median of the {args.rounds} paired rounds' ratios "
           f"{report['median_pair_ratio']:.3f}); scrapes per round {report['scrapes_per_round']} "
-          f"(median {statistics.median(report['scrape_hz']):.1f} Hz), scrape p50 "
+          f"(median {median(report['scrape_hz']):.1f} Hz), scrape p50 "
           f"{report['scrape_latency_ms_p50']:.1f} ms")
     cost = report["idle_cpu_cost"]
     if cost is not None:

@@ -7,7 +7,7 @@ per scrape: it writes a fixed request, reads the headers and Content-Length byte
 
     with SocketScraper("127.0.0.1", 8000, "/metrics") as scraper:
         scraper.scrape()                  # GETs at 20 Hz from now
-        scrapes = scraper.pause()         # [(began, seconds)]; began is time.perf_counter(): CLOCK_MONOTONIC on
+        scrapes = scraper.pause()         # [(began, seconds)]; began is tools/timing.clock(): CLOCK_MONOTONIC on
                                           # Linux, so the parent can compare it with its own clock
 """
 
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
-import time
+
+from oval_edge.tools.timing import clock
 
 PERIOD_S = 0.05
 
@@ -56,12 +57,12 @@ def _scrape_loop(host: str, port: int, path: str, control) -> None:
     while (command := control.recv()) == "scrape":
         scrapes: list[tuple[float, float]] = []
         with _connect(host, port) as conn:
-            buffer, next_at = b"", time.perf_counter()
-            while not control.poll(max(0.0, next_at - time.perf_counter())):
-                began = time.perf_counter()
+            buffer, next_at = b"", clock()
+            while not control.poll(max(0.0, next_at - clock())):
+                began = clock()
                 conn.sendall(request)
                 buffer = _read_response(conn, buffer)
-                scrapes.append((began, time.perf_counter() - began))
+                scrapes.append((began, clock() - began))
                 next_at += PERIOD_S  # a late scrape shortens the next wait, as Go's ticker would
         control.recv()  # "pause"
         control.send(scrapes)

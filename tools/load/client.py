@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import dataclass, field
+
+from oval_edge.tools.timing import Stopwatch, clock, gaps
 
 SSE_FIELDS = ("event", "id", "retry")  # other SSE fields a server may send; OpenAI streams use only data
 
@@ -136,7 +137,7 @@ async def stream_chat(client, base_url: str, body: dict, headers: dict, client_i
     result = RequestResult(client_id, index)
     check = StreamCheck()
     arrivals: list[float] = []  # when each chunk with new content text came in
-    began = time.perf_counter()
+    began = clock()
     try:
         async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as response:
             result.status = response.status_code
@@ -146,7 +147,7 @@ async def stream_chat(client, base_url: str, body: dict, headers: dict, client_i
                 result.error = f"HTTP {response.status_code}: {text[:200]}"
                 return result
             async for line in response.aiter_lines():
-                now, seen = time.perf_counter(), check.content_chunks
+                now, seen = clock(), check.content_chunks
                 if check.feed(line) and result.ttft_s is None:
                     result.ttft_s = now - began
                 if check.content_chunks > seen:
@@ -155,8 +156,8 @@ async def stream_chat(client, base_url: str, body: dict, headers: dict, client_i
     except (httpx.HTTPError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         check.close()
-    result.latency_s = time.perf_counter() - began
-    result.itl_s = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    result.latency_s = clock() - began
+    result.itl_s = gaps(arrivals)
     result.well_formed = check.well_formed
     result.problem = check.problem
     result.finish_reason = check.finish_reason
@@ -209,10 +210,10 @@ async def run_clients(base_url: str, model: str, clients: int, requests_per_clie
                 body["stream_options"] = {"include_usage": True}
             results.append(await stream_chat(http, base_url, body, headers, client_id, index))
 
-    began = time.perf_counter()
+    watch = Stopwatch()
     async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as http:
         await run_within([one_client(i, http) for i in range(clients)], time_limit_s)
-    wall = time.perf_counter() - began
+    wall = watch.seconds
     seen = {(r.client, r.index) for r in results}
     for client_id in range(clients):  # requests that never finished inside the time limit
         for index in range(requests_per_client):

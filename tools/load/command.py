@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import time
 from urllib.parse import urlparse
 
 from oval_edge.tools.bench.report import write_json_report
+from oval_edge.tools.timing import Stopwatch
 
 from .client import run_clients
 from .multiturn import format_turns, passages, per_turn, run_multiturn
@@ -50,7 +50,7 @@ def run_load(args: argparse.Namespace) -> int:
         raise ValueError("--serve needs httpx: pip install httpx (or pip install 'oval-edge[test]')") from exc
     api_key = args.api_key or os.environ.get("OVAL_EDGE_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.monotonic() + args.time_limit
+    elapsed = Stopwatch()  # --time-limit bounds the whole run: server start, health wait and load
     server = None
     if args.serve == "auto":
         server = AutoServer(args.serve_args, api_key).start()
@@ -60,9 +60,9 @@ def run_load(args: argparse.Namespace) -> int:
         url = server.url
     else:
         url = args.serve.rstrip("/")
-        wait_healthy(url, max(1.0, deadline - time.monotonic()), headers)
+        wait_healthy(url, max(1.0, args.time_limit - elapsed.seconds), headers)
     try:
-        report = asyncio.run(_drive(url, args, headers, max(1.0, deadline - time.monotonic())))
+        report = asyncio.run(_drive(url, args, headers, max(1.0, args.time_limit - elapsed.seconds)))
     finally:
         if server is not None:
             code = server.stop()
@@ -160,11 +160,11 @@ async def _counters(http, url: str) -> dict[str, float] | None:
 
 async def _settled_pages(http, url: str, before: dict) -> tuple[dict, bool | None]:
     """Poll /metrics until every page is free (or PAGES_SETTLE_S passes); returns the last reading."""
-    began = time.monotonic()
+    waited = Stopwatch()
     while True:
         pages = await _pages(http, url)
         ok = pages_returned(pages)
-        if ok is not False or time.monotonic() - began > PAGES_SETTLE_S:
+        if ok is not False or waited.seconds > PAGES_SETTLE_S:
             if before.get("total") is not None and pages.get("total") not in (None, before["total"]):
                 ok = False  # the pool must never change size
             return pages, ok

@@ -11,9 +11,9 @@ cut at ~4 characters per token; replies are the server's own (greedy), appended 
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
+
+from oval_edge.tools.timing import Stopwatch, median
 
 from .client import RequestResult, run_within, stream_chat
 
@@ -51,13 +51,13 @@ async def run_multiturn(base_url: str, model: str, clients: int, turns: int, tur
                 return
             messages.append({"role": "assistant", "content": result.text})
 
-    began = time.perf_counter()
+    watch = Stopwatch()
     # A fresh connection per turn: a server may close an idle keep-alive connection between turns (llama-server
     # did, and httpx does not retry a POST on a connection that died).
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=timeout, transport=transport, limits=limits) as http:
         await run_within([conversation(i, http) for i in range(clients)], time_limit_s)
-    return results, time.perf_counter() - began
+    return results, watch.seconds
 
 
 def per_turn(results: list[RequestResult], turns: int) -> list[dict]:
@@ -68,8 +68,7 @@ def per_turn(results: list[RequestResult], turns: int) -> list[dict]:
         ttft = [r.ttft_s for r in done if r.ttft_s is not None]
         prompt = [r.prompt_tokens for r in done if r.prompt_tokens]
         rows.append({"turn": turn + 1, "completed": len(done),
-                     "ttft_s_median": statistics.median(ttft) if ttft else None,
-                     "prompt_tokens_median": statistics.median(prompt) if prompt else None})
+                     "ttft_s_median": median(ttft), "prompt_tokens_median": median(prompt)})
     return rows
 
 

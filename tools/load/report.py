@@ -3,8 +3,9 @@ and the printout."""
 
 from __future__ import annotations
 
-import math
 import re
+
+from oval_edge.tools.timing import percentile, rate
 
 from .client import RequestResult
 
@@ -15,18 +16,6 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 COUNTERS = {"prefix_hit_tokens": "prefix_cache_hit_tokens_total",
             "prefix_query_tokens": "prefix_cache_query_tokens_total",
             "preemptions": "requests_preempted_total", "mixed_steps": "mixed_steps_total"}
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None for no values. q in [0, 100]."""
-    data = sorted(v for v in values if v is not None)
-    if not data:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q={q!r} must be in [0, 100]")
-    position = (len(data) - 1) * q / 100
-    low, high = math.floor(position), math.ceil(position)
-    return data[low] + (data[high] - data[low]) * (position - low)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -115,7 +104,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         "server_errors_5xx": len(server_errors),
         "streams": len(streams), "streams_well_formed": sum(1 for r in streams if r.well_formed),
         "completion_tokens": tokens, "wall_s": wall_s,
-        "aggregate_tok_s": tokens / wall_s if wall_s > 0 else None,
+        "aggregate_tok_s": rate(tokens, wall_s),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
         "latency_p50_s": percentile(latency, 50), "latency_p95_s": percentile(latency, 95),
         "itl_p50_ms": percentile(itl, 50), "itl_p95_ms": percentile(itl, 95), "itl_samples": len(itl),

@@ -12,6 +12,8 @@ import sys
 import tempfile
 import time
 
+from oval_edge.tools.timing import Stopwatch
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -27,15 +29,15 @@ def wait_healthy(url: str, timeout_s: float, headers: dict | None = None, alive=
     """Poll GET /health until 200 (503 means still loading). Returns the seconds waited; ValueError on timeout."""
     import httpx
 
-    began = time.monotonic()
+    waited = Stopwatch()
     last = "no answer yet"
-    while time.monotonic() - began < timeout_s:
+    while waited.seconds < timeout_s:
         if not alive():
             raise ValueError(f"the server at {url} exited before it became ready ({last})")
         try:
             response = httpx.get(f"{url}/health", headers=headers or {}, timeout=5.0)
             if response.status_code == 200:
-                return time.monotonic() - began
+                return waited.seconds
             last = f"/health answered {response.status_code}"
         except httpx.HTTPError as exc:
             last = f"{type(exc).__name__}: {exc}"

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
+
+from oval_edge.tools.timing import clock, gaps, median, repeat_times
 
 PROMPT = 512  # the context docs/static-step.md counted at; the count is the same at every length of a bucket
 DENSE_LAYERS = 2  # the serve default (OvalConfig.dense_layers)
@@ -55,10 +55,10 @@ def _probe(folder: str, quant: str, attention: str, steps: int, dense_layers: in
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
     engine.generate(prompt[:64], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up: lazy inits, buffers
     stamps: list[float] = []
-    engine.generate(prompt, params, on_token=lambda _r, token, _t: token >= 0 and stamps.append(time.perf_counter()))
+    engine.generate(prompt, params, on_token=lambda _r, token, _t: token >= 0 and stamps.append(clock()))
     # The engine's whole loop per token (step, read back, sampling, detokenizing, scheduling); medians, like the
     # step's below, so that a stall of this shared machine moves neither.
-    per_token = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+    per_token = median(gaps(stamps))
     # The step alone, on a sequence held at PROMPT tokens (run() does not advance it; its shapes do not follow it).
     seq = "probe"
     assert engine.pool.allocate(seq, PROMPT + 1) is not None
@@ -73,12 +73,7 @@ def _probe(folder: str, quant: str, attention: str, steps: int, dense_layers: in
     with torch.inference_mode():
         with trace:
             static.run()
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            static.run()
-            times.append(time.perf_counter() - t)
-    run_s = statistics.median(times)
+        run_s = median(repeat_times(static.run, steps))
     return {"ops": trace.count, "step_run_ms": run_s * 1e3, "us_per_op": run_s / trace.count * 1e6,
             "decode_token_ms": per_token * 1e3, "host_outside_step_us": (per_token - run_s) * 1e6}
 
@@ -121,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                   "dense_attention_engine": dict(zip(("base", "per_layer"),
                                                      _fit({n: out["runs"][f"dense/{n}"]["ops"] for n in depths})))}
     runs = out["runs"].values()
-    out["us_per_op_median"] = statistics.median(r["us_per_op"] for r in runs)
-    out["host_outside_step_us_median"] = statistics.median(r["host_outside_step_us"] for r in runs)
+    out["us_per_op_median"] = median(r["us_per_op"] for r in runs)
+    out["host_outside_step_us_median"] = median(r["host_outside_step_us"] for r in runs)
     print(json.dumps(out, indent=2))
     return 0
 
