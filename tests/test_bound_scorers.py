@@ -1,9 +1,12 @@
 """Page scorers with one layer's records bound once (oval_edge/kernels/cpu_bound.py): the static step binds one per
 sparse layer when it is built, each scores as the unbound call does, and a call with a query of another shape is
-refused (None: the torch code runs) instead of reading the records with the wrong strides."""
+refused with an error instead of reading the records with the wrong strides: the shapes a bound kernel takes are
+decided when it is bound (the kernel's own check, probed then: a query group above its MAX_GROUP is refused there,
+None), so a call never declines ([R-static-step]; sparse/step_ops_table.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_grouped_scoring import GROUPED
 from test_static_step import engine_for, prefill, tiny_folder  # noqa: F401
@@ -22,14 +25,16 @@ def test_bound_page_scorer_equals_the_call_and_refuses_other_shapes(kernels):
     counts = torch.tensor([24, 9])
     for fmt in ("float", "int8", "int4"):
         records = random_records(gen, hkv, pages, rank, dim, page_size, fmt, torch.float32)
-        bound = kernels.bind_oval_scores(records)
+        bound = kernels.bind_oval_scores(records, group)
         want = kernels.oval_scores(q, records, table, 0.125, counts)
         assert bound is not None and torch.equal(bound(q, table, 0.125, counts), want)
-        assert bound(q[:, :2], table, 0.125) is None  # two KV heads against three heads' records
-        assert bound(q[..., :32], table, 0.125) is None  # another head dim
+        for other in (q[:, :2], q[..., :32], q[:, :, :2]):  # two KV heads against three; another D; another G
+            with pytest.raises(ValueError, match="was bound for CPU queries"):
+                bound(other, table, 0.125)
         assert bound(q, table.float(), 0.125).shape == (2, hkv, 24)  # page indices in another dtype: converted
+        assert kernels.bind_oval_scores(records, 33) is None  # above score_kernels.c's MAX_GROUP: refused at bind
     records = random_records(gen, hkv, pages, rank, dim, page_size, "float", torch.float32)
-    assert kernels.bind_oval_scores((records[0], records[1], records[2][:, :, :, :16], None)) is None  # not P wide
+    assert kernels.bind_oval_scores((records[0], records[1], records[2][:, :, :, :16], None), group) is None
 
 
 def test_bound_grouped_scorer_equals_the_call(kernels):
@@ -43,12 +48,14 @@ def test_bound_grouped_scorer_equals_the_call(kernels):
     table = torch.randperm(pages, generator=gen)[:192][None]
     sealed = torch.tensor([150])
     q = torch.randn(1, hkv, group, dim, generator=gen)
-    bound = kernels.bind_grouped_scores(coarse, records, 8, 5)
+    bound = kernels.bind_grouped_scores(coarse, records, 8, 5, group, 192)
     want = kernels.grouped_scores(q, coarse, records, table, sealed, 0.125, 8, 5)
     got = bound(q, table, sealed, 0.125)
     assert torch.equal(got, want) and int((got[0, 0] > float("-inf")).sum()) == 5 * 8 + 6
-    assert bound(q[:, :1], table, sealed, 0.125) is None
-    assert kernels.bind_grouped_scores((coarse[0].float(), *coarse[1:]), records, 8, 5) is None  # mixed coarse dtypes
+    with pytest.raises(ValueError, match="was bound for CPU queries"):
+        bound(q[:, :1], table, sealed, 0.125)
+    assert kernels.bind_grouped_scores((coarse[0].float(), *coarse[1:]), records, 8, 5, group, 192) is None  # mixed
+    assert kernels.bind_grouped_scores(coarse, records, 8, 5, group, 40) is None  # 5 groups, 5 kept: not two-level
 
 
 def test_the_static_step_binds_each_sparse_layer_once(tiny_folder, kernels):  # noqa: F811

@@ -6,7 +6,9 @@ Why: on a CPU, eager torch spends most of a long-context decode step on many sma
 pool in place. They are an optimisation only: `cpu_kernels()` is None (and callers keep their torch code) when
 they are turned off (OVAL_EDGE_NATIVE=0), when no C compiler is found, when the build fails, or when the built
 library disagrees with the torch reference on a small self-check (cpu_build.py builds, cpu_check.py checks).
-Nothing else in the process changes.
+Nothing else in the process changes. OVAL_EDGE_NATIVE_BODY=portable|avx2|avx512 loads that SIMD body's build
+instead of this CPU's own (cpu_build.BODIES; A/B runs), and `body_kernels(body)` loads any of them side by side
+(the parity grid, tests/test_parity_grid.py).
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import subprocess
 
 import torch
 
-from .cpu_args import OUT_OF_RANGE, as_dtype, grouped_fit, kernel_result, on_cpu, row_bounds, scales_fit
-from .cpu_bound import BoundGroupedGemv, BoundGroupedScorer, BoundPageScorer
-from .cpu_build import built_library
+from .cpu_args import OUT_OF_RANGE, grouped_fit, on_cpu
+from .cpu_bound import BoundAttention, BoundGroupedGemv, BoundGroupedScorer, BoundPageScorer, BoundSelect
+from .cpu_build import NATIVE_BODY, built_library
 from .gpu import TritonKernels, describe_gpu_kernels, gpu_kernels
 
 NATIVE_ENV = "OVAL_EDGE_NATIVE"  # "0": never use the kernels (A/B measurements, debugging)
+BODY_ENV = "OVAL_EDGE_NATIVE_BODY"  # a cpu_build.BODIES name: load that SIMD body's build (default: native)
 ELEMENT_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Oval record formats by the basis dtype (page_record.py): the pool's float dtypes, int8, int4 packed in uint8.
 RECORD_SUFFIX = {**ELEMENT_SUFFIX, torch.int8: "int8", torch.uint8: "int4"}
@@ -52,8 +55,8 @@ class NativeKernels:
     """Typed entry points of the loaded library. Each returns None for inputs it does not take (another device
     or dtype, shapes above the limits the C file defines), so the caller runs its torch code instead."""
 
-    def __init__(self, library: ctypes.CDLL, path: str) -> None:
-        self.path = path
+    def __init__(self, library: ctypes.CDLL, path: str, body: str = NATIVE_BODY) -> None:
+        self.path, self.body = path, body  # body: the cpu_build.BODIES name it was built as, or "native"
         self._scores, self._attend = {}, {}
         for dtype, suffix in RECORD_SUFFIX.items():
             scores = getattr(library, f"oval_scores_{suffix}")
@@ -96,13 +99,14 @@ class NativeKernels:
         scales; any record format) -> scores [B, Hkv, Np] fp32.
         counts [B] int64: score only each row's first counts[b] pages (the rest get -3e38 and are not read).
         """
-        scorer = self.bind_oval_scores(records)
+        fits = q.dim() == 4 and q.is_cpu and (q.shape[1], q.shape[3]) == (records[0].shape[0], records[0].shape[-1])
+        scorer = self.bind_oval_scores(records, q.shape[2]) if fits else None
         return None if scorer is None else scorer(q, page_table, scale, counts)
 
-    def bind_oval_scores(self, records) -> BoundPageScorer | None:
-        """oval_scores with `records` checked once (cpu_bound.py): a callable (q, page_table, scale, counts=None),
-        or None for records the kernels do not read."""
-        return BoundPageScorer.bind(self._scores, records, _team)
+    def bind_oval_scores(self, records, group: int) -> BoundPageScorer | None:
+        """oval_scores with `records` and the query group G checked once (cpu_bound.py): a callable (q, page_table,
+        scale, counts=None) that never declines, or None for records the kernels do not read."""
+        return BoundPageScorer.bind(self._scores, records, _team, group)
 
     def grouped_scores(self, q: torch.Tensor, coarse: tuple[torch.Tensor, ...], records, page_table: torch.Tensor,
                        sealed: torch.Tensor, scale: float, group_pages: int, top_groups: int) -> torch.Tensor | None:
@@ -112,14 +116,16 @@ class NativeKernels:
         int64 (-1: no record); records: that layer's fine LayerRecords;
         page_table [B, Np]; sealed [B] -> scores [B, Hkv, Np] fp32, -inf on pages not scored finely. None for
         inputs it does not take (the caller runs the torch code)."""
-        scorer = self.bind_grouped_scores(coarse, records, group_pages, top_groups)
+        fits = q.dim() == 4 and q.is_cpu and (q.shape[1], q.shape[3]) == (records[0].shape[0], records[0].shape[-1])
+        scorer = self.bind_grouped_scores(coarse, records, group_pages, top_groups, q.shape[2],
+                                          page_table.shape[-1]) if fits else None
         return None if scorer is None else scorer(q, page_table, sealed, scale)
 
-    def bind_grouped_scores(self, coarse: tuple[torch.Tensor, ...], records, group_pages: int,
-                            top_groups: int) -> BoundGroupedScorer | None:
-        """grouped_scores with the layer's records and the group settings checked once (cpu_bound.py): a callable
-        (q, page_table, sealed, scale), or None for records the kernel does not read."""
-        return BoundGroupedScorer.bind(self._grouped, coarse, records, group_pages, top_groups, _team)
+    def bind_grouped_scores(self, coarse: tuple[torch.Tensor, ...], records, group_pages: int, top_groups: int,
+                            group: int, width: int) -> BoundGroupedScorer | None:
+        """grouped_scores with the layer's records, the group settings, G and the page-table width checked once
+        (cpu_bound.py): a callable (q, page_table, sealed, scale), or None where the kernel does not take them."""
+        return BoundGroupedScorer.bind(self._grouped, coarse, records, group_pages, top_groups, _team, group, width)
 
     def attend_slots(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
                      valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None,
@@ -128,27 +134,17 @@ class NativeKernels:
         views), reading them in place instead of gathering. q [B, Hq, D] fp32 -> [B, Hq, D].
         limits [B] int64: row b visits only its first limits[b] slots (the rest count as invalid).
         scales: (k, v) fp32 [rows] when the rows are int8 codes (each row read is dequantized in the kernel)."""
-        kernel = self._attend.get(k_rows.dtype)
-        b, hq, dim = q.shape
-        hkv, slots = flat.shape[1], flat.shape[2]
-        quantized = k_rows.dtype == torch.int8
-        if (kernel is None or q.dtype != torch.float32 or v_rows.dtype != k_rows.dtype
-                or not on_cpu(q, k_rows, v_rows, flat, valid)
-                or not (k_rows.is_contiguous() and v_rows.is_contiguous())
-                or not scales_fit(scales, quantized, k_rows.shape[0])):
+        hkv = flat.shape[1]
+        if q.dtype != torch.float32 or q.dim() != 3 or q.shape[1] % hkv or not on_cpu(q, flat, valid):
             return None
-        q = q.contiguous()
-        idx = as_dtype(flat, torch.int64).contiguous()
-        ok = as_dtype(valid, torch.bool).contiguous()
-        weights = torch.empty(b * hq * slots, dtype=torch.float32)  # scratch: a row of logits per (b, query head)
-        out = torch.empty_like(q)
-        code = kernel(q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), k_rows.shape[0], idx.data_ptr(),
-                      ok.data_ptr(), row_bounds(limits), b, hkv, hq // hkv, dim, slots, float(scale),
-                      weights.data_ptr(), out.data_ptr(),
-                      *((s.data_ptr() for s in scales) if quantized else (None, None)), _team())
-        return kernel_result(code, out, "attend_slots", "a valid slot lies outside the layer's 0..{} rows",
-                       k_rows.shape[0] - 1)
+        bound = self.bind_attend(k_rows, v_rows, scales, hkv, q.shape[1] // hkv)
+        return None if bound is None else bound(q, flat, valid, scale, limits)
 
+    def bind_attend(self, k_rows: torch.Tensor, v_rows: torch.Tensor, scales, kv_heads: int,
+                    group: int) -> BoundAttention | None:
+        """attend_slots over one layer's rows [rows, D] (and int8 scales) checked once with Hkv and G (cpu_bound.py):
+        a callable (q fp32, flat, valid, scale, limits=None), or None where the kernel does not take them."""
+        return BoundAttention.bind(self._attend, k_rows, v_rows, scales, _team, kv_heads, group)
 
     def quest_scores(self, *args, **kwargs) -> None:
         """No C kernel for quest (a few torch passes already): None, the caller runs scoring.quest_scores."""
@@ -244,18 +240,18 @@ class NativeKernels:
         [B, Hkv, Np] fp32, the step's page_table [B, Np], lengths [B], sealed [B] and the window start start [B, 1]
         or [B, Hkv] (int64). None where the kernel does not apply (the caller runs the torch code)."""
         b, hkv, pages = scores.shape
-        slots = (sink_pages + top_k) * page_size + window_slots
-        tensors = (scores, page_table, lengths, sealed, start)
-        if (scores.dtype != torch.float32 or any(t.dtype != torch.int64 for t in tensors[1:])
-                or not all(t.is_contiguous() for t in tensors) or not on_cpu(*tensors)
-                or start.shape[-1] not in (1, hkv) or page_table.shape != (b, pages)):
+        if (not on_cpu(scores, page_table, lengths, sealed, start) or start.shape[-1] not in (1, hkv)
+                or page_table.shape != (b, pages)):
             return None
-        flat = torch.empty((b, hkv, slots), dtype=torch.int64)
-        valid = torch.empty((b, hkv, slots), dtype=torch.bool)
-        code = self._select(scores.data_ptr(), page_table.data_ptr(), lengths.data_ptr(), sealed.data_ptr(),
-                            start.data_ptr(), start.shape[-1], b, hkv, pages, page_size, sink_pages, top_k,
-                            window_slots, window_min, slots, flat.data_ptr(), valid.data_ptr())
-        return (flat, valid) if code == 0 else None
+        bound = self.bind_select(hkv, pages, page_size, sink_pages, top_k, window_slots, window_min)
+        return None if bound is None else bound(scores, page_table, lengths, sealed, start)
+
+    def bind_select(self, kv_heads: int, width: int, page_size: int, sink_pages: int, top_k: int,
+                    window_slots: int, window_min: int) -> BoundSelect | None:
+        """select_slots with the static step's layout checked once (cpu_bound.py), or None where the kernel does
+        not take it."""
+        return BoundSelect.bind(self._select, kv_heads, width, page_size, sink_pages, top_k, window_slots,
+                                window_min)
 
 
 def _team() -> int:
@@ -270,7 +266,7 @@ def describe_kernels(device: torch.device) -> str:
         return describe_gpu_kernels(device)  # the Triton kernels on CUDA, or why the torch ops run
     kernels = cpu_kernels()
     if kernels is not None:
-        return f"native CPU scoring ({kernels.scoring_body}) + attention ({kernels.path})"
+        return f"native CPU scoring ({kernels.scoring_body}, {kernels.body} build) + attention ({kernels.path})"
     if os.environ.get(NATIVE_ENV, "").strip() == "0":
         return f"torch ops ({NATIVE_ENV}=0)"
     return "torch ops (native kernels unavailable: the log says why)"
@@ -284,17 +280,23 @@ def decode_kernels(device: torch.device) -> NativeKernels | TritonKernels | None
 
 
 def cpu_kernels() -> NativeKernels | None:
-    """The kernels, or None when they are off or unavailable (the reason is logged once)."""
+    """The kernels, or None when they are off or unavailable (the reason is logged once). ValueError when
+    OVAL_EDGE_NATIVE_BODY names a body this CPU cannot run."""
     if os.environ.get(NATIVE_ENV, "1").strip() == "0":
         return None
-    return _load()
+    return _load(os.environ.get(BODY_ENV, "").strip() or NATIVE_BODY)
+
+
+def body_kernels(body: str) -> NativeKernels | None:
+    """The kernels built as SIMD body `body` (cpu_build.BODIES, or "native"), whatever OVAL_EDGE_NATIVE says."""
+    return _load(body)
 
 
 @functools.cache
-def _load() -> NativeKernels | None:
+def _load(body: str = NATIVE_BODY) -> NativeKernels | None:
     try:
-        path = built_library()
-        return NativeKernels(ctypes.CDLL(path), path)
+        path = built_library(body)
+        return NativeKernels(ctypes.CDLL(path), path, body)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         log.warning("native CPU kernels unavailable (%s); decoding with torch ops (slower at long context)", exc)
         return None

@@ -4,6 +4,11 @@ The library is built with the system C compiler (`$CC`, else cc) for this CPU (-
 Arm) into <cache>/kernels/<key>/ (see oval_edge/cache_dir.py), keyed by the source, the compiler, the flags and the
 CPU's feature list, checked against torch in a child process (cpu_check.py), and published by an atomic rename, so
 one that exists is complete and checked. No torch here: the check imports it, in its own process.
+
+The SIMD body each kernel runs is chosen by the compiler flags (#if __AVX2__, __AVX512F__, __ARM_NEON in the C
+files), so a body is a build: `built_library(body)` builds one of BODIES instead of this CPU's own (-march=native)
+with the same sources, check and cache, for the parity grid (tests/test_parity_grid.py) and A/B runs
+(OVAL_EDGE_NATIVE_BODY, kernels/cpu.py).
 """
 
 from __future__ import annotations
@@ -44,16 +49,34 @@ OPTIMISE_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative
 # A failure's lines worth reporting (failure_reason): compiler errors, a traceback's exception, the check's verdict.
 REASON_WORDS = ("error", "disagrees with torch", "undefined reference")
 REASON_CHARS = 2000
+NATIVE_BODY = "native"  # this CPU's own build (-march=native / -mcpu=native): what the engine loads by default
+# x86-64 bodies by name: the -march level that selects them (x86-64-v3: AVX2 + FMA + F16C; v4: AVX-512 F/BW/CD/DQ/
+# VL, the int4 scorer's 512-bit body) and the CPU features a library built so needs to run.
+BODIES = {
+    "portable": ("-march=x86-64", frozenset()),
+    "avx2": ("-march=x86-64-v3", frozenset({"avx2", "fma", "f16c"})),
+    "avx512": ("-march=x86-64-v4", frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                              "avx512dq", "avx512cd"})),
+}
 
 
-def built_library() -> str:
-    """The path of this machine's checked library, building and checking it first if the cache has none."""
+def runnable_bodies() -> tuple[str, ...]:
+    """The BODIES this machine can build and run (none off x86-64: an Arm build has NEON in every body)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ()
+    features = set(_cpu_features().split())
+    return tuple(name for name, (_, needs) in BODIES.items() if needs <= features)
+
+
+def built_library(body: str = NATIVE_BODY) -> str:
+    """The path of this machine's checked library, building and checking it first if the cache has none. body: one
+    of BODIES to build that SIMD body instead of this CPU's own (ValueError for a body this CPU cannot run)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     # -fopenmp: the head runs on torch's OpenMP team (head_kernels.c says why); a compiler without it builds the
     # pthread version instead (retried without the flag).
-    flags = library_flags(_arch_flags())
+    flags = library_flags(_body_flags(body))
     source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"|".join([source, compiler.encode(), version.encode(), " ".join(flags).encode(),
@@ -114,6 +137,16 @@ def failure_reason(output: str) -> str:
 def _compile(compiler: str, flags: list[str], built: str) -> subprocess.CompletedProcess:
     return subprocess.run(compile_command(compiler, flags, built), capture_output=True, text=True,
                           timeout=COMPILE_TIMEOUT_S)
+
+
+def _body_flags(body: str) -> list[str]:
+    """The architecture flags that build `body`: this CPU's own for NATIVE_BODY, else the named x86-64 level."""
+    if body == NATIVE_BODY:
+        return _arch_flags()
+    if body not in runnable_bodies():
+        allowed = ", ".join((NATIVE_BODY, *runnable_bodies()))
+        raise ValueError(f"kernel body {body!r} cannot be built and run on this CPU; choose one of: {allowed}")
+    return [BODIES[body][0]]
 
 
 def _arch_flags() -> list[str]:

@@ -83,6 +83,43 @@ class TritonKernels:
         return self._attention.attend_slots(q, k_rows, v_rows, flat, valid, scale, limits, splits, scales)
 
 
+    def bind_oval_scores(self, records, rotation: torch.Tensor | None = None):
+        """oval_scores with one layer's records checked once: a callable (q, page_table, scale, counts) that never
+        declines, or None for records the kernel does not read. rotation as in oval_scores."""
+        mean, basis, coords, scales = records
+        page = record_page_size(basis, coords)
+        present = [t for t in records if t is not None]
+        if not (_same_device(mean, *present, rotation) and (_floats(mean, basis, coords) or scales is not None)
+                and all(t.is_contiguous() for t in present) and (page & (page - 1)) == 0):
+            return None
+        scoring = self._scoring
+        return lambda q, page_table, scale, counts=None: scoring.oval_scores(q, records, page_table, scale, counts,
+                                                                            rotation)
+
+    def bind_quest_scores(self, kmin: torch.Tensor, kmax: torch.Tensor):
+        """quest_scores with one layer's kmin, kmax checked once: a callable (q, page_table, scale, counts), or
+        None for summaries the kernel does not read."""
+        if not (_same_device(kmin, kmax) and _floats(kmin, kmax) and kmin.is_contiguous() and kmax.is_contiguous()):
+            return None
+        scoring = self._scoring
+        return lambda q, page_table, scale, counts=None: scoring.quest_scores(q, kmin, kmax, page_table, scale,
+                                                                             counts)
+
+    def bind_attend(self, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """attend_slots over one layer's rows (and int8 scales) checked once: a callable (q, flat, valid, scale,
+        limits=None) that never declines, or None for rows the kernel does not read."""
+        quantized = k_rows.dtype == torch.int8 and v_rows.dtype == torch.int8
+        if quantized != (scales is not None) or (quantized and not all(
+                s.dtype == torch.float32 and s.is_contiguous() and s.numel() == k_rows.shape[0] for s in scales)):
+            return None
+        if not (_same_device(k_rows, v_rows, *(scales or ())) and (quantized or _floats(k_rows, v_rows))
+                and k_rows.is_contiguous() and v_rows.is_contiguous()):
+            return None
+        attention = self._attention
+        return lambda q, flat, valid, scale, limits=None: attention.attend_slots(q, k_rows, v_rows, flat, valid,
+                                                                                scale, limits, None, scales)
+
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                    slots: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> torch.Tensor | None:
         """RoPE of the fused projection's q and k heads, the keys and values written into the pool rows `slots`,

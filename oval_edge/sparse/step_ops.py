@@ -123,18 +123,30 @@ def page_scores(pool, layer: int, q: torch.Tensor, page_table: torch.Tensor, cou
 def bind_scorer(pool, layer: int, config, width: int):
     """The static step's native scorer of model layer `layer` over [B, width] page tables, with the layer's records
     bound once (kernels/cpu_bound.py): (q [B, Hkv, G, D], page_table, sealed [B], scale) -> scores [B, Hkv, width]
-    as page_scores (flat; sealed bounds the pages read) or grouped.grouped_scores (two levels) computes them; or
-    None where no native kernel scores (another device, no kernels, the quest scorer): the caller's torch path."""
+    as page_scores (flat; sealed bounds the pages read) or grouped.grouped_scores (two levels) computes them, None
+    from a call whose G the kernel does not take; or None where no native kernel scores (another device, no
+    kernels, the quest scorer): the caller's torch path. Superseded by the ops table (step_ops_table.py), which
+    resolves G with the rest at build time."""
     kernels = cpu_kernels() if pool.device.type == "cpu" and config.scorer == "oval" else None
     row = pool.paged_index[layer]
     if kernels is None or row < 0:
         return None
     records = layer_records(pool.summaries, row)
-    if uses_groups(width, config.group_pages, config.top_groups):
-        return kernels.bind_grouped_scores(layer_coarse(pool.summaries, row), records, config.group_pages,
-                                           config.top_groups)
-    flat = kernels.bind_oval_scores(records)
-    return None if flat is None else lambda q, page_table, sealed, scale: flat(q, page_table, scale, sealed)
+    grouped = uses_groups(width, config.group_pages, config.top_groups)
+    coarse = layer_coarse(pool.summaries, row) if grouped else None
+    bound: dict[int, object] = {}  # G -> the kernel bound for it (None: not taken), on the first call with that G
+
+    def score(q: torch.Tensor, page_table: torch.Tensor, sealed: torch.Tensor, scale: float):
+        g = q.shape[2]
+        if g not in bound:
+            bound[g] = (kernels.bind_grouped_scores(coarse, records, config.group_pages, config.top_groups, g, width)
+                        if grouped else kernels.bind_oval_scores(records, g))
+        scorer = bound[g]
+        if scorer is None:
+            return None
+        return scorer(q, page_table, sealed, scale) if grouped else scorer(q, page_table, scale, sealed)
+
+    return score
 
 
 def attend_slots(pool, layer: int, q: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor,
