@@ -64,6 +64,41 @@ def test_generated_schemas_all_validate_and_streaming_matches(served, client):
     wait_pages_free(served[0].url)
 
 
+# Number fields with no bounds of their own: xgrammar's number rules repeat digits without end, and the bundled model
+# wrote {"point": {"x": 10, "y": 100000000000000000000... until max_tokens; the grammar now stops at 16 digits.
+NUMBER_SCHEMAS = [
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"], "additionalProperties": False}},
+     "required": ["point"], "additionalProperties": False},
+    {"type": "object", "properties": {"price": {"type": "number"}, "count": {"type": "integer"}},
+     "required": ["price", "count"], "additionalProperties": False},
+    {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "number"}, "minItems": 1,
+                                                 "maxItems": 3}}, "required": ["values"], "additionalProperties": False},
+    {"type": "object", "properties": {"lat": {"type": "number", "minimum": -90}, "lon": {"type": "number"}},
+     "required": ["lat", "lon"], "additionalProperties": False},
+]
+NUMBER_SEEDS = 20
+
+
+def _numbers(client, seed: int):
+    schema = NUMBER_SCHEMAS[seed % len(NUMBER_SCHEMAS)]
+    response = client.chat.completions.create(
+        model="smol-test", max_tokens=MAX_TOKENS, seed=seed, temperature=1.0,
+        messages=[{"role": "user", "content": "Reply with a JSON document for this schema: " + json.dumps(schema)}],
+        response_format={"type": "json_schema", "json_schema": {"name": "doc", "schema": schema, "strict": True}})
+    return schema, response.choices[0]
+
+
+def test_number_fields_end_within_max_tokens(client):
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda seed: _numbers(client, seed), range(NUMBER_SEEDS)))
+    for schema, choice in results:
+        assert choice.finish_reason == "stop", (choice.message.content, choice.finish_reason)
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    print(f"\njson_schema with number fields: {len(results)}/{NUMBER_SEEDS} parse and validate within max_tokens "
+          f"{MAX_TOKENS}; e.g. {results[0][1].message.content}")
+
+
 def test_json_object_mode_parses(client):
     response = client.completions.create(model="smol-test", prompt="A JSON object about a dog:", max_tokens=48,
                                          temperature=0.7, seed=3,
