@@ -48,14 +48,16 @@ def instructions(tools: list[dict], forced: list[str], reply: bool, max_calls: i
         entry = {"name": function["name"], "description": function.get("description", ""),
                  "parameters": function.get("parameters", {})}
         lines.append(json.dumps(entry, ensure_ascii=False))
-    call = '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}'
-    several = f" (up to {max_calls} calls in the list)" if max_calls > 1 else ""
+    # No placeholders such as "<your answer>" in the format's description: a small model copies them verbatim.
+    call = ('a JSON object whose key "tool_calls" lists the calls, each an object with the function\'s "name" and '
+            'its "arguments" object')
+    several = f" (up to {max_calls} calls)" if max_calls > 1 else " (one call)"
     if reply:
-        lines.append(f"Answer with one JSON object. To call a function: {call}{several}. To answer the user "
-                     'directly: {"response": "<your answer>"}.')
+        lines.append(f"When a function helps, call it: answer with {call}{several}. Otherwise answer the user with "
+                     'a JSON object whose key "response" holds your reply as a string.')
     else:
         which = f"the function {forced[0]}" if len(forced) == 1 else "one of these functions"
-        lines.append(f"Call {which}. Answer with one JSON object: {call}{several}.")
+        lines.append(f"Call {which}: answer with {call}{several}.")
     return "\n".join(lines)
 
 
