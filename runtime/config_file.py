@@ -7,10 +7,11 @@
               window_module path is taken relative to the config file's folder
     [server]  memory_budget (bytes or "1.5GiB": what the process may use for weights + workspace + KV pool),
               the EngineConfig settings max_batch, max_queue, prefill_chunk, max_step_tokens, max_model_len (or its alias
-              max_context, as runtime/server/options.py reads it), attention, decode_step, and device ("auto",
-              "cpu", "cuda", "cuda:N"), host, port; the page store's kv_store (a path on the NVMe drive, relative
-              to the config file's folder), kv_store_size (bytes or "16GiB"), pool_tokens, recall_pages,
-              kv_store_checksums
+              max_context, as runtime/server/options.py reads it), attention, oval_from (decode steps whose longest
+              row is shorter run the dense step: `oval-edge profile` measures it; 0 = OVAL at every length),
+              decode_step, and device ("auto", "cpu", "cuda", "cuda:N"), host, port; the page store's kv_store (a
+              path on the NVMe drive, relative to the config file's folder), kv_store_size (bytes or "16GiB"),
+              pool_tokens, recall_pages, kv_store_checksums
     [plan]    what the planner predicted (numbers and strings; informational, serve does not act on it)
 
 `oval_config(sections)` gives the OvalConfig with the budget merged in, `engine_kwargs(sections)` the
@@ -90,7 +91,8 @@ MODEL_KEYS = {"path": _str, "quant": _quant, "dtype": _choice("auto", "float32",
 ENGINE_KEYS = {
     "max_batch": _int(1, 1024), "max_queue": _int(0, 1_000_000), "prefill_chunk": _int(16, 65536),
     "max_step_tokens": _int(2, 1 << 20),
-    "max_model_len": _int(2, 1 << 24), "attention": _attention, "decode_step": _decode_step,
+    "max_model_len": _int(2, 1 << 24), "attention": _attention, "oval_from": _int(0, 1 << 24),
+    "decode_step": _decode_step,
     "cuda_graphs": _bool, "prefix_cache": _bool,
     # The page store on disk (oval_edge/kv/store/): its path (on the NVMe), size, and the in-memory pool's cap.
     "pool_tokens": _int(1, 1 << 30), "kv_store": _str, "kv_store_size": _size, "recall_pages": _int(1, 1 << 20),

@@ -12,6 +12,7 @@ import pytest
 from oval_edge.cli import main
 from oval_edge.config import OvalConfig
 from oval_edge.runtime.config_file import load_config_file, oval_config
+from oval_edge.runtime.engine.crossover import crossover_length
 from oval_edge.tools.profile.choice import (
     ROW_FIELDS, NoConfiguration, ProfileRow, choose, explain, rank, speed_tie, top_k_for,
 )
@@ -180,6 +181,7 @@ def test_nothing_qualifies_exits_1_and_writes_no_config(tmp_path, capsys):
     (["--tokens-per-step", "0"], "--tokens-per-step"),
     (["--speed-tolerance", "2"], "--speed-tolerance=2.0"),
     (["--write-config", "/no/such/folder/p.toml"], "--write-config /no/such/folder/p.toml"),
+    (["--crossover-lengths", "256,8"], "--crossover-lengths='256,8': [8] out of range"),
 ])
 def test_bad_options_fail_before_the_model_loads(argv, message, capsys):
     assert main(["profile", *argv]) == 2
@@ -200,6 +202,7 @@ def test_tiny_profile_of_the_bundled_model(tmp_path):
     out = {name: tmp_path / name for name in ("p.json", "p.png", "p.toml")}
     rc = main(["profile", "--page-sizes", "16,32", "--context", "300", "--steps", "3", "--warmup", "1",
                "--calib-tokens", "288", "--calib-steps", "24", "--memory-budget", "2GiB", "--no-progress",
+               "--crossover-lengths", "320,256",
                "--json", str(out["p.json"]), "--plot", str(out["p.png"]), "--write-config", str(out["p.toml"])])
     assert rc == 0
     report = json.loads(out["p.json"].read_text())
@@ -231,6 +234,12 @@ def test_tiny_profile_of_the_bundled_model(tmp_path):
     oval = oval_config(sections)
     assert (oval.page_size, oval.top_k, oval.memory_budget) == (chosen["page_size"], chosen["top_k"], 2 * 2**30)
     assert sections["plan"]["decode_ms_median"] == pytest.approx(chosen["decode_ms_median"], rel=1e-3)
+    # the crossover, timed for the chosen page size at both lengths, is the oval_from serve reads
+    crossover = report["crossover"]
+    assert [r["length"] for r in crossover["rows"]] == [256, 320] and crossover["rows"][0]["steps"] == 3
+    assert crossover["oval_from"] == crossover_length([256, 320], [r["oval_tok_s"] for r in crossover["rows"]],
+                                                      [r["dense_tok_s"] for r in crossover["rows"]])
+    assert sections["server"]["oval_from"] == crossover["oval_from"]
 
 
 # ---- how the decode probes are stepped --------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from oval_edge.sparse.selection import window_slots
 from oval_edge.runtime.model.loader import LoadedModel
 from oval_edge.units import format_bytes
 
+from .crossover import default_oval_from
 from .memory import available_bytes, process_rss_bytes
 
 log = logging.getLogger("oval_edge.engine")
@@ -37,6 +38,10 @@ class EngineConfig:
                   of one or more requests in the rest (vLLM's max_num_batched_tokens); default max_batch +
                   prefill_chunk. Lower it to shorten the pause a prompt causes in running streams
     attention     'oval' or 'dense' (dense reads every cached token: the baseline in the same runtime)
+    oval_from     with attention='oval': a decode step whose longest row is shorter than this many tokens runs the
+                  dense step (faster there: OVAL's scoring costs more than the pages it skips), OVAL from it on;
+                  0 = OVAL at every length, None = the device's measured default (runtime/engine/crossover.py;
+                  `oval-edge profile` measures this device's and writes it to the TOML)
     num_pages     fix the pool size instead of deriving it from the budget (tests, eval)
     max_model_len cap on prompt + max_tokens (default: the model's context length)
     summary_kinds page summaries to keep (default: the configured scorer's); eval keeps both
@@ -64,6 +69,7 @@ class EngineConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     max_step_tokens: int | None = None
     attention: str = "oval"
+    oval_from: int | None = None
     num_pages: int | None = None
     max_model_len: int | None = None
     summary_kinds: tuple[str, ...] | None = None
@@ -88,6 +94,10 @@ class EngineConfig:
                                  "every running row adds one token per step and prompts need the rest")
         if self.attention not in ("oval", "dense"):
             raise ValueError(f"attention={self.attention!r} is unknown; allowed: oval, dense")
+        start = self.oval_from
+        if start is not None and (isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= 1 << 24):
+            raise ValueError(f"oval_from={start!r} must be a context length in tokens in [0, {1 << 24}] (0: OVAL at "
+                             "every length) or unset for the device's default; `oval-edge profile` measures it")
         if self.decode_step not in DECODE_STEPS:
             raise ValueError(f"decode_step={self.decode_step!r} is unknown; allowed: {', '.join(DECODE_STEPS)}")
         for name in ("cuda_graphs", "prefix_cache"):
@@ -120,6 +130,12 @@ class EngineConfig:
         return self.max_step_tokens if self.max_step_tokens is not None else self.max_batch + self.prefill_chunk
 
 
+def resolve_oval_from(config: EngineConfig, device) -> int:
+    """config.oval_from as the engine uses it: the configured length, or for None the device type's default
+    (runtime/engine/crossover.py)."""
+    return default_oval_from(device) if config.oval_from is None else config.oval_from
+
+
 def pool_geometry(model_config, oval: OvalConfig, config: EngineConfig, device: torch.device,
                   activations: torch.dtype | None = None) -> KVGeometry:
     """The pool's shape for this model, config and device (the planner predicts the same one)."""
@@ -136,17 +152,17 @@ def uses_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
 
 def describe_decode_step(engine) -> str:
     """Which decode step an Engine runs, for serve's startup report and bench's labels."""
+    static = engine.static
+    dense = f"; dense below {engine.oval_from} tokens" if engine.dense_static is not None else ""
+    window = ", the window module's windows" if static.policy.window is not None else ""
     if engine.pool.store is not None:
-        return "eager forward (a page store: each layer recalls the stored pages its selection names)"
-    if engine.static is None:
-        return "eager forward (shapes follow the context)"
-    if not engine.runner.hooks.empty():
-        return "eager forward (a decode hook is installed: reuse, the window module or an eval policy)"
-    if engine.static.graphs is not None:
-        return f"static step replayed from {engine.static.graphs.explain()}"
+        return f"static step, run eager (a page store: each layer recalls the stored pages its selection names){window}{dense}"
+    if static.graphs is not None:
+        return f"static step replayed from {static.graphs.explain()}{window}{dense}"
     if engine.config.decode_step == "compiled":
-        return "static step through torch.compile (inductor), compiled per batch bucket on first use"
-    return "static step, run eager" + (" (CUDA graphs off)" if engine.loaded.device.type == "cuda" else "")
+        return f"static step through torch.compile (inductor), compiled per batch bucket on first use{window}{dense}"
+    off = " (CUDA graphs off)" if engine.loaded.device.type == "cuda" else ""
+    return f"static step, run eager{off}{window}{dense}"
 
 
 def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_model_len: int) -> PagePool:

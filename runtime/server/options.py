@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, KV_DTYPES, OvalConfig
+from oval_edge.runtime.engine.crossover import DEFAULT_OVAL_FROM
 from oval_edge.runtime.model.origin.source import QUANT_TYPES
 from oval_edge.runtime.model.tokenizer import read_chat_template
 from oval_edge.units import format_bytes, parse_bytes
@@ -39,12 +40,14 @@ class EngineSpec:
     kv_store_size: int | None = None  # bytes (None: max_batch requests of the model's context)
     recall_pages: int | None = None  # recall frames per layer (None: the engine's default)
     kv_store_checksums: bool = False
+    oval_from: int | None = None  # dense decode below this many tokens (None: the device's default)
 
     def engine_config(self):
         from oval_edge.runtime.engine.setup import EngineConfig
 
         return EngineConfig(max_batch=self.max_batch, max_queue=self.max_queue, prefill_chunk=self.prefill_chunk,
-                            attention=self.attention, max_model_len=self.max_context, decode_step=self.decode_step,
+                            attention=self.attention, oval_from=self.oval_from, max_model_len=self.max_context,
+                            decode_step=self.decode_step,
                             cuda_graphs=self.cuda_graphs, prefix_cache=self.prefix_cache,
                             max_step_tokens=self.max_step_tokens, pool_tokens=self.pool_tokens,
                             kv_store=self.kv_store, kv_store_size=self.kv_store_size, recall_pages=self.recall_pages,
@@ -118,6 +121,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "such as the bundled SmolLM2)")
     group.add_argument("--attention", choices=("oval", "dense"),
                        help="oval (sparse decode, the default) or dense (reads every cached token: the baseline)")
+    group.add_argument("--oval-from", type=int, metavar="TOKENS",
+                       help="with --attention oval, decode steps whose longest sequence is shorter than this many "
+                            "tokens run the dense step, which is faster there (OVAL's page scoring costs more than "
+                            "the pages it skips); OVAL from it on; 0 = OVAL at every length (default: the device "
+                            f"type's crossover, {DEFAULT_OVAL_FROM['cpu']} tokens on a CPU, measured, and "
+                            f"{DEFAULT_OVAL_FROM['cuda']} on CUDA, not yet measured there; `oval-edge profile "
+                            "--write-config` measures this device's and writes it to [server] oval_from)")
     add_store_arguments(parser)
 
 
@@ -197,6 +207,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         prefill_chunk=_pick(args.prefill_chunk, server_t, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
         max_context=_pick(args.max_context, server_t, "max_context", server_t.get("max_model_len")),
         attention=_pick(args.attention, server_t, "attention", "oval"),
+        oval_from=_pick(getattr(args, "oval_from", None), server_t, "oval_from", None),
         server=dict(server_t),
         decode_step=_pick(getattr(args, "decode_step", None), server_t, "decode_step", "static"),
         cuda_graphs=_pick(getattr(args, "cuda_graphs", None), server_t, "cuda_graphs", True),
@@ -242,7 +253,9 @@ def _store_values(args: argparse.Namespace, server_t: dict) -> dict:
 def describe_spec(spec: EngineSpec) -> str:
     o = spec.oval
     return (f"page_size {o.page_size}, top_k {o.top_k}, sink {o.sink_pages}, window {o.window_min}..{o.window_max}, "
-            f"dense_layers {o.dense_layers}, scorer {o.scorer}, attention {spec.attention}, decode step "
+            f"dense_layers {o.dense_layers}, scorer {o.scorer}, attention {spec.attention}"
+            f"{f' from {spec.oval_from} tokens' if spec.attention == 'oval' and spec.oval_from is not None else ''}"
+            f", decode step "
             f"{spec.decode_step}{' (CUDA graphs on CUDA)' if spec.cuda_graphs and spec.decode_step == 'static' else ''}, "
             f"dtype {spec.dtype}, {'chat template ' + spec.chat_template + ', ' if spec.chat_template else ''}max_batch "
             f"{spec.max_batch}, max_queue {spec.max_queue}"

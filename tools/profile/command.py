@@ -5,7 +5,9 @@ Per page size: the pool the memory budget buys (pages, longest request, summary 
 at the target context and the seal cost (tools/profile/measure.py: a real engine, prefilled to the context), and
 KL / top-1 against dense on a short calibration text (the eval harness). Then, among the page sizes that hold the
 context with KL <= --max-kl, those within --speed-tolerance of the fastest step tie and the lowest KL of them is
-chosen (tools/profile/choice.py), explained with its runner-up, and written as a TOML for `serve --config`.
+chosen (tools/profile/choice.py), explained with its runner-up, and written as a TOML for `serve --config`. For
+the chosen one, OVAL's and the dense decode step are timed at several context lengths: the length from which OVAL is
+not slower is written as [server] oval_from (tools/profile/crossover.py; --no-crossover skips it).
 Exit status: 0 with a choice, 1 when no page size qualifies (nothing is written to --write-config), 2 on bad input.
 """
 
@@ -32,6 +34,7 @@ RUN_DEFAULTS = {
     "warmup": (4, 2),
     "calib_tokens": (1024, 640),
     "calib_steps": (256, 128),
+    "crossover_lengths": ("256,512,768,1024,1536,2048,3072,4096", "512,1024,2048,3072,4096"),
 }
 DEFAULT_BUDGET = "1.5GiB"
 DEFAULT_MAX_KL = 0.1
@@ -92,6 +95,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--calib-steps", type=int, default=None,
                      help="teacher-forced steps at the end of the calibration text, the rest being prefilled "
                           "densely" + _default("calib_steps"))
+    how.add_argument("--crossover-lengths", default=None,
+                     help="context lengths where the chosen page size's OVAL step and the dense step are timed, to "
+                          "find oval_from: the length from which OVAL is not slower, written to [server] (lengths "
+                          "whose two pools do not fit the budget's are left out)" + _default("crossover_lengths"))
+    how.add_argument("--crossover-clock", choices=("wall", "cpu"), default="wall",
+                     help="what times those steps: wall (default: what a client sees) or cpu (the profiling thread's "
+                          "CPU time, --device cpu --threads 1 only: on a host other processes load, time waiting for "
+                          "a core is left out of both modes alike)")
+    how.add_argument("--no-crossover", action="store_true",
+                     help="skip that measurement: the config gets no oval_from and serve uses the device's default")
     how.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                      help=f"prompt tokens per prefill step, as serve ({DEFAULT_PREFILL_CHUNK})")
     how.add_argument("--threads", type=int, default=1,
@@ -133,7 +146,9 @@ def settings_from(args: argparse.Namespace) -> dict:
              calib_tokens=_check_int("--calib-tokens", pick["calib_tokens"], 2, 1 << 24),
              calib_steps=_check_int("--calib-steps", pick["calib_steps"], 1, 1 << 24),
              prefill_chunk=_check_int("--prefill-chunk", args.prefill_chunk, 16, 65536),
-             threads=_check_int("--threads", args.threads, 1, 1024), quick=bool(args.quick))
+             threads=_check_int("--threads", args.threads, 1, 1024), quick=bool(args.quick),
+             crossover_lengths=parse_int_list(pick["crossover_lengths"], "--crossover-lengths", 16, 1 << 24),
+             crossover=not args.no_crossover, crossover_clock=args.crossover_clock)
     start = s["calib_tokens"] - s["calib_steps"]
     if start < 1:
         raise ValueError(f"--calib-steps={s['calib_steps']} must be below --calib-tokens={s['calib_tokens']} "
@@ -179,8 +194,13 @@ def run(args: argparse.Namespace) -> int:
     if len(text_ids) < s["calib_tokens"]:
         raise ValueError(f"{text_path} has {len(text_ids)} tokens, fewer than --calib-tokens {s['calib_tokens']}")
     rows = _measure(loaded, s, text_ids, show_progress=not args.no_progress)
+    crossover = None
+    if s["crossover"]:  # oval_from for the page size the rows choose (tools/profile/crossover.py)
+        from .crossover import profile_crossover
+
+        crossover = profile_crossover(loaded, s, rows, text_ids, show_progress=not args.no_progress)
     s["text"] = text_path
-    return _conclude(args, s, loaded, device, rows, watch.seconds)
+    return _conclude(args, s, loaded, device, rows, watch.seconds, crossover)
 
 
 def _measure(loaded, s: dict, text_ids: list[int], show_progress: bool):
@@ -229,7 +249,7 @@ def _measure(loaded, s: dict, text_ids: list[int], show_progress: bool):
     return rows
 
 
-def _conclude(args, s: dict, loaded, device: dict, rows, seconds: float) -> int:
+def _conclude(args, s: dict, loaded, device: dict, rows, seconds: float, crossover=None) -> int:
     from oval_edge.tools.bench.report import write_json_report
 
     from .choice import NoConfiguration, explain, rank
@@ -243,10 +263,15 @@ def _conclude(args, s: dict, loaded, device: dict, rows, seconds: float) -> int:
         ranking, chosen, failure, explanation = None, None, str(exc), str(exc)
     print("\n" + format_table(rows, chosen, ranking.runner_up if ranking is not None else None))
     print("\n" + explanation)
+    if crossover is not None:
+        print(f"\ndecode tok/s, OVAL (page {chosen.page_size}, top-k {chosen.top_k}) and dense, median of "
+              f"{s['steps']} steps each, alternated, {crossover.clock} clock:\n" + crossover.table())
     settings = {k: v for k, v in s.items() if k != "top_ks"}
     settings.update(model=loaded.name, quant=loaded.quant, seconds=round(seconds, 1))
     if args.json_path:
-        write_json_report(args.json_path, report_json(device, settings, rows, chosen, explanation, ranking))
+        report = report_json(device, settings, rows, chosen, explanation, ranking)
+        report["crossover"] = crossover.record() if crossover is not None else None
+        write_json_report(args.json_path, report)
     if args.plot:
         from .device import describe_record
         from .plot import write_plot
@@ -262,5 +287,7 @@ def _conclude(args, s: dict, loaded, device: dict, rows, seconds: float) -> int:
     if args.write_config:
         sections = config_sections(chosen, OvalConfig(), args.model, loaded.source.path, loaded.quant,
                                    str(loaded.device), settings, device)
+        if crossover is not None:
+            sections["server"]["oval_from"] = crossover.oval_from
         print(f"wrote {write_config(args.write_config, sections)}")
     return 0
