@@ -40,6 +40,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 POINT = {"type": "object", "additionalProperties": False, "required": ["name", "x", "y", "weight"],
          "properties": {"name": {"type": "string"}, "x": {"type": "integer"}, "y": {"type": "integer"},
                         "weight": {"type": "number"}}}
+# Seconds a request may wait for its next byte, as the openai SDK's default: on a starved machine a tool call (its
+# stream sends nothing until the call is whole) took over 120 s, a client's patience and not the server's failure.
+READ_TIMEOUT_S = 600.0
 SETTLE_S = 15.0  # a cancel frees its pages at the next engine step; give the server a moment at the end
 
 
@@ -104,9 +107,13 @@ class Soak:
     """The clients and the sampler of one soak; run() returns the report."""
 
     def __init__(self, url: str, minutes: float, clients: int, headers: dict, pid: int | None, sample_s: float,
-                 seed: int = 0):
+                 seed: int = 0, mix: dict[str, int] | None = None):
         self.url, self.minutes, self.clients, self.headers = url.rstrip("/"), minutes, clients, headers
         self.pid, self.sample_s, self.seed = pid, sample_s, seed
+        self.mix = dict(MIX if mix is None else mix)
+        unknown = sorted(set(self.mix) - set(MIX))
+        if unknown or not self.mix or any(not isinstance(w, int) or w < 1 for w in self.mix.values()):
+            raise ValueError(f"mix={self.mix!r}: give kinds of {', '.join(MIX)} with positive integer weights")
         self.outcomes: list[Outcome] = []
         self.samples: list[dict] = []
         self.watch = Stopwatch()
@@ -123,7 +130,8 @@ class Soak:
         values = await self._metrics(http)
         pages = kv_pages(values)
         self.samples.append({"t_s": round(self.watch.seconds, 2),
-                             "rss_bytes": rss_bytes(self.pid) if self.pid else None, "pages_used": pages["used"], "pages_total": pages["total"],
+                             "rss_bytes": rss_bytes(self.pid) if self.pid else None,
+                             "pages_used": pages["used"], "pages_total": pages["total"],
                              "running": values.get("oval_edge_requests_running"),
                              "waiting": values.get("oval_edge_requests_waiting")})
 
@@ -200,7 +208,7 @@ class Soak:
 
     async def _client(self, client_id: int, http, texts: list[str]) -> None:
         rng = random.Random(self.seed * 1000 + client_id)
-        kinds, weights = list(MIX), list(MIX.values())
+        kinds, weights = list(self.mix), list(self.mix.values())
         while self.watch.seconds < self.minutes * 60:
             kind = rng.choices(kinds, weights)[0]
             body = {"messages": [{"role": "user", "content": f"{rng.choice(texts)}\nSum this up in a sentence."}],
@@ -225,7 +233,7 @@ class Soak:
         import httpx
 
         texts = passages(64, 60)
-        timeout = httpx.Timeout(connect=10.0, read=120.0, write=10.0, pool=120.0)
+        timeout = httpx.Timeout(connect=10.0, read=READ_TIMEOUT_S, write=10.0, pool=READ_TIMEOUT_S)
         # No keep-alive, as the load tool: a server may close an idle connection and httpx does not retry a POST.
         limits = httpx.Limits(max_connections=self.clients + 2, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
@@ -247,8 +255,8 @@ class Soak:
         name = "oval_edge_requests_cancelled_total"
         summary = summarize(self.outcomes, self.samples, self.warmup_s, int(after.get(name, 0) - before.get(name, 0)))
         return {"setup": {"url": self.url, "minutes": self.minutes, "clients": self.clients, "pid": self.pid,
-                          "sample_s": self.sample_s, "warmup_s": self.warmup_s, "mix": MIX},
-                "summary": summary, "problems": verdict(summary, set(MIX), SETTLE_S), "samples": self.samples,
+                          "sample_s": self.sample_s, "warmup_s": self.warmup_s, "mix": self.mix},
+                "summary": summary, "problems": verdict(summary, set(self.mix), SETTLE_S), "samples": self.samples,
                 "requests": [vars(o) for o in self.outcomes]}
 
     @property
@@ -268,20 +276,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=os.environ.get("OVAL_EDGE_API_KEY"),
                         help="Bearer key, if the server has one (default: $OVAL_EDGE_API_KEY)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the mix each client draws (default 0)")
+    parser.add_argument("--mix", default=",".join(f"{k}={w}" for k, w in MIX.items()),
+                        help="kinds and their weights, e.g. stream=1 for streams alone (default: %(default)s)")
     parser.add_argument("--json", dest="json_path", help="write the report, every sample and request, here")
     parser.add_argument("--plot", help="write a PNG of RSS and KV pages over time here (needs matplotlib)")
     args = parser.parse_args(argv)
     if not args.minutes > 0 or args.clients < 1 or not args.sample_s > 0:
         parser.error("--minutes and --sample-s must be positive and --clients at least 1")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    try:
-        wait_healthy(args.url.rstrip("/"), 60.0, headers)
-    except ValueError as exc:
-        parser.error(str(exc))
     pid = args.pid or listener_pid(args.url)
-    print(f"soak for {args.minutes:g} min, {args.clients} clients; server RSS from "
+    try:
+        mix = {kind: int(weight) for kind, _, weight in (item.partition("=") for item in args.mix.split(","))}
+        soak = Soak(args.url, args.minutes, args.clients, headers, pid, args.sample_s, args.seed, mix)
+    except ValueError as exc:
+        parser.error(f"--mix {args.mix!r}: {exc}")
+    try:
+        wait_healthy(soak.url, 10.0, headers)
+    except ValueError as exc:
+        parser.error(f"{exc.args[0].split('; ')[0]}: start `oval-edge serve` first, or give its --url")
+    print(f"soak for {args.minutes:g} min, {args.clients} clients, mix {soak.mix}; server RSS from "
           + (f"pid {pid}" if pid else "nowhere (no --pid, and no local listener found)"), flush=True)
-    report = asyncio.run(Soak(args.url, args.minutes, args.clients, headers, pid, args.sample_s, args.seed).run())
+    report = asyncio.run(soak.run())
     print(format_report(report))
     if args.json_path:
         from oval_edge.tools.bench.report import write_json_report
