@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fake_cuda import (CudaBindings, StepAudit, answer_like_an_orin, clear_triton_loaders, fake_linear4bit, fake_mode,
                        stub_triton_launches)
 
-# Measured 678 and 1,719 (budgets just above). The issue's Triton target (700) is met; its torch-ops one (1,500) is
-# not: the int4 record scorer alone is 27 launches a sparse layer in torch ops (docs/gpu-step.md).
-LAUNCH_BUDGETS = {"triton": 690, "torch": 1730}
+# Measured 678 and 1,429 (budgets ~1% above; the issue's targets: 700 and 1,500). The torch path was 1,719 with the
+# int4 record scorer at 27 launches a sparse layer (18 now, test_packed_scorer_launches_18_kernels_...) and the
+# attention's scale a multiply of its own (inside the GEMM now); docs/gpu-step.md says where the rest goes.
+LAUNCH_BUDGETS = {"triton": 685, "torch": 1445}
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                num_hidden_layers=30, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
                tie_word_embeddings=True)
@@ -191,21 +193,29 @@ def test_decode_graph_bytes_counts_the_torch_steps_temporaries(smollm2_folder, t
     assert abs(want - trace.audit.peak) <= STEP_BYTES_TOLERANCE * trace.audit.peak
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_scorer_scores_int4_records_as_record_scores_does(dtype):
+def int4_layer(seed: int, dtype: torch.dtype):
+    """One layer's int4 records of 40 pages (3 KV heads, D = 64, r = 8, P = 32; random keys' records), a query
+    [4, 3, 3, 64] in `dtype` and a page table [4, 17] listing some of the pages."""
     from oval_edge.kv import page_record
-    from oval_edge.sparse.packed_scores import PackedScorer
-    from oval_edge.sparse.scoring import record_scores
 
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     heads, pages, rank, dim, page = 3, 40, 8, 64, 32
     basis = torch.linalg.qr(torch.randn(heads, pages, dim, rank, generator=generator)).Q.transpose(-1, -2)
     stored = page_record.encode(torch.randn(heads, pages, dim, generator=generator), basis,
                                 3 * torch.randn(heads, pages, rank, page, generator=generator), "int4", torch.float32)
     records = page_record.LayerRecords(stored["mean"], stored["basis"], stored["coords"], stored["scales"])
     q = torch.randn(4, heads, 3, dim, generator=generator).to(dtype)
-    table = torch.randint(0, pages, (4, 17), generator=generator)
-    scorer = PackedScorer(dim, 0.125, "cpu", page_record.Rotations())
+    return records, q, torch.randint(0, pages, (4, 17), generator=generator)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_scorer_scores_int4_records_as_record_scores_does(dtype):
+    from oval_edge.kv.page_record import Rotations
+    from oval_edge.sparse.packed_scores import PackedScorer
+    from oval_edge.sparse.scoring import record_scores
+
+    records, q, table = int4_layer(0, dtype)
+    scorer = PackedScorer(q.shape[-1], 0.125, "cpu", Rotations())
     assert scorer.takes(records)
     torch.testing.assert_close(scorer(q, records, table), record_scores(q, records, table, 0.125),
                                rtol=1e-5, atol=1e-5)
@@ -219,3 +229,40 @@ def test_rotations_are_built_once_per_dim_device_and_dtype():
     assert rotations.get(96, torch.device("cpu")) is first
     torch.testing.assert_close(first, rotation(96))
     assert rotations.get(96, "cpu", torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_packed_scorer_launches_18_kernels_a_layer_none_hidden():
+    """The torch path's scorer per sparse layer: 18 launches, and none hidden inside an op: no lookup indexes with
+    int32 codes (aten's `index` converts them to int64 first, one more kernel and buffer than the audit sees) and
+    no batched matmul operand whose batch dims cannot be merged into one stride (torch.matmul copies it first)."""
+    from oval_edge.kv.page_record import Rotations
+    from oval_edge.sparse.packed_scores import PackedScorer
+
+    records, q, table = int4_layer(1, torch.bfloat16)
+    scorer = PackedScorer(q.shape[-1], 0.125, "cpu", Rotations())
+    assert scorer.takes(records)  # builds the tables: a step only reads them
+    hidden: list[str] = []
+
+    class Hidden(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if name == "aten.index.Tensor" and any(i is not None and i.dtype == torch.int32 for i in args[1]):
+                hidden.append("index with int32 indices")
+            if name == "aten.matmul.default" and args[0].dim() > 3 and not all(
+                    _batch_merges(t) for t in args if t.dim() > 2):
+                hidden.append(f"matmul copying an operand of strides {[t.stride() for t in args]}")
+            return func(*args, **(kwargs or {}))
+
+    audit = StepAudit()
+    with torch.inference_mode(), audit, Hidden():
+        scorer(q, records, table)
+    assert hidden == []
+    assert audit.total == 18, audit.launches
+
+
+def _batch_merges(t: torch.Tensor) -> bool:
+    """Whether the batch dims of a batched matmul operand [..., m, n] merge into one stride (as torch.matmul reshapes
+    them for its bmm) without a copy."""
+    sizes, strides = t.shape[:-2], t.stride()[:-2]
+    return all(size == 1 or stride == strides[i + 1] * sizes[i + 1]
+               for i, (size, stride) in enumerate(zip(sizes[:-1], strides[:-1])))

@@ -38,7 +38,7 @@ The format is read off the basis dtype (record_format), so kernels and scorers n
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -123,10 +123,13 @@ class Rotations:
     """H = rotation(dim) per (dim, device, dtype), each built once. Why: the matrix is ~30 small kernels to build
     (a cat per doubling, a slice copy per block); a decode step that rebuilt it in every sparse layer spent 784 of
     its ~1,900 launches there (SmolLM2, 28 sparse layers). The static step's owner holds one of these and builds
-    what its steps read before any CUDA graph capture, so a step only reads the tensor."""
+    what its steps read before any CUDA graph capture, so a step only reads the tensor. It keeps the other device
+    constants of the int4 record's readers too (`constant`: PackedScorer's level table), one per device for all of
+    the owner's steps."""
 
     def __init__(self) -> None:
         self._built: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+        self._constants: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     def get(self, dim: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """H [dim, dim] on `device` in `dtype` (fp32 unless asked): built on the first call for the key."""
@@ -134,6 +137,13 @@ class Rotations:
         if key not in self._built:
             self._built[key] = rotation(dim, device).to(dtype)
         return self._built[key]
+
+    def constant(self, name: str, device, build: Callable[[torch.device], torch.Tensor]) -> torch.Tensor:
+        """The tensor `build(device)` made on the first call for (name, device), the same one after."""
+        key = (name, torch.device(device))
+        if key not in self._constants:
+            self._constants[key] = build(key[1])
+        return self._constants[key]
 
 
 def _quantize(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:

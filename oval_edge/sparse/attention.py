@@ -45,8 +45,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tenso
     """
     b, hq, d = q.shape
     hkv = k.shape[1]
-    qg = q.view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]: query head i reads KV head i // G
-    logits = torch.matmul(qg, k.to(q.dtype).transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, T]
+    group, t = hq // hkv, k.shape[2]
+    qg = q.reshape(b * hkv, group, d)  # [B * Hkv, G, D]: query head i reads KV head i // G
+    keys = k.to(q.dtype).reshape(b * hkv, t, d).transpose(1, 2)
+    # The scale inside the GEMM (alpha; beta = 0, so its input is never read): one kernel, where a matmul then a
+    # multiply are two
+    logits = torch.baddbmm(q.new_empty(()), qg, keys, beta=0, alpha=scale).view(b, hkv, group, t)  # [B, Hkv, G, T]
     if softcap:
         logits = cap_logits(logits, softcap)
     logits = torch.where(valid[:, :, None, :], logits, float("-inf"))  # one op: masked_fill_(~valid) is two
