@@ -93,8 +93,6 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return msg, None
     if kind == "missing":
         return f"'{param}' is required", param
-    if kind == "extra_forbidden":
-        return unknown_field_message(param), param
     if kind == "unknown_field":  # a near miss of a real field (protocol.near_miss); loc is the model holding it
         field = f"{param}.{ctx['field']}" if param else ctx["field"]
         return msg.replace(f"'{ctx['field']}'", f"'{field}'", 1), field
