@@ -59,22 +59,25 @@ def test_bound_grouped_scorer_equals_the_call(kernels):
 
 
 def test_the_static_step_binds_each_sparse_layer_once(tiny_folder, kernels):  # noqa: F811
+    """The engine's step holds its ops table (sparse/step_ops_table.py): a C scorer bound per sparse layer, none
+    for the dense ones, scoring as the unbound call of the same layer does."""
     for oval, flat in ((None, True), (GROUPED, False)):
         engine = engine_for(tiny_folder, **({} if oval is None else {"oval": oval}))
         step = engine.static.step_for(1)
-        config = engine.runner.config
-        dense = [i < config.dense_layers for i in range(len(step.scorers))]
-        assert [s is None for s in step.scorers] == dense  # bound for every sparse layer, none for dense ones
-        prefill(engine, "s", 700)
+        config, scale = engine.runner.config, engine.runner.scale
+        assert f"scores: C {'' if flat else 'two-level ('}{kernels.scoring_body}" in step.ops.describe()
         q = torch.randn(1, 2, 2, 32)
+        with pytest.raises(ValueError, match="is dense or sliding-window"):  # layer 0 is dense: no scorer
+            step.ops.scores[0](q, step.page_table, step.sealed)
+        prefill(engine, "s", 700)
         step.load(["s"], [5])
         layer = config.dense_layers
-        got = step.scorers[layer](q, step.page_table, step.sealed, 0.17)
-        if flat:  # the unbound path of the same layer: the pool's records through the op the step used before
-            want = page_scores(engine.pool, layer, q, step.page_table, step.sealed, 0.17)
+        got = step.ops.scores[layer](q, step.page_table, step.sealed)
+        if flat:  # the unbound path of the same layer: the pool's records through the op a traced step uses
+            want = page_scores(engine.pool, layer, q, step.page_table, step.sealed, scale)
         else:
             summaries, row = engine.pool.summaries, engine.pool.paged_index[layer]
             coarse = tuple(summaries[name][row] for name in GROUP_NAMES) + (summaries[GROUP_SLOT],)
             want = kernels.grouped_scores(q, coarse, layer_records(summaries, row), step.page_table, step.sealed,
-                                          0.17, config.group_pages, config.top_groups)
+                                          scale, config.group_pages, config.top_groups)
         torch.testing.assert_close(got, want, atol=0, rtol=0)

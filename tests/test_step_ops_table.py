@@ -62,6 +62,7 @@ def test_each_op_is_resolved_when_the_table_is_built(kernels, monkeypatch):
     ops = step_ops_table(pool, CONFIG, WIDTH, HEADS, 0.125, SCORED)
     assert ops.describe() == (f"write: torch index_put, scores: C {kernels.scoring_body} (int4), select: C, "
                               "attend: C")
+    assert ops.attends_in_place()
 
     def chosen_per_call(*_, **__):
         raise AssertionError("a kernel was chosen or bound during the step")
@@ -81,8 +82,8 @@ def test_the_bodies_follow_the_inputs_each_kernel_takes(kernels):
     assert step_ops_table(_pool(), CONFIG, WIDTH, HEADS, 0.125, SCORED, kernels=None).describe() == (
         "write: torch index_put, scores: torch packed (int4), select: torch, attend: torch")
     # soft-capped logits (no kernel takes them), bf16 queries (the C attention takes fp32): torch attention
-    assert step_ops_table(_pool(), CONFIG, WIDTH, HEADS, 0.125, SCORED, softcap=30.0).describe().endswith(
-        "attend: torch")
+    capped = step_ops_table(_pool(), CONFIG, WIDTH, HEADS, 0.125, SCORED, softcap=30.0)
+    assert capped.describe().endswith("attend: torch") and not capped.attends_in_place()
     assert step_ops_table(_pool(), CONFIG, WIDTH, HEADS, 0.125, SCORED, dtype=torch.bfloat16).describe().endswith(
         "attend: torch")
     int8_pool = _pool(kv_int8=True)

@@ -100,8 +100,8 @@ class NativeKernels:
         counts [B] int64: score only each row's first counts[b] pages (the rest get -3e38 and are not read).
         """
         fits = q.dim() == 4 and q.is_cpu and (q.shape[1], q.shape[3]) == (records[0].shape[0], records[0].shape[-1])
-        scorer = self.bind_oval_scores(records, q.shape[2]) if fits else None
-        return None if scorer is None else scorer(q, page_table, scale, counts)
+        scorer = BoundPageScorer.bind(self._scores, records, _team, q.shape[2], probe=False) if fits else None
+        return None if scorer is None else scorer.lenient(q, page_table, scale, counts)
 
     def bind_oval_scores(self, records, group: int) -> BoundPageScorer | None:
         """oval_scores with `records` and the query group G checked once (cpu_bound.py): a callable (q, page_table,
@@ -117,9 +117,9 @@ class NativeKernels:
         page_table [B, Np]; sealed [B] -> scores [B, Hkv, Np] fp32, -inf on pages not scored finely. None for
         inputs it does not take (the caller runs the torch code)."""
         fits = q.dim() == 4 and q.is_cpu and (q.shape[1], q.shape[3]) == (records[0].shape[0], records[0].shape[-1])
-        scorer = self.bind_grouped_scores(coarse, records, group_pages, top_groups, q.shape[2],
-                                          page_table.shape[-1]) if fits else None
-        return None if scorer is None else scorer(q, page_table, sealed, scale)
+        scorer = BoundGroupedScorer.bind(self._grouped, coarse, records, group_pages, top_groups, _team, q.shape[2],
+                                         page_table.shape[-1], probe=False) if fits else None
+        return None if scorer is None else scorer.lenient(q, page_table, sealed, scale)
 
     def bind_grouped_scores(self, coarse: tuple[torch.Tensor, ...], records, group_pages: int, top_groups: int,
                             group: int, width: int) -> BoundGroupedScorer | None:
@@ -137,8 +137,8 @@ class NativeKernels:
         hkv = flat.shape[1]
         if q.dtype != torch.float32 or q.dim() != 3 or q.shape[1] % hkv or not on_cpu(q, flat, valid):
             return None
-        bound = self.bind_attend(k_rows, v_rows, scales, hkv, q.shape[1] // hkv)
-        return None if bound is None else bound(q, flat, valid, scale, limits)
+        bound = BoundAttention.bind(self._attend, k_rows, v_rows, scales, _team, hkv, q.shape[1] // hkv, probe=False)
+        return None if bound is None else bound.lenient(q, flat, valid, scale, limits)
 
     def bind_attend(self, k_rows: torch.Tensor, v_rows: torch.Tensor, scales, kv_heads: int,
                     group: int) -> BoundAttention | None:
@@ -243,8 +243,9 @@ class NativeKernels:
         if (not on_cpu(scores, page_table, lengths, sealed, start) or start.shape[-1] not in (1, hkv)
                 or page_table.shape != (b, pages)):
             return None
-        bound = self.bind_select(hkv, pages, page_size, sink_pages, top_k, window_slots, window_min)
-        return None if bound is None else bound(scores, page_table, lengths, sealed, start)
+        bound = BoundSelect.bind(self._select, hkv, pages, page_size, sink_pages, top_k, window_slots, window_min,
+                                 probe=False)
+        return bound.lenient(scores, page_table, lengths, sealed, start)
 
     def bind_select(self, kv_heads: int, width: int, page_size: int, sink_pages: int, top_k: int,
                     window_slots: int, window_min: int) -> BoundSelect | None:

@@ -60,19 +60,30 @@ class BoundPageScorer:
         self.page_size = record_page_size(records)
 
     @classmethod
-    def bind(cls, kernels: dict, records, team, group: int) -> BoundPageScorer | None:
+    def bind(cls, kernels: dict, records, team, group: int, probe: bool = True) -> BoundPageScorer | None:
         kernel = kernels.get(records[1].dtype)
         if kernel is None or not records_fit(records):
             return None
         bound = cls(kernel, records, team, group)
-        return bound if bound._run(torch.zeros(1, bound.hkv, group, bound.dim), torch.zeros(1, 1, dtype=torch.long),
-                                   1.0, torch.zeros(1, dtype=torch.long))[0] == 0 else None  # counts 0: no page read
+        return bound if not probe or bound._run(torch.zeros(1, bound.hkv, group, bound.dim),
+                                                torch.zeros(1, 1, dtype=torch.long), 1.0,
+                                                torch.zeros(1, dtype=torch.long))[0] == 0 else None  # no page read
 
     def __call__(self, q: torch.Tensor, page_table: torch.Tensor, scale: float,
                  counts: torch.Tensor | None = None) -> torch.Tensor:
+        return _strict(*self._call(q, page_table, scale, counts), *self._errors())
+
+    def lenient(self, q: torch.Tensor, page_table: torch.Tensor, scale: float,
+                counts: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A call with the unbound entry point's contract: None where the kernel declines (bound unprobed)."""
+        return kernel_result(*self._call(q, page_table, scale, counts), *self._errors())
+
+    def _call(self, q, page_table, scale, counts):
         q = _queries(q, (self.hkv, self.group, self.dim), "oval_scores")
-        code, out = self._run(q, *_rows(page_table), scale, *(() if counts is None else _rows(counts)))
-        return _strict(code, out, "oval_scores", "page table holds a page outside 0..{}", self.pages_total - 1)
+        return self._run(q, *_rows(page_table), scale, *(() if counts is None else _rows(counts)))
+
+    def _errors(self) -> tuple:
+        return "oval_scores", "page table holds a page outside 0..{}", self.pages_total - 1
 
     def _run(self, q: torch.Tensor, table: torch.Tensor, scale: float, counts: torch.Tensor | None = None):
         out = torch.empty((q.shape[0], self.hkv, table.shape[1]), dtype=torch.float32)
@@ -102,7 +113,7 @@ class BoundGroupedScorer:
 
     @classmethod
     def bind(cls, kernel, coarse, records, group_pages: int, top_groups: int, team, group: int,
-             width: int) -> BoundGroupedScorer | None:
+             width: int, probe: bool = True) -> BoundGroupedScorer | None:
         g_mean, g_basis, g_bounds, g_scales, g_slot = coarse
         if (records[1].dtype not in RECORD_FORMAT_CODE or not records_fit(records)
                 or not all(t.is_cpu and t.is_contiguous() for t in coarse) or g_mean.dtype not in ELEMENT_DTYPES
@@ -110,17 +121,28 @@ class BoundGroupedScorer:
                 or g_slot.dtype != torch.int64):
             return None
         bound = cls(kernel, coarse, records, group_pages, top_groups, team, group)
+        if not probe:
+            return bound
         empty = torch.zeros(1, dtype=torch.long)  # sealed 0: no group complete, no page read
-        probe = bound._run(torch.zeros(1, bound.hkv, group, bound.dim), torch.zeros(1, width, dtype=torch.long),
-                           empty, 1.0)
-        return bound if probe[0] == 0 else None
+        code, _ = bound._run(torch.zeros(1, bound.hkv, group, bound.dim), torch.zeros(1, width, dtype=torch.long),
+                             empty, 1.0)
+        return bound if code == 0 else None
 
     def __call__(self, q: torch.Tensor, page_table: torch.Tensor, sealed: torch.Tensor,
                  scale: float) -> torch.Tensor:
+        return _strict(*self._call(q, page_table, sealed, scale), *self._errors())
+
+    def lenient(self, q: torch.Tensor, page_table: torch.Tensor, sealed: torch.Tensor,
+                scale: float) -> torch.Tensor | None:
+        """A call with the unbound entry point's contract: None where the kernel declines (bound unprobed)."""
+        return kernel_result(*self._call(q, page_table, sealed, scale), *self._errors())
+
+    def _call(self, q, page_table, sealed, scale):
         q = _queries(q, (self.hkv, self.group, self.dim), "oval_grouped_scores")
-        code, out = self._run(q, *_rows(page_table, sealed), scale)
-        return _strict(code, out, "oval_grouped_scores", "page table holds a page outside 0..{}",
-                       self.pages_total - 1)
+        return self._run(q, *_rows(page_table, sealed), scale)
+
+    def _errors(self) -> tuple:
+        return "oval_grouped_scores", "page table holds a page outside 0..{}", self.pages_total - 1
 
     def _run(self, q: torch.Tensor, table: torch.Tensor, sealed: torch.Tensor, scale: float):
         out = torch.empty((q.shape[0], self.hkv, table.shape[1]), dtype=torch.float32)
@@ -142,13 +164,16 @@ class BoundAttention:
         self.scale_pointers = tuple(s.data_ptr() for s in scales) if scales is not None else (None, None)
 
     @classmethod
-    def bind(cls, kernels: dict, k_rows, v_rows, scales, team, kv_heads: int, group: int) -> BoundAttention | None:
+    def bind(cls, kernels: dict, k_rows, v_rows, scales, team, kv_heads: int, group: int,
+             probe: bool = True) -> BoundAttention | None:
         kernel = kernels.get(k_rows.dtype)
         if (kernel is None or v_rows.dtype != k_rows.dtype or k_rows.dim() != 2 or k_rows.shape != v_rows.shape
                 or not (k_rows.is_cpu and v_rows.is_cpu and k_rows.is_contiguous() and v_rows.is_contiguous())
                 or not scales_fit(scales, k_rows.dtype == torch.int8, k_rows.shape[0])):
             return None
         bound = cls(kernel, k_rows, v_rows, scales, team, kv_heads, group)
+        if not probe:
+            return bound
         slot = torch.zeros(1, kv_heads, 1, dtype=torch.long)  # row 0 of the layer, read and discarded
         code, _ = bound._run(torch.zeros(1, kv_heads * group, bound.dim), slot, torch.ones(1, kv_heads, 1,
                                                                                             dtype=torch.bool), 1.0)
@@ -156,11 +181,21 @@ class BoundAttention:
 
     def __call__(self, q: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor, scale: float,
                  limits: torch.Tensor | None = None) -> torch.Tensor:
+        return _strict(*self._call(q, flat, valid, scale, limits), *self._errors())
+
+    def lenient(self, q: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor, scale: float,
+                limits: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A call with the unbound entry point's contract: None where the kernel declines (bound unprobed)."""
+        return kernel_result(*self._call(q, flat, valid, scale, limits), *self._errors())
+
+    def _call(self, q, flat, valid, scale, limits):
         if q.dtype != torch.float32:
             raise ValueError(f"attend_slots was bound for fp32 queries, got {q.dtype}")
         q = _queries(q, (self.hkv * self.group, self.dim), "attend_slots")
-        code, out = self._run(q, *_rows(flat), as_dtype(valid, torch.bool).contiguous(), scale, limits)
-        return _strict(code, out, "attend_slots", "a valid slot lies outside the layer's 0..{} rows", self.rows - 1)
+        return self._run(q, *_rows(flat), as_dtype(valid, torch.bool).contiguous(), scale, limits)
+
+    def _errors(self) -> tuple:
+        return "attend_slots", "a valid slot lies outside the layer's 0..{} rows", self.rows - 1
 
     def _run(self, q: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor, scale: float,
              limits: torch.Tensor | None = None):
@@ -187,8 +222,10 @@ class BoundSelect:
 
     @classmethod
     def bind(cls, kernel, kv_heads: int, width: int, page_size: int, sink_pages: int, top_k: int, window_slots: int,
-             window_min: int) -> BoundSelect | None:
+             window_min: int, probe: bool = True) -> BoundSelect | None:
         bound = cls(kernel, kv_heads, page_size, sink_pages, top_k, window_slots, window_min)
+        if not probe:
+            return bound
         one = torch.ones(1, dtype=torch.long)  # a row of length 1: dense, reads page_table[0, 0] only
         code, _ = bound._run(torch.zeros(1, kv_heads, width), torch.zeros(1, width, dtype=torch.long), one,
                              one - 1, one.view(1, 1) - 1)
@@ -196,11 +233,18 @@ class BoundSelect:
 
     def __call__(self, scores: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor, sealed: torch.Tensor,
                  start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _strict(*self._call(scores, page_table, lengths, sealed, start), "select_slots", "{}", 0)
+
+    def lenient(self, scores: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor, sealed: torch.Tensor,
+                start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A call with the unbound entry point's contract: None where the kernel declines (bound unprobed)."""
+        code, picked = self._call(scores, page_table, lengths, sealed, start)
+        return picked if code == 0 else None
+
+    def _call(self, scores, page_table, lengths, sealed, start):
         if scores.dim() != 3 or scores.shape[1] != self.hkv or not scores.is_cpu:
             raise ValueError(f"select_slots was bound for CPU scores [B, {self.hkv}, Np], got {tuple(scores.shape)}")
-        code, picked = self._run(as_dtype(scores, torch.float32).contiguous(), *_rows(page_table, lengths, sealed,
-                                                                                      start))
-        return _strict(code, picked, "select_slots", "{}", 0)
+        return self._run(as_dtype(scores, torch.float32).contiguous(), *_rows(page_table, lengths, sealed, start))
 
     def _run(self, scores, page_table, lengths, sealed, start):
         b, hkv, pages = scores.shape

@@ -57,6 +57,11 @@ class StepOps:
         by_op = {op: [name for o, name in self.names if o == op] for op in OPS}
         return ", ".join(f"{op}: {' / '.join(names)}" for op, names in by_op.items() if names)
 
+    def attends_in_place(self) -> bool:
+        """Whether every layer's attention reads the selected rows in place (the kernels), not a gathered copy
+        (torch): what a step's statistics count as K/V read (StaticDecoder.read_stats)."""
+        return {name for op, name in self.names if op == "attend"} <= {"C", "Triton"}
+
 
 def flat_scores(kernels, records: LayerRecords, group: int, scale: float, rotation: torch.Tensor | None = None,
                 packed: PackedScorer | None = None) -> Body:
