@@ -1,6 +1,6 @@
 """The soak (tools/load/soak.py): its RSS and page verdict, the listener lookup that finds the server's process, and a
-1-minute soak against a real `oval-edge serve --chat-template chatml-tools` of the bundled model (the 20-minute run
-and its plot: docs/soak.md)."""
+1-minute soak against a real `oval-edge serve --chat-template chatml-tools` of the bundled model, run when
+OVAL_EDGE_SOAK_TEST=1 (the 20-minute run and its plot: docs/soak.md)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from oval_edge.tools.load.soak import MIX, SETTLE_S, Soak, listener_pid, rss_byt
 from oval_edge.tools.load.soak_report import rss_flatness, summarize, verdict
 
 MIB = 1 << 20
+SOAK_ENV = "OVAL_EDGE_SOAK_TEST"
 
 
 def _samples(rss_mib: list[float], used_at_end: float = 0) -> list[dict]:
@@ -65,6 +66,9 @@ def test_listener_pid_finds_the_process_listening_on_a_loopback_port():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get(SOAK_ENV) != "1",
+                    reason=f"a 1-minute soak takes 72-83 s with the server's start and stop (over the ~60 s a test of "
+                    f"the normal suite may take): {SOAK_ENV}=1 runs it")
 def test_a_one_minute_soak_of_the_real_server(tmp_path):
     """Streams, abandoned streams, tool calls, json_schema and multi-turn chats for a minute: no 5xx, no failure,
     every page free at the end, RSS read all along. RSS flatness is the 20-minute run's bar (docs/soak.md): a
