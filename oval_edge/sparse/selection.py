@@ -129,20 +129,30 @@ class DecodePlan:
         self.sparse_rows = ~self.dense_rows
         self.all_dense = False if static else bool(self.dense_rows.all())
         self.any_dense = True if static else bool(self.dense_rows.any())
+        edges = (self.sink_pos, self.win_pos.clamp_min(0))
         if self.any_dense:
             self.short = dense_selection(lengths, kv_heads, self.slots)
-            self.short.flat = self._flat(self.short.positions)
             self.short.pages = torch.full((b, kv_heads, config.top_k), -1, dtype=torch.long, device=dev)
+            self.sink_flat, self.win_flat, self.short.flat = self._flats(*edges, self.short.positions)
+        else:
+            self.sink_flat, self.win_flat = self._flats(*edges)
         # Flat pool index of slot j of physical page p for KV head h: p * Hkv * P + (h * P + j) -> [1, Hkv, 1, P]
         self.head_slots = (self.heads * P)[..., None] + self.offsets
-        self.sink_flat = self._flat(self.sink_pos)
-        self.win_flat = self._flat(self.win_pos.clamp_min(0))
         self._full: Selection | None = None
         self._static: StaticSelector | None = None  # built on the first select(detail=False) that it applies to
 
     def _edge_valid(self, start: torch.Tensor):
         # Sink slots count below the window start, window slots at or above it (and not before position 0).
         return self.sink_pos < start, (self.win_pos >= start) & (self.win_pos >= 0)
+
+    def _flats(self, *positions: torch.Tensor) -> tuple:
+        """_flat of several [B, Hkv, n_i] position tensors (broadcastable) in one pass: views of one [B, Hkv, sum n_i]
+        result. Why: _flat is eight ops; the sink, window and short-row slots of every step took 24, now 9."""
+        if self.page_table is None:
+            return (None,) * len(positions)
+        shape = (self.batch, self.kv_heads, -1)
+        flat = self._flat(torch.cat([p.expand(shape) for p in positions], dim=-1))
+        return flat.split([p.shape[-1] for p in positions], dim=-1)
 
     def _flat(self, positions: torch.Tensor) -> torch.Tensor | None:
         if self.page_table is None:
