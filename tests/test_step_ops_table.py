@@ -13,7 +13,7 @@ from oval_edge.geometry import KVGeometry
 from oval_edge.kernels import cpu as native
 from oval_edge.kernels.cpu_bound import BoundAttention, BoundGroupedScorer, BoundPageScorer, BoundSelect
 from oval_edge.kv.pool import PagePool
-from oval_edge.sparse import step_ops_table as table_module
+from oval_edge.sparse import step_ops, step_ops_table as table_module
 from oval_edge.sparse.selection import DecodePlan
 from oval_edge.sparse.step_ops_table import step_ops_table
 
@@ -25,6 +25,10 @@ SCORED = [False, True, True]  # layer 0 dense
 def _pool(record: str = "int4", kv_int8: bool = False, kinds=("oval",), group_pages: int = 0) -> PagePool:
     return PagePool(KVGeometry(3, HKV, DIM, PAGE, "float32", kinds, rank=4, record=record, group_pages=group_pages,
                                kv_int8=kv_int8), 24)
+
+
+def _chosen_per_call(*_, **__):
+    raise AssertionError("a kernel was chosen or bound during the step")
 
 
 def _inputs(pool: PagePool) -> dict:
@@ -64,15 +68,12 @@ def test_each_op_is_resolved_when_the_table_is_built(kernels, monkeypatch):
                               "attend: C")
     assert ops.attends_in_place()
 
-    def chosen_per_call(*_, **__):
-        raise AssertionError("a kernel was chosen or bound during the step")
-
     for owner, name in ((native.NativeKernels, "oval_scores"), (native.NativeKernels, "grouped_scores"),
                         (native.NativeKernels, "attend_slots"), (native.NativeKernels, "select_slots"),
                         (native, "cpu_kernels"), (native, "decode_kernels"), (table_module, "decode_kernels"),
                         (BoundPageScorer, "bind"), (BoundGroupedScorer, "bind"), (BoundAttention, "bind"),
                         (BoundSelect, "bind")):
-        monkeypatch.setattr(owner, name, chosen_per_call)
+        monkeypatch.setattr(owner, name, _chosen_per_call)
     _run_step(ops, pool)
     with pytest.raises(ValueError, match="layer 0 is dense or sliding-window"):
         ops.scores[0](torch.zeros(1, HKV, 2, DIM), torch.zeros(1, WIDTH, dtype=torch.long), torch.zeros(1))
@@ -102,11 +103,15 @@ def test_the_bodies_follow_the_inputs_each_kernel_takes(kernels):
         _run_step(ops, pool)
 
 
-def test_a_traced_step_uses_the_operators_and_traces_whole():
+def test_a_traced_step_uses_the_operators_and_traces_whole(monkeypatch):
+    """Under torch.compile the ops are step_ops' operators, each running the body resolved at build (no
+    score_pages / attend_rows choosing inside them), and the step traces as one graph."""
+    for name in ("score_pages", "attend_rows"):
+        monkeypatch.setattr(step_ops, name, _chosen_per_call)
     pool = _pool(record="float")
     ops = step_ops_table(pool, CONFIG, WIDTH, HEADS, 0.125, SCORED, traced=True)
-    assert ops.describe() == ("write: torch.library op, scores: torch.library op, select: torch, "
-                              "attend: torch.library op")
+    assert ops.describe() == ("write: torch.library op, scores: torch.library op (C), select: torch, "
+                              "attend: torch.library op (C)")  # each operator runs the body resolved here
     inputs = _inputs(pool)
     got = torch.compile(lambda: _step(ops, inputs), fullgraph=True, backend="eager")()
     assert torch.allclose(got, _step(ops, inputs), atol=1e-6)  # the same step, eager

@@ -24,22 +24,25 @@ from __future__ import annotations
 
 import torch
 
-from oval_edge.kernels.cpu import cpu_kernels
+from oval_edge.kernels.cpu import cpu_kernels, decode_kernels
 from oval_edge.kv.group_record import layer_coarse
-from oval_edge.kv.page_record import RECORD_NAMES, layer_records
+from oval_edge.kv.page_record import RECORD_NAMES, LayerRecords, layer_records
 
-from .attention import as_dtype, attend_rows
+from .attention import PER_HEAD_SLOTS, as_dtype, attend, attend_rows, gather_rows, head_by_head_kv
 from .grouped import uses_groups
-from .scoring import score_pages
+from .scoring import record_scores, score_pages
 from .selection import DecodePlan, window_slots
 
 # The operator registry handle: it must live as long as the process, so it is module-level (never mutated after).
 _LIBRARY = torch.library.Library("oval_edge", "FRAGMENT")
 _LIBRARY.define("write_kv(Tensor(a!) k, Tensor(b!) v, int layer, Tensor slots, Tensor k_new, Tensor v_new) -> ()")
 _LIBRARY.define("page_scores(Tensor q, Tensor mean, Tensor basis, Tensor coords, Tensor? scales, int layer, "
-                "Tensor page_table, Tensor counts, float scale) -> Tensor")
+                "Tensor page_table, Tensor counts, float scale, int? body=None) -> Tensor")
 _LIBRARY.define("attend_slots(Tensor q, Tensor k, Tensor v, int layer, Tensor flat, Tensor valid, Tensor? limits, "
-                "float scale, float softcap=0.0) -> Tensor")
+                "float scale, float softcap=0.0, int? body=None) -> Tensor")
+# An operator's body, resolved when a traced step's ops table is built (step_ops_table.py) and passed as `body`:
+# the index of its kind here. None: the caller resolved nothing (the kernels where they take the inputs, else torch).
+OP_BODIES = ("torch", "C", "Triton")
 
 
 def _write_kv(k: torch.Tensor, v: torch.Tensor, layer: int, slots: torch.Tensor, k_new: torch.Tensor,
@@ -52,20 +55,58 @@ def _write_kv(k: torch.Tensor, v: torch.Tensor, layer: int, slots: torch.Tensor,
 
 def _page_scores(q: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, coords: torch.Tensor,
                  scales: torch.Tensor | None, layer: int, page_table: torch.Tensor, counts: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, body: int | None = None) -> torch.Tensor:
     """q [B, Hkv, G, D] -> [B, Hkv, Np] fp32 over the pages of page_table [B, Np] from the pool's oval records
     (page_record.py); pages past counts[b] are not candidates of row b (the native kernel does not read them)."""
-    records = {"mean": mean, "basis": basis, "coords": coords}
-    if scales is not None:
-        records["scales"] = scales
-    return score_pages("oval", q, records, layer, page_table, scale, counts)
+    if body is None:
+        records = {"mean": mean, "basis": basis, "coords": coords} | ({} if scales is None else {"scales": scales})
+        return score_pages("oval", q, records, layer, page_table, scale, counts)
+    records = LayerRecords(mean[layer], basis[layer], coords[layer], None if scales is None else scales[layer])
+    if OP_BODIES[body] == "torch":
+        return record_scores(q, records, page_table, scale)
+    kernels = decode_kernels(q.device)
+    bound = kernels.bind_oval_scores(records, q.shape[2]) if OP_BODIES[body] == "C" else kernels.bind_oval_scores(
+        records)
+    return _resolved(bound, "page_scores", body)(q, page_table, scale, counts)
 
 
 def _attend_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, flat: torch.Tensor,
-                  valid: torch.Tensor, limits: torch.Tensor | None, scale: float, softcap: float = 0.0) -> torch.Tensor:
+                  valid: torch.Tensor, limits: torch.Tensor | None, scale: float, softcap: float = 0.0,
+                  body: int | None = None) -> torch.Tensor:
     """q [B, Hq, D] over the valid slots flat [B, Hkv, T] (the first limits[b] of them) of one layer -> [B, Hq, D]."""
     d = k.shape[-1]
-    return attend_rows(q, k[layer].view(-1, d), v[layer].view(-1, d), flat, valid, scale, limits, softcap)
+    k_rows, v_rows = k[layer].view(-1, d), v[layer].view(-1, d)
+    if body is None:
+        return attend_rows(q, k_rows, v_rows, flat, valid, scale, limits, softcap)
+    if OP_BODIES[body] == "torch":
+        return torch_attend(q, k_rows, v_rows, flat, valid, scale, limits, softcap)
+    kernels = decode_kernels(q.device)
+    bound = (kernels.bind_attend(k_rows, v_rows, None, flat.shape[1], q.shape[1] // flat.shape[1])
+             if OP_BODIES[body] == "C" else kernels.bind_attend(k_rows, v_rows))
+    return _resolved(bound, "attend_slots", body)(q, flat, valid, scale, limits)
+
+
+def _resolved(bound, op: str, body: int):
+    """The kernel a traced step's table resolved `op` to when it was built; it cannot decline now."""
+    if bound is None:
+        raise RuntimeError(f"{op}: the {OP_BODIES[body]} body chosen when the step was built does not take these "
+                           "tensors (a bug: report it; decode_step='static' runs without torch.compile)")
+    return bound
+
+
+def torch_attend(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
+                 valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None, softcap: float = 0.0,
+                 scales=None) -> torch.Tensor:
+    """attention.attend_rows in torch ops only: the valid slots flat [B, Hkv, T] (the first limits[b] of row b)
+    gathered, then one softmax; from PER_HEAD_SLOTS slots one KV head at a time (attention.head_by_head_kv)."""
+    if limits is not None:
+        valid = valid & (torch.arange(flat.shape[-1], device=flat.device) < limits[:, None, None])
+    if flat.shape[-1] < PER_HEAD_SLOTS:
+        return attend(q, *gather_rows(k_rows, v_rows, flat, scales, q.dtype), valid, scale, softcap)
+    group = q.shape[1] // flat.shape[1]
+    parts = [attend(q[:, h * group : (h + 1) * group], k, v, valid[:, h : h + 1], scale, softcap)
+             for h, (k, v) in enumerate(head_by_head_kv(k_rows, v_rows, flat, q.dtype, scales))]
+    return torch.cat(parts, dim=1)
 
 
 _LIBRARY.impl("write_kv", _write_kv, "CompositeExplicitAutograd")
@@ -79,12 +120,12 @@ def _write_kv_fake(k, v, layer, slots, k_new, v_new) -> None:
 
 
 @torch.library.register_fake("oval_edge::page_scores")
-def _page_scores_fake(q, mean, basis, coords, scales, layer, page_table, counts, scale):
+def _page_scores_fake(q, mean, basis, coords, scales, layer, page_table, counts, scale, body=None):
     return q.new_empty((q.shape[0], q.shape[1], page_table.shape[1]), dtype=torch.float32)
 
 
 @torch.library.register_fake("oval_edge::attend_slots")
-def _attend_slots_fake(q, k, v, layer, flat, valid, limits, scale, softcap=0.0):
+def _attend_slots_fake(q, k, v, layer, flat, valid, limits, scale, softcap=0.0, body=None):
     return torch.empty_like(q)
 
 
@@ -111,13 +152,14 @@ def write_kv(pool, layer: int, slots: torch.Tensor, k_new: torch.Tensor, v_new: 
 
 
 def page_scores(pool, layer: int, q: torch.Tensor, page_table: torch.Tensor, counts: torch.Tensor,
-                scale: float) -> torch.Tensor:
-    """oval page scores [B, Hkv, Np] of q [B, Hkv, G, D] from the pool's records of one layer."""
+                scale: float, body: int | None = None) -> torch.Tensor:
+    """oval page scores [B, Hkv, Np] of q [B, Hkv, G, D] from the pool's records of one layer; body: an index of
+    OP_BODIES (a traced step's table resolved it), None: the kernels where they take the inputs, else torch."""
     records = [pool.summaries.get(name) for name in RECORD_NAMES]  # mean, basis, coords, scales (None: float)
     layer = pool.paged_index[layer]
     if torch.compiler.is_compiling():
-        return torch.ops.oval_edge.page_scores(q, *records, layer, page_table, counts, scale)
-    return _page_scores(q, *records, layer, page_table, counts, scale)
+        return torch.ops.oval_edge.page_scores(q, *records, layer, page_table, counts, scale, body)
+    return _page_scores(q, *records, layer, page_table, counts, scale, body)
 
 
 def bind_scorer(pool, layer: int, config, width: int):
@@ -150,11 +192,14 @@ def bind_scorer(pool, layer: int, config, width: int):
 
 
 def attend_slots(pool, layer: int, q: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor,
-                 limits: torch.Tensor | None, scale: float, softcap: float = 0.0) -> torch.Tensor:
+                 limits: torch.Tensor | None, scale: float, softcap: float = 0.0,
+                 body: int | None = None) -> torch.Tensor:
     """q [B, Hq, D] over the valid slots `flat` [B, Hkv, T] of one layer of the pool -> [B, Hq, D] (logits
-    soft-capped when softcap > 0)."""
+    soft-capped when softcap > 0); body as in page_scores."""
     if torch.compiler.is_compiling():
-        return torch.ops.oval_edge.attend_slots(q, *_storage(pool, layer), flat, valid, limits, scale, softcap)
+        return torch.ops.oval_edge.attend_slots(q, *_storage(pool, layer), flat, valid, limits, scale, softcap, body)
+    if body is not None:
+        return _attend_slots(q, *_storage(pool, layer), flat, valid, limits, scale, softcap, body)
     return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, limits, softcap,
                        pool.scale_rows[layer])
 

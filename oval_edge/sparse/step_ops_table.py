@@ -14,7 +14,8 @@ the step calls the chosen body directly. A body never returns None; `describe()`
     select(plan, scores, sealed) -> (flat, valid [B, Hkv, T], window [B, Hkv])  the pages a sparse layer reads
     attend[layer](q [B, Hq, D], flat, valid, limits [B] | None) -> [B, Hq, D]   exact attention over them
 
-Under torch.compile the bodies are step_ops.py's torch.library operators (traced=True), as [R-static-step] says.
+Under torch.compile the bodies are step_ops.py's torch.library operators (traced=True), as [R-static-step] says,
+each told which body (OP_BODIES) the table resolved for its layer, so it does not choose per call either.
 Bodies by device: C (kernels/cpu.py; the SIMD body its build has) on a CPU, Triton (kernels/gpu.py) on CUDA, torch
 where neither takes the inputs. tests/test_parity_grid.py checks every body against an fp64 reference.
 """
@@ -32,7 +33,7 @@ from oval_edge.kv.group_record import layer_coarse
 from oval_edge.kv.page_record import LayerRecords, Rotations, layer_records
 
 from . import step_ops
-from .attention import PER_HEAD_SLOTS, attend, gather_rows, head_by_head_kv
+from .step_ops import OP_BODIES, torch_attend
 from .grouped import grouped_reference, uses_groups
 from .packed_scores import PackedScorer
 from .scoring import quest_scores, record_scores
@@ -129,21 +130,6 @@ def slot_attention(kernels, k_rows: torch.Tensor, v_rows: torch.Tensor, scales, 
                                                                softcap, scales)
 
 
-def torch_attend(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
-                 valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None, softcap: float = 0.0,
-                 scales=None) -> torch.Tensor:
-    """attention.attend_rows in torch ops only: the valid slots flat [B, Hkv, T] (the first limits[b] of row b)
-    gathered, then one softmax; from PER_HEAD_SLOTS slots one KV head at a time (attention.head_by_head_kv)."""
-    if limits is not None:
-        valid = valid & (torch.arange(flat.shape[-1], device=flat.device) < limits[:, None, None])
-    if flat.shape[-1] < PER_HEAD_SLOTS:
-        return attend(q, *gather_rows(k_rows, v_rows, flat, scales, q.dtype), valid, scale, softcap)
-    group = q.shape[1] // flat.shape[1]
-    parts = [attend(q[:, h * group : (h + 1) * group], k, v, valid[:, h : h + 1], scale, softcap)
-             for h, (k, v) in enumerate(head_by_head_kv(k_rows, v_rows, flat, q.dtype, scales))]
-    return torch.cat(parts, dim=1)
-
-
 def page_selection(kernels, config, kv_heads: int, width: int) -> Body:
     """The sparse layers' selection: (plan, scores [B, Hkv, width], sealed) -> (flat, valid, window). The C kernel
     takes a fixed window only; the torch body is DecodePlan.select."""
@@ -185,6 +171,27 @@ def _not_scored(layer: int) -> Callable:
     return refuse
 
 
+def _op_body(name: str) -> int:
+    """The OP_BODIES index of a resolved body's name ("C avx2 (int4)" -> "C"): what a traced step's operator runs."""
+    return OP_BODIES.index(next((kind for kind in OP_BODIES[1:] if name.startswith(kind)), "torch"))
+
+
+def _traced_write(pool, layer: int) -> Body:
+    return "torch.library op", lambda slots, k, v: step_ops.write_kv(pool, layer, slots, k, v)
+
+
+def _traced_attend(pool, layer: int, scale: float, softcap: float, name: str) -> Body:
+    body = _op_body(name)
+    return f"torch.library op ({name})", lambda q, flat, valid, limits: step_ops.attend_slots(
+        pool, layer, q, flat, valid, limits, scale, softcap, body)
+
+
+def _traced_scores(pool, layer: int, scale: float, name: str) -> Body:
+    body = _op_body(name)
+    return f"torch.library op ({OP_BODIES[body]})", lambda q, table, counts: step_ops.page_scores(
+        pool, layer, q, table, counts, scale, body)
+
+
 def step_ops_table(pool, config, width: int, heads: int, scale: float, scored: list[bool], softcap: float = 0.0,
                    dtype: torch.dtype = torch.float32, traced: bool = False, kernels="device",
                    rotations: Rotations | None = None) -> StepOps:
@@ -202,34 +209,29 @@ def step_ops_table(pool, config, width: int, heads: int, scale: float, scored: l
                          f"{len(pool.paged_index)} layers (got {len(scored)})")
     group = heads // hkv
     kernels = decode_kernels(pool.device) if kernels == "device" else kernels
-    if traced:
-        kernels = None  # the operators below choose inside them, as traced code cannot call ctypes
     rotations = rotations if rotations is not None else Rotations()
     rotation = rotations.get(g.head_dim, pool.device) if g.record == "int4" else None
     packed = PackedScorer(g.head_dim, scale, pool.device, rotations) if g.record == "int4" else None
     two_level = config.scorer == "oval" and uses_groups(width, config.group_pages, config.top_groups)
     chosen: dict[str, list[Body]] = {op: [] for op in ("write", "scores", "attend")}
     for layer, row in enumerate(pool.paged_index):
-        if traced:
-            chosen["write"].append(("torch.library op", lambda s, k, v, i=layer: step_ops.write_kv(pool, i, s, k, v)))
-            chosen["attend"].append(("torch.library op", lambda q, f, ok, n, i=layer: step_ops.attend_slots(
-                pool, i, q, f, ok, n, scale, softcap)))
-        else:
-            chosen["write"].append(row_write(pool, layer))
-            chosen["attend"].append(slot_attention(kernels, pool.k_rows[layer], pool.v_rows[layer],
-                                                   pool.scale_rows[layer], hkv, group, scale, softcap, dtype))
+        attention = slot_attention(kernels, pool.k_rows[layer], pool.v_rows[layer], pool.scale_rows[layer], hkv,
+                                   group, scale, softcap, dtype)
+        chosen["write"].append(_traced_write(pool, layer) if traced else row_write(pool, layer))
+        chosen["attend"].append(_traced_attend(pool, layer, scale, softcap, attention[0]) if traced else attention)
         if not scored[layer]:
             chosen["scores"].append(("", _not_scored(layer)))
         elif config.scorer == "quest":
-            chosen["scores"].append(quest_page_scores(kernels, pool.summaries["kmin"][row],
+            chosen["scores"].append(quest_page_scores(None if traced else kernels, pool.summaries["kmin"][row],
                                                       pool.summaries["kmax"][row], scale))
         else:
-            fine = (("torch.library op", lambda q, t, n, i=layer: step_ops.page_scores(pool, i, q, t, n, scale))
-                    if traced else flat_scores(kernels, layer_records(pool.summaries, row), group, scale, rotation,
-                                               packed))
-            chosen["scores"].append(two_level_scores(kernels, pool.summaries, row, config.group_pages,
-                                                     config.top_groups, group, width, scale, fine)
-                                    if two_level else fine)
+            fine = flat_scores(kernels, layer_records(pool.summaries, row), group, scale, rotation, packed)
+            fine = _traced_scores(pool, layer, scale, fine[0]) if traced else fine
+            chosen["scores"].append(two_level_scores(None if traced else kernels, pool.summaries, row,
+                                                     config.group_pages, config.top_groups, group, width, scale,
+                                                     fine) if two_level else fine)
+    if traced:  # the compiler fuses the selection's torch ops itself
+        kernels = None
     select = page_selection(kernels, config, hkv, width)
     names = [(op, name) for op in OPS for name, _ in ([select] if op == "select" else chosen[op]) if name]
     return StepOps(write=tuple(body for _, body in chosen["write"]),
