@@ -9,8 +9,8 @@ page's record and gathers the dense layers' K/V; the Triton kernels read both in
 CUDA device and holds this within STEP_BYTES_TOLERANCE of them):
 
     plan      for the whole step: every listed slot's pool index [B, Hkv, W * P] int64, two [B, W * P] masks
-    scoring   a sparse layer's int4 records of B * W pages, gathered (the record's bytes), their basis codes as
-              int32 and its 5-bit levels as fp32 twice (the nibbles' and the fifth bits' lookups, then summed)
+    scoring   a sparse layer's B * W pages' basis as int64 byte-pair codes (8 r D bytes a page and KV head), its
+              levels in fp32 (4 r D) and the mean's term [G] fp32 (PackedScorer: the gathered bytes become the codes)
     dense     a dense layer's K and V gathered one KV head at a time past 2,048 slots (all heads below), in the
               pool's dtype (and again in the activations' when they differ), and three [B, Hq, T] logits buffers
     head      the head's logits [B, vocab] in the activation dtype before their fp32 copy (the output)
@@ -19,7 +19,6 @@ CUDA device and holds this within STEP_BYTES_TOLERANCE of them):
 
 from __future__ import annotations
 
-from .record_layout import int5_row_bytes
 
 # |formula - measured peak| / measured peak the fake-CUDA trace allows at batch 1 and 4, 2k and 8k tokens
 STEP_BYTES_TOLERANCE = 0.10
@@ -76,8 +75,7 @@ def step_peak_bytes(hidden: int, intermediate: int, q_heads: int, vocab: int, ge
     plan = batch * hkv * slots * 8 + 2 * batch * slots
     pages = hkv * batch * width  # (KV head, listed page) pairs one sparse layer scores
     if g.record == "int4":
-        basis = rank * int5_row_bytes(dim)
-        scoring = pages * (g.oval_record_bytes() + 4 * basis + 2 * 4 * rank * dim)
+        scoring = pages * (12 * rank * dim + 4 * q_heads // hkv)
     else:  # the records widened to fp32 (scoring.record_scores), then each page's [P, G] logits
         scoring = pages * (g.oval_record_bytes() + 4 * (dim + rank * dim + rank * page) + 4 * page * q_heads // hkv)
     kv_bytes = 1 if g.kv_int8 else g.dtype_bytes

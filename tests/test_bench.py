@@ -42,8 +42,9 @@ def test_tiny_bench_writes_rows_ratios_and_runs(tmp_path, capsys):
     # quant none: half the load time of nf4 (no quantizing), and the rows are the same either way. One thread:
     # on a shared CI machine two OpenMP threads stall on each other at every small op (it is not timed here).
     out = tmp_path / "bench.json"
+    # oval_from=0: OVAL at every length (serve's default attends densely below the measured crossover).
     args = _bench_args(contexts="320", gen=4, runs=1, engines="oval,dense", device="cpu", quant="none", threads=1,
-                       json_path=str(out), no_progress=True)
+                       json_path=str(out), no_progress=True, oval_from=0)
     assert bench_command.run(args) == 0
     report = json.loads(out.read_text())
     rows = {r["engine"]: r for r in report["rows"]}

@@ -18,6 +18,7 @@ from oval_edge.kv.pool import PagePool
 from oval_edge.kv.summaries import oval_summary
 from oval_edge.runtime.config_file import load_config_file, oval_config
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
+from oval_edge.runtime.engine.forward.step_policy import StepPolicy
 from oval_edge.runtime.model.loader import LoadedModel
 from oval_edge.runtime.model.origin.source import ModelSource
 from oval_edge.sparse.scoring import score_pages
@@ -125,17 +126,16 @@ def test_recorded_states_rebuild_the_queries_the_runtime_decodes_with():
     runner = PagedLlama(loaded.model, pool, config)
     seen = {}
 
-    def record(layer, q, step):
-        seen[layer] = q.clone()
-        return torch.zeros(1, 2, step.page_table.shape[1])
+    def record(layer, grouped, page_table, sealed, lengths):  # the static step's scorer input (step_policy.py)
+        seen[layer] = grouped.reshape(grouped.shape[0], -1, grouped.shape[-1]).clone()  # [1, Hq, D]
+        return torch.zeros(1, 2, page_table.shape[1])
 
-    runner.hooks.scores = record
+    decoder = runner.static_decoder(StepPolicy(scores=record), rows=1)
     pool.allocate("s", 100)
     step = pool.prepare(["s"], [99])
     runner.forward(step, ids[:99], decode=False)
     pool.commit(step)
-    step = pool.prepare(["s"], [1])
-    runner.forward(step, ids[99:], decode=True)
+    decoder.decode(["s"], [int(ids[99])])
     assert sorted(seen) == [1, 2, 3]
     for layer, q in seen.items():
         torch.testing.assert_close(layer_queries(cap, layer, torch.tensor([99])), q, atol=1e-4, rtol=1e-4)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eager_decode import eager_decode
 from oval_reference import output_metric
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -19,6 +20,7 @@ from oval_edge import OvalConfig
 from oval_edge.cli import main
 from oval_edge.kv.summaries import oval_summary, quest_summary
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
+from oval_edge.runtime.engine.forward.static_attention import StaticAttention
 from oval_edge.runtime.model.loader import LoadedModel
 from oval_edge.tools.eval.fidelity import run_fidelity
 from oval_edge.tools.eval.policies import POLICY_NAMES, Policy, build_policies
@@ -139,6 +141,23 @@ def test_policies_batched_as_rows_decode_exactly_as_each_policy_alone():
 
     pool = fresh_pool(policies)
     batched = EvalRunner(loaded.model, pool, base, policies)
+    # eval's forward is the engine's static step: every decode layer of every row group goes through StaticAttention
+    assert not isinstance(batched, PagedLlama)
+    layers_seen = []
+    original = StaticAttention.__call__
+
+    def counted(self, index, *args):
+        layers_seen.append((id(self), index))
+        return original(self, index, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StaticAttention, "__call__", counted)
+        step = pool.prepare(list(range(len(policies))), [1] * len(policies))
+        batched.forward(step, ids[prefix].repeat(len(policies)), decode=True)
+    groups = len(batched.groups)
+    assert groups > 1 and len(layers_seen) == groups * len(loaded.model.model.layers)
+    pool = fresh_pool(policies)
+    batched = EvalRunner(loaded.model, pool, base, policies)
     together = []
     for pos in range(prefix, prefix + steps):
         step = pool.prepare(list(range(len(policies))), [1] * len(policies))
@@ -148,12 +167,13 @@ def test_policies_batched_as_rows_decode_exactly_as_each_policy_alone():
         alone_pool = fresh_pool([policy])
         mode = "dense" if policy.name == "dense" else "oval"
         runner = PagedLlama(loaded.model, alone_pool, policy.config(base), attention=mode)
+        scores = None
         if policy.name == "oracle":
-            runner.hooks.scores = lambda layer, q, step, r=runner: oracle_page_scores(
+            scores = lambda layer, q, step, r=runner: oracle_page_scores(  # noqa: E731
                 alone_pool, layer, step.page_table, step.lengths, q, r.scale)
         for i, pos in enumerate(range(prefix, prefix + steps)):
             step = alone_pool.prepare([0], [1])
-            logits, _ = runner.forward(step, ids[pos : pos + 1], decode=True)
+            logits, _, _ = eager_decode(runner, step, ids[pos : pos + 1], scores=scores)  # the eager reference
             alone_pool.commit(step)
             torch.testing.assert_close(together[i][row], logits[0], atol=1e-4, rtol=0, msg=policy.label)
     # The comparison is not vacuous: at this budget the sparse rows do differ from dense.

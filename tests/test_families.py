@@ -63,7 +63,7 @@ def decode_greedy(engine: Engine, prompt: list[int], steps: int, attention_layer
 
 def engine_for(folder: str, oval: OvalConfig, attention: str = "oval", quant: str = "none") -> Engine:
     return Engine.load(folder, quant=quant, device="cpu", oval=oval,
-                       config=EngineConfig(num_pages=64, attention=attention))
+                       config=EngineConfig(num_pages=64, attention=attention, oval_from=0))
 
 
 def test_config_reads_the_family_features(family):

@@ -59,7 +59,7 @@ def variant(request, tmp_path_factory):
 
 def engine_for(path: str, attention: str = "oval", quant: str = "none", **settings) -> Engine:
     return Engine.load(path, quant=quant, device="cpu", oval=WIDE,
-                       config=EngineConfig(**(dict(num_pages=64, attention=attention) | settings)))
+                       config=EngineConfig(**(dict(num_pages=64, attention=attention, oval_from=0) | settings)))
 
 
 def hf_all_logits(folder: str, ids: list[int]) -> torch.Tensor:
@@ -152,14 +152,14 @@ def test_4bit_fused_checkpoint_projections_run(variant):
 def test_static_step_has_no_host_sync_and_equals_the_eager_forward(tmp_path, monkeypatch):
     """Partial rotary and the LongRoPE scaling keep the static decode step free of host reads, with the same ops
     and shapes at every length; its logits equal the eager forward's."""
+    from eager_decode import eager_decode
     from test_static_step import MAX_LEN, prefill, static_step, traced_step
 
     folder = save_folder(tmp_path / "phi4", phi3_config("phi4-mini"))
     oval = OvalConfig(page_size=16, top_k=4, window_min=32, window_max=32, dense_layers=1, kv_dtype="float32")
-    settings = EngineConfig(num_pages=200, max_batch=2, max_model_len=MAX_LEN)
+    settings = EngineConfig(num_pages=200, max_batch=2, max_model_len=MAX_LEN, oval_from=0)
     static = Engine.load(folder, quant="none", device="cpu", oval=oval, config=settings)
-    eager = Engine.load(folder, quant="none", device="cpu", oval=oval,
-                        config=EngineConfig(**(settings.__dict__ | {"decode_step": "eager"})))
+    eager = Engine.load(folder, quant="none", device="cpu", oval=oval, config=settings)  # decoded by eager_decode
     for engine in (static, eager):
         prefill(engine, "a", 150, seed=1)
     traces = [traced_step(static, ["a"], [7], monkeypatch), traced_step(static, ["a"], [8], monkeypatch)]
@@ -167,13 +167,13 @@ def test_static_step_has_no_host_sync_and_equals_the_eager_forward(tmp_path, mon
     assert all(t.host_reads == [] and t.device_copies == [] for t in traces)
     for token in (7, 8):  # the eager engine catches up with the two traced steps
         step = eager.pool.prepare(["a"], [1])
-        eager.runner.forward(step, torch.tensor([token]), decode=True)
+        eager_decode(eager.runner, step, torch.tensor([token]))
         eager.pool.commit(step)
     token = 9
     for _ in range(20):  # crosses a page boundary
         logits, _ = static_step(static, ["a"], [token])
         step = eager.pool.prepare(["a"], [1])
-        want, _ = eager.runner.forward(step, torch.tensor([token]), decode=True)
+        want, _, _ = eager_decode(eager.runner, step, torch.tensor([token]))  # the tests' eager reference
         eager.pool.commit(step)
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
         token = int(want[0].argmax())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from eager_decode import eager_decode
 from test_static_step import engine_for, prefill, static_equals_eager, tiny_folder, traced_step  # noqa: F401
 
 from oval_edge import OvalConfig
@@ -156,7 +157,7 @@ def test_native_two_level_kernel_equals_the_torch_reference(kernels, fmt, dtype)
 
 def test_static_two_level_step_has_no_host_sync_and_equals_the_eager_forward(tiny_folder, decode_kernels,
                                                                                monkeypatch):
-    static, eager = engine_for(tiny_folder, oval=GROUPED), engine_for(tiny_folder, oval=GROUPED, decode_step="eager")
+    static, eager = engine_for(tiny_folder, oval=GROUPED), engine_for(tiny_folder, oval=GROUPED)
     lengths = (20, 300, 700)  # a dense row and two with more complete groups (4 pages) than top_groups (2)
     seq_ids = [f"r{i}" for i in range(len(lengths))]
     for engine in (static, eager):
@@ -165,7 +166,7 @@ def test_static_two_level_step_has_no_host_sync_and_equals_the_eager_forward(tin
     first = traced_step(static, seq_ids, [1, 2, 3], monkeypatch)
     assert first.host_reads == [] and first.device_copies == []
     step = eager.pool.prepare(seq_ids, [1, 1, 1])
-    eager.runner.forward(step, torch.tensor([1, 2, 3]), decode=True)
+    eager_decode(eager.runner, step, torch.tensor([1, 2, 3]))
     eager.pool.commit(step)
     static_equals_eager(static, eager, seq_ids, 20)  # crosses a page boundary and seals a group (700 + 20 > 704)
     static.pool.check_invariants()

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from oval_edge.kv.prefix_cache import page_hashes
-from oval_edge.runtime.engine.forward.step_rows import DecodeRows, PrefillRows, StaticDecodeRows
+from oval_edge.runtime.engine.forward.step_rows import PrefillRows, StaticDecodeRows
 from oval_edge.runtime.engine.sampling import SamplingParams
 
+from eager_decode import EagerDecodeRows
 from test_static_step import OVAL, engine_for, prefill, tiny_folder  # noqa: F401 (fixture)
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -22,9 +23,9 @@ def _ids(count: int, seed: int) -> list[int]:
     return [int(t) for t in torch.randint(100, 40000, (count,), generator=torch.Generator().manual_seed(seed))]
 
 
-@pytest.mark.parametrize("decode_step", ["static", "eager"])
+@pytest.mark.parametrize("decode_step", ["static", "eager"])  # eager: the tests' reference rows (eager_decode.py)
 def test_a_mixed_step_equals_separate_prefill_and_decode_steps(tiny_folder, decode_step):
-    engine = engine_for(tiny_folder, decode_step=decode_step)
+    engine = engine_for(tiny_folder)
     pool, runner = engine.pool, engine.runner
     for index, length in enumerate((700, 90)):  # one long row (sparse layers select pages), one short (dense)
         prefill(engine, f"d{index}", length, seed=index)
@@ -35,7 +36,7 @@ def test_a_mixed_step_equals_separate_prefill_and_decode_steps(tiny_folder, deco
     def decode_rows():
         if decode_step == "static":
             return StaticDecodeRows(engine.static.load(decoding, tokens), decoding)
-        return DecodeRows(runner, pool.prepare(decoding, [1, 1]), torch.tensor(tokens))
+        return EagerDecodeRows(runner, pool.prepare(decoding, [1, 1]), torch.tensor(tokens))
 
     # Writes are idempotent (the same token at the same position writes the same K/V), and nothing is committed
     # between the runs, so all three read the same pool.

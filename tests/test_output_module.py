@@ -13,6 +13,7 @@ from oval_edge.cli import main
 from oval_edge.kv.pool import PagePool
 from oval_edge.runtime.config_file import load_config_file
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
+from oval_edge.runtime.engine.forward.step_policy import StepPolicy, WindowModuleInput
 from oval_edge.sparse.window_module import (ModuleCard, OutputAwareModule, WindowHook, load_module, save_module,
                                             window_hook, window_lengths)
 from oval_edge.tools.eval.runtime import geometry_for
@@ -119,22 +120,25 @@ def test_training_mode_disables_the_module():
 
 # ---- in the runtime ---------------------------------------------------------------------------------------------
 
-def _decode(model, config: OvalConfig, hook, ids: torch.Tensor, prefix: int, steps: int, attention="oval"):
-    """Dense prefill of ids[:prefix], then `steps` decode steps; returns the logits and the selections."""
+def _decode(model, config: OvalConfig, window, ids: torch.Tensor, prefix: int, steps: int, attention="oval"):
+    """Dense prefill of ids[:prefix], then `steps` static decode steps with `window` as the step's window input
+    (None: the config's rule); returns the logits and each step's sparse-layer selections."""
     pool = PagePool(geometry_for(model.config, config.page_size, config.rank, kinds=("oval",)), 16)
     runner = PagedLlama(model, pool, config, attention=attention)
-    runner.hooks.window = hook
+    picked = []
+    decoder = runner.static_decoder(StepPolicy(window=window, selected=lambda layer, q, sel: picked.append(sel)),
+                                    rows=1)
     pool.allocate("s", prefix + steps)
     step = pool.prepare(["s"], [prefix])
     runner.forward(step, ids[:prefix], decode=False)
     pool.commit(step)
     logits, selections = [], []
     for pos in range(prefix, prefix + steps):
-        step = pool.prepare(["s"], [1])
-        out, _ = runner.forward(step, ids[pos : pos + 1], decode=True, collect=True)
-        pool.commit(step)
+        out, _, lengths = decoder.decode(["s"], [int(ids[pos])])
+        pool.advance(["s"], lengths)
         logits.append(out[0])
-        selections.append(runner.last_selections)
+        selections.append(list(picked))
+        picked.clear()
     return torch.stack(logits), selections
 
 
@@ -143,17 +147,17 @@ def test_runtime_uses_the_module_windows_and_training_mode_falls_back_to_the_con
     config = OvalConfig(page_size=16, top_k=1, window_min=4, window_max=40, dense_layers=1, kv_dtype="float32")
     module = spread_module(tiny_card(), seed=3)
     ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(2))
-    hook = WindowHook(module, config.window_min, config.window_max)
+    hook = WindowModuleInput(WindowHook(module, config.window_min, config.window_max))
     seen = []
 
-    def recording(layer, x, step):
-        windows = hook(layer, x, step)
-        if windows is not None and x.shape[0] == 1:
+    def recording(layer, x, positions):
+        windows = hook(layer, x, positions)
+        if windows is not None:
             seen.append(windows)
         return windows
 
     with_module, selections = _decode(model, config, recording, ids, 150, 6)
-    sparse = [sel.window for step in selections for sel in step[1:]]  # layers 1..3 (layer 0 is dense)
+    sparse = [sel.window for step in selections for sel in step]  # layers 1..3 (layer 0 is dense)
     assert len(sparse) == len(seen) == 18
     for got, want in zip(sparse, seen):
         assert torch.equal(got, want)
@@ -169,7 +173,7 @@ def test_runtime_decode_with_the_module_stays_exact_when_the_budget_covers_the_c
     # token budget (1 + 8) * 16 + 64 = 208 >= 200 tokens: every row attends densely, module or not.
     config = OvalConfig(page_size=16, top_k=8, window_min=4, window_max=64, dense_layers=1, kv_dtype="float32")
     ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(5))
-    hook = WindowHook(spread_module(tiny_card(), seed=4), config.window_min, config.window_max)
+    hook = WindowModuleInput(WindowHook(spread_module(tiny_card(), seed=4), config.window_min, config.window_max))
     with_module, _ = _decode(model, config, hook, ids, 180, 20)
     dense, _ = _decode(model, config, None, ids, 180, 20, attention="dense")
     assert (with_module - dense).abs().max() <= 1e-4

@@ -135,17 +135,17 @@ def test_unknown_record_format_is_a_clear_error():
 @pytest.mark.parametrize("decode_step", ["static", "eager"])
 def test_a_decode_step_counts_the_record_bytes_it_read(decode_step):
     """Honest bytes: the engine's summary_bytes_last_step is what scoring read, pages x KV heads x sparse layers x
-    record bytes (the static step's kernels stop at each row's sealed pages; eager scoring lists the page table)."""
+    record bytes (the static step's kernels stop at each row's sealed pages; `eager` is the same step uncaptured)."""
     from oval_edge.runtime import Engine, EngineConfig, SamplingParams
 
     oval = OvalConfig(page_size=16, top_k=1, window_min=16, window_max=16, record="int8", kv_dtype="float32")
     engine = Engine.load("default", quant="nf4", device="cpu", oval=oval,
-                         config=EngineConfig(max_batch=1, num_pages=32, decode_step=decode_step))
+                         config=EngineConfig(max_batch=1, num_pages=32, decode_step=decode_step, oval_from=0))
     prompt = list(range(100, 300))  # 200 tokens: past the 64-token budget, so the sparse layers score pages
     out = engine.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
     g = engine.pool.geometry
     length = len(prompt) + len(out.output_ids) - 1  # the last step decoded the token before the final one
-    pages = (length - 1) // 16 if decode_step == "static" else -(-length // 16)
+    pages = (length - 1) // 16
     sparse_layers = g.layers - oval.dense_layers
     assert engine.stats.summary_bytes_last_step == pages * sparse_layers * g.kv_heads * g.oval_record_bytes()
     assert engine.stats.kv_bytes_last_step > 0

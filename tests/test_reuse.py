@@ -1,7 +1,7 @@
 """Selection reuse ([R-reuse], issue 10 part 3): a row whose queries barely moved keeps a recent selection.
 
-The synthetic tests drive `SelectionReuse.decode` over a real page pool (tests/oval_reference.py helpers) and
-compare each step with `decode_attention` scoring afresh on the same step. The model tests use a tiny random
+The synthetic tests drive `ReuseInput` (the static step's scorer and selection inputs) over a real page pool
+(tests/oval_reference.py helpers) and compare each step with `decode_attention` scoring afresh on the same step. The model tests use a tiny random
 Llama: reuse that never hits must leave the logits bitwise unchanged, and the engine must drop a request's state
 and export the counts on /metrics.
 """
@@ -17,14 +17,15 @@ from oval_reference import make_pool, prefill, structured_kv, write_tokens
 from oval_edge import OvalConfig
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.runtime.model.loader import LoadedModel
-from oval_edge.sparse.attention import decode_attention, decode_plan
-from oval_edge.sparse.reuse import SelectionReuse
+from oval_edge.sparse.attention import attend_selection, decode_attention, decode_plan
+from oval_edge.sparse.reuse import ReuseInput, SelectionReuse
+from oval_edge.sparse.scoring import group_queries
 
 LAYERS, KV_HEADS, Q_HEADS, DIM, P = 2, 3, 9, 64, 16
 LAYER = 1
 SCALE = DIM**-0.5
-# Adaptive window: a hit must also carry the window its selection was made with.
-CONFIG = OvalConfig(page_size=P, top_k=3, sink_pages=1, window_min=20, window_max=100, kv_dtype="float32")
+# Reuse takes a fixed window (ReuseInput refuses a range: a reused selection keeps the config's window).
+CONFIG = OvalConfig(page_size=P, top_k=3, sink_pages=1, window_min=48, window_max=48, kv_dtype="float32")
 
 
 class Seqs:
@@ -47,7 +48,12 @@ class Seqs:
         """(reuse output, its selection, fresh output, fresh selection) of one decode step, then commit it."""
         step = write_tokens(self.pool, self.ids, self.keys, self.values, [1] * len(self.ids))
         plan = decode_plan(self.pool, step, config)
-        out, sel = reuse.decode(self.pool, LAYER, step, q, plan, config, SCALE)
+        inputs = ReuseInput(reuse, self.pool, config, SCALE)  # what the static step calls, in its order
+        inputs.begin(step.seq_ids, step.lengths_list)
+        sel = plan.select(inputs.scores(LAYER, group_queries(q, KV_HEADS), step.page_table, step.sealed,
+                                        step.lengths))
+        inputs.selected(LAYER, q, sel)
+        out = attend_selection(self.pool, LAYER, q, sel, SCALE)
         fresh, fresh_sel = decode_attention(self.pool, LAYER, step, q, config, SCALE, plan=plan)
         self.pool.commit(step)
         return out, sel, fresh, fresh_sel
@@ -70,7 +76,7 @@ def test_identical_query_hits_and_equals_a_fresh_selection():
     for _ in range(3):
         out, sel, fresh, fresh_sel = seqs.step(reuse, q)
         assert page_sets(sel, 0) == page_sets(first, 0) == page_sets(fresh_sel, 0)
-        assert torch.equal(sel.window, fresh_sel.window)  # the entropy window came with the selection
+        assert torch.equal(sel.window, fresh_sel.window)
         assert torch.equal(sel.valid.sum(-1), fresh_sel.valid.sum(-1))
         torch.testing.assert_close(out, fresh, atol=1e-6, rtol=0)  # same slots, maybe in another page order
     assert (reuse.counts.lookups, reuse.counts.hits) == (4, 3)
@@ -181,22 +187,30 @@ TINY = dict(page_size=16, top_k=1, window_min=16, window_max=16, dense_layers=1,
 
 
 def _decode_logits(loaded, config: OvalConfig, prompt: list[int], steps: int):
+    """Greedy decode through the static step, with selection reuse as its inputs when the config asks."""
+    from oval_edge.runtime.engine.forward.step_policy import StepPolicy
     from oval_edge.runtime.engine.setup import EngineConfig, build_pool
 
     pool = build_pool(loaded, config, EngineConfig(num_pages=16), 1024)
     runner = PagedLlama(loaded.model, pool, config)
+    reuse = None
+    if config.reuse_tau is not None:
+        state = SelectionReuse.for_model(config, len(runner.layers), runner.num_heads, runner.kv_heads,
+                                         runner.head_dim, pool.device)
+        reuse = ReuseInput(state, pool, config, runner.scale)
+    policy = StepPolicy() if reuse is None else StepPolicy(scores=reuse.scores, selected=reuse.selected,
+                                                           begin=reuse.begin)
+    decoder = runner.static_decoder(policy, rows=1)
     pool.allocate("s", len(prompt) + steps)
     step = pool.prepare(["s"], [len(prompt)])
     logits, _ = runner.forward(step, torch.tensor(prompt), decode=False)
     pool.commit(step)
     out = []
     for _ in range(steps):
-        token = logits[0].argmax()
-        step = pool.prepare(["s"], [1])
-        logits, _ = runner.forward(step, token[None], decode=True)
-        pool.commit(step)
+        logits, _, lengths = decoder.decode(["s"], [int(logits[0].argmax())])
+        pool.advance(["s"], lengths)
         out.append(logits)
-    return torch.cat(out), runner
+    return torch.cat(out), reuse
 
 
 def test_reuse_that_never_hits_changes_no_logit():
@@ -204,8 +218,8 @@ def test_reuse_that_never_hits_changes_no_logit():
     prompt = torch.randint(0, 128, (90,), generator=torch.Generator().manual_seed(1)).tolist()
     off, runner_off = _decode_logits(loaded, OvalConfig(**TINY), prompt, 12)
     on, runner_on = _decode_logits(loaded, OvalConfig(**TINY, reuse_tau=1.0), prompt, 12)
-    assert runner_off.reuse is None
-    counts = runner_on.reuse.counts
+    assert runner_off is None
+    counts = runner_on.counts
     assert counts.lookups == 12 * 2 and counts.hits == 0  # 2 sparse layers x 12 steps, every query moved
     assert torch.equal(on, off)  # bitwise: a miss takes exactly the path reuse-off takes
 
@@ -216,14 +230,14 @@ def test_engine_drops_finished_requests_and_exports_the_counts():
     from oval_edge.runtime.server.metrics import ServerMetrics
 
     loaded = tiny_loaded()
-    engine = Engine(loaded, OvalConfig(**TINY, reuse_tau=0.05), EngineConfig(max_batch=2, num_pages=32))
+    engine = Engine(loaded, OvalConfig(**TINY, reuse_tau=0.05), EngineConfig(max_batch=2, num_pages=32, oval_from=0))
     gen = torch.Generator().manual_seed(2)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     requests = [engine.submit(torch.randint(0, 128, (n,), generator=gen).tolist(), params) for n in (70, 120)]
     while engine.has_work():
         engine.step()
     assert all(r.finish_reason == "length" for r in requests)
-    reuse = engine.runner.reuse
+    reuse = engine.reuse.state
     assert reuse.sequences == [] and engine.pool.num_used == 0  # state dropped with the pages
     assert reuse.counts.hits > 0 and reuse.counts.lookups > reuse.counts.hits
 

@@ -17,6 +17,8 @@ from oval_edge.runtime import Engine, EngineConfig
 from oval_edge.runtime.engine.forward.op_trace import OpTrace
 from oval_edge.runtime.engine.forward.static_step import StaticDecoder, batch_buckets
 
+from eager_decode import eager_decode
+
 PAGE = 16
 OVAL = OvalConfig(page_size=PAGE, top_k=4, window_min=32, window_max=32, dense_layers=1, kv_dtype="float32")
 ADAPTIVE = OvalConfig(page_size=PAGE, top_k=3, window_min=16, window_max=48, dense_layers=1, kv_dtype="float32")
@@ -41,7 +43,8 @@ def tiny_folder(tmp_path_factory) -> str:
 
 
 def engine_for(folder: str, quant: str = "none", oval: OvalConfig = OVAL, **config) -> Engine:
-    settings = dict(num_pages=400, max_batch=4, max_model_len=MAX_LEN) | config
+    """oval_from=0: OVAL at every length (the tests decide what they compare; the crossover has its own tests)."""
+    settings = dict(num_pages=400, max_batch=4, max_model_len=MAX_LEN, oval_from=0) | config
     return Engine.load(folder, quant=quant, device="cpu", oval=oval, config=EngineConfig(**settings))
 
 
@@ -114,7 +117,7 @@ def test_same_ops_and_shapes_at_every_length_and_no_host_sync(tiny_folder, oval,
 @pytest.mark.parametrize("oval", [OVAL, ADAPTIVE], ids=["fixed-window", "adaptive-window"])
 def test_static_step_equals_the_eager_forward(tiny_folder, scorer, oval, decode_kernels):
     config = OvalConfig(**{**oval.__dict__, "scorer": scorer})
-    static, eager = engine_for(tiny_folder, oval=config), engine_for(tiny_folder, oval=config, decode_step="eager")
+    static, eager = engine_for(tiny_folder, oval=config), engine_for(tiny_folder, oval=config)
     lengths = (20, 150, 500)  # a short row (dense: fits the token budget) and two that select pages
     seq_ids = [f"r{i}" for i in range(len(lengths))]
     for engine in (static, eager):
@@ -124,12 +127,13 @@ def test_static_step_equals_the_eager_forward(tiny_folder, scorer, oval, decode_
 
 
 def static_equals_eager(static: Engine, eager: Engine, seq_ids: list, steps: int) -> None:
-    """Greedy-decode `steps` tokens of every sequence in both engines: equal logits and read statistics each step."""
+    """Greedy-decode `steps` tokens of every sequence, by the static step in `static` and by the eager reference
+    (tests/eager_decode.py) in `eager`: equal logits and read statistics each step."""
     tokens = [3 + i for i in range(len(seq_ids))]
     for _ in range(steps):
         logits, stats = static_step(static, seq_ids, tokens)
         step = eager.pool.prepare(seq_ids, [1] * len(seq_ids))
-        want, want_stats = eager.runner.forward(step, torch.tensor(tokens), decode=True)
+        want, want_stats, _ = eager_decode(eager.runner, step, torch.tensor(tokens))
         eager.pool.commit(step)
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
         assert stats.attended_tokens == want_stats.attended_tokens

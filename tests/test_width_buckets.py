@@ -19,7 +19,7 @@ def test_width_buckets_double_from_the_narrowest_to_the_widest():
 
 def test_a_batch_takes_the_narrowest_width_and_decodes_as_the_eager_forward(tiny_folder, monkeypatch):  # noqa: F811
     monkeypatch.setenv(NATIVE_ENV, "0")  # the torch ops read every listed page
-    static, eager = engine_for(tiny_folder), engine_for(tiny_folder, decode_step="eager")
+    static, eager = engine_for(tiny_folder), engine_for(tiny_folder)
     assert static.static.widths == (8, 16, 32, 64, 88)  # 16-token pages, 1,400 tokens at most
     seq_ids = ["short", "long"]
     for engine in (static, eager):

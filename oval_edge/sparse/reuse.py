@@ -30,9 +30,8 @@ import torch
 
 from oval_edge.config import OvalConfig
 
-from .attention import decode_attention, decode_plan
-from .scoring import group_queries, score_pages
-from .selection import DecodePlan, Selection, adaptive_window
+from .scoring import score_pages
+from .selection import Selection
 
 # An identical query's cosine with its stored unit vector can round to 1 - 1e-7 in fp32: tau = 1.0 must still hit.
 COSINE_SLACK = 1e-6
@@ -263,38 +262,53 @@ class SelectionReuse:
             self.window.index_put_(at, torch.stack([w for _, _, w in pending]).long()[miss])
         self.stamp.index_put_(at, torch.where(complete[miss], clock, -1))
 
-    @torch.inference_mode()
-    def decode(self, pool, layer: int, step, q: torch.Tensor, plan: DecodePlan | None, config: OvalConfig,
-               scale: float, window: torch.Tensor | None = None) -> tuple[torch.Tensor, Selection]:
-        """decode_attention for one layer with reuse: hit rows keep a recent selection, the others are scored.
 
-        q [B, Hq, D]; window [B, Hkv] from the caller (the output-aware module) or None. Same return value.
-        """
-        if plan is None:
-            plan = decode_plan(pool, step, config)
-        if plan.all_dense:  # every row fits the token budget: nothing to select
-            return decode_attention(pool, layer, step, q, config, scale, plan=plan, window=window)
-        self.bind(step, step.seq_ids, step.lengths_list, plan.dense_rows, pool.owns)
-        found = self.lookup(layer, q)
-        scores = None
+class ReuseInput:
+    """Selection reuse as inputs of the static decode step (runtime/engine/forward/step_policy.py), for the engine
+    (`reuse_tau`) and for eval's reuse rows: `begin` binds a step's rows, `scores` gives a sparse layer's page scores
+    (the config's scorer; the reused pages' in rows where every KV head's query matched), `selected` records what the
+    layer then picked. Host code between the step's ops: such a step runs eager. A hit row is still scored (the
+    step's shapes are fixed), so reuse changes which pages are read, not the step's work."""
+
+    def __init__(self, state: SelectionReuse, pool, config: OvalConfig, scale: float) -> None:
+        if config.window_min != config.window_max:
+            raise ValueError(f"selection reuse (reuse_tau) needs a fixed window; got window_min={config.window_min}, "
+                             f"window_max={config.window_max}: set them equal or leave reuse_tau unset")
+        self.state, self.pool, self.config, self.scale = state, pool, config, scale
+        self._found: dict[int, Lookup] = {}  # layer -> this step's lookup, until the layer's selection is made
+
+    @property
+    def counts(self) -> ReuseCounts:
+        return self.state.counts
+
+    @property
+    def tau(self) -> float:
+        return self.state.tau
+
+    def drop(self, seq_id: Hashable) -> None:
+        self.state.drop(seq_id)
+
+    def begin(self, seq_ids: Sequence[Hashable], lengths: Sequence[int]) -> None:
+        """Bind a step's rows (lengths after the step); rows that fit the token budget select nothing."""
+        budget = self.config.token_budget
+        dense_rows = torch.tensor([n <= budget for n in lengths], device=self.pool.device)
+        self.state.bind(object(), list(seq_ids), list(lengths), dense_rows, self.pool.owns)
+        self._found.clear()
+
+    def scores(self, layer: int, grouped: torch.Tensor, page_table: torch.Tensor, sealed: torch.Tensor,
+               lengths: torch.Tensor) -> torch.Tensor:
+        """grouped [B, Hkv, G, D] -> page scores [B, Hkv, W]."""
+        scores = score_pages(self.config.scorer, grouped, self.pool.summaries, self.pool.paged_index[layer],
+                             page_table, self.scale, sealed=sealed).float()
+        found = self.state.lookup(layer, grouped.reshape(grouped.shape[0], -1, grouped.shape[-1]))
         if found.hit_rows:
-            pages, cached_window = self.cached(found)
-            scores = self.scores(pages, step.page_table.shape[1])
-            hits = set(found.hit_rows)
-            rest = [r for r in range(q.shape[0]) if r not in hits]
-            fresh = None
-            if rest:  # rows without a hit (and short rows, whose scores go unused) are scored as usual
-                idx = torch.tensor(rest, dtype=torch.long, device=q.device)
-                fresh = score_pages(config.scorer, group_queries(q.index_select(0, idx), self.kv_heads), pool.summaries,
-                                    pool.paged_index[layer], step.page_table.index_select(0, idx), scale).float()
-                scores.index_copy_(0, idx, fresh)
-            if window is None and not plan.fixed_window:
-                # Hit rows keep their selection's entropy window; scored rows get the entropy rule, as select would.
-                window = cached_window
-                if fresh is not None:
-                    cand = plan.candidates.index_select(0, idx)
-                    masked = fresh.masked_fill(~cand[:, None, :], float("-inf"))
-                    window.index_copy_(0, idx, adaptive_window(masked, cand, config))
-        out, selection = decode_attention(pool, layer, step, q, config, scale, scores=scores, plan=plan, window=window)
-        self.record(found, selection.pages, None if plan.fixed_window else selection.window)  # fixed: the config's
-        return out, selection
+            rows = torch.tensor(found.hit_rows, dtype=torch.long, device=scores.device)
+            reused = self.state.scores(self.state.cached(found)[0].index_select(0, rows), scores.shape[-1])
+            scores = scores.index_copy(0, rows, reused)
+        self._found[layer] = found
+        return scores
+
+    def selected(self, layer: int, q: torch.Tensor, selection: Selection) -> None:
+        found = self._found.pop(layer, None)
+        if found is not None:
+            self.state.record(found, selection.pages, None)  # a fixed window: the config's

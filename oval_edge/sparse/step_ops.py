@@ -8,8 +8,8 @@ implementation, each is one node of the traced graph, with the CPU or Triton ker
     oval_edge::page_scores(q, mean, basis, coords, scales?, layer, table, counts, scale)  oval page scores (records)
     oval_edge::attend_slots(q, k, v, layer, flat, valid, limits, scale, softcap)  exact attention over the selected rows
 
-`select_slots` (the page selection) needs no operator: under tracing it is torch code the compiler fuses; eager, on a
-CPU, one native kernel call.
+The page selection needs no operator: under tracing it is torch code the compiler fuses; eager, on a CPU, one
+native kernel call (the ops table's `select`, step_ops_table.py).
 
 The pool tensors go in whole (k, v [layers, pages, Hkv, P, D]; the oval records head-major per layer) with the layer
 as an integer, so a compiled step has one graph input per pool tensor rather than one aliasing view per layer.
@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from oval_edge.kernels.cpu import cpu_kernels, decode_kernels
-from oval_edge.kv.group_record import layer_coarse
-from oval_edge.kv.page_record import RECORD_NAMES, LayerRecords, layer_records
+from oval_edge.kernels.cpu import decode_kernels
+from oval_edge.kv.page_record import RECORD_NAMES, LayerRecords
 
 from .attention import PER_HEAD_SLOTS, as_dtype, attend, attend_rows, gather_rows, head_by_head_kv
-from .grouped import uses_groups
 from .scoring import record_scores, score_pages
-from .selection import DecodePlan, window_slots
 
 # The operator registry handle: it must live as long as the process, so it is module-level (never mutated after).
 _LIBRARY = torch.library.Library("oval_edge", "FRAGMENT")
@@ -162,35 +159,6 @@ def page_scores(pool, layer: int, q: torch.Tensor, page_table: torch.Tensor, cou
     return _page_scores(q, *records, layer, page_table, counts, scale, body)
 
 
-def bind_scorer(pool, layer: int, config, width: int):
-    """The static step's native scorer of model layer `layer` over [B, width] page tables, with the layer's records
-    bound once (kernels/cpu_bound.py): (q [B, Hkv, G, D], page_table, sealed [B], scale) -> scores [B, Hkv, width]
-    as page_scores (flat; sealed bounds the pages read) or grouped.grouped_scores (two levels) computes them, None
-    from a call whose G the kernel does not take; or None where no native kernel scores (another device, no
-    kernels, the quest scorer): the caller's torch path. Superseded by the ops table (step_ops_table.py), which
-    resolves G with the rest at build time."""
-    kernels = cpu_kernels() if pool.device.type == "cpu" and config.scorer == "oval" else None
-    row = pool.paged_index[layer]
-    if kernels is None or row < 0:
-        return None
-    records = layer_records(pool.summaries, row)
-    grouped = uses_groups(width, config.group_pages, config.top_groups)
-    coarse = layer_coarse(pool.summaries, row) if grouped else None
-    bound: dict[int, object] = {}  # G -> the kernel bound for it (None: not taken), on the first call with that G
-
-    def score(q: torch.Tensor, page_table: torch.Tensor, sealed: torch.Tensor, scale: float):
-        g = q.shape[2]
-        if g not in bound:
-            bound[g] = (kernels.bind_grouped_scores(coarse, records, config.group_pages, config.top_groups, g, width)
-                        if grouped else kernels.bind_oval_scores(records, g))
-        scorer = bound[g]
-        if scorer is None:
-            return None
-        return scorer(q, page_table, sealed, scale) if grouped else scorer(q, page_table, scale, sealed)
-
-    return score
-
-
 def attend_slots(pool, layer: int, q: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor,
                  limits: torch.Tensor | None, scale: float, softcap: float = 0.0,
                  body: int | None = None) -> torch.Tensor:
@@ -202,23 +170,3 @@ def attend_slots(pool, layer: int, q: torch.Tensor, flat: torch.Tensor, valid: t
         return _attend_slots(q, *_storage(pool, layer), flat, valid, limits, scale, softcap, body)
     return attend_rows(q, pool.k_rows[layer], pool.v_rows[layer], flat, valid, scale, limits, softcap,
                        pool.scale_rows[layer])
-
-
-def select_slots(plan: DecodePlan, scores: torch.Tensor, sealed: torch.Tensor):
-    """(flat, valid [B, Hkv, T], window [B, Hkv]) a sparse layer of the static step attends to, from its scores.
-
-    On a CPU with a fixed window, the native kernel (step_kernels.c: ~22 torch ops per layer in one call); else,
-    and under tracing (the compiler fuses the ops itself), DecodePlan.select. sealed [B]: pages with records."""
-    kernels = None
-    if plan.fixed_window and plan.page_table is not None and scores.device.type == "cpu" \
-            and not torch.compiler.is_compiling():
-        kernels = cpu_kernels()
-    if kernels is not None:
-        config = plan.config
-        picked = kernels.select_slots(as_dtype(scores, torch.float32), plan.page_table, plan.lengths, sealed,
-                                      plan.start.view(plan.batch, 1), config.page_size, config.sink_pages,
-                                      config.top_k, window_slots(config), config.window_min)
-        if picked is not None:
-            return (*picked, plan.window)
-    selection = plan.select(scores, detail=False)
-    return selection.flat, selection.valid, selection.window

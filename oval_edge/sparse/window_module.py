@@ -171,8 +171,13 @@ class WindowHook:
     def __call__(self, layer: int, x: torch.Tensor, step) -> torch.Tensor | None:
         if self.module.training or layer < self.module.card.first_layer or x.shape[0] != step.lengths.shape[0]:
             return None
-        reach = self.module.layer_reach(layer, x, step.positions)
-        return window_lengths(reach, self.window_min, self.window_max)
+        return self.lengths(layer, x, step.positions)
+
+    def lengths(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Window lengths [B, Hkv] of a layer >= the module's first from x [B, hidden] at positions [B]: the decode
+        step's window input (runtime/engine/forward/step_policy.py); tensor ops only, no host read."""
+        with torch.no_grad():
+            return window_lengths(self.module.layer_reach(layer, x, positions), self.window_min, self.window_max)
 
 
 # ---- files -------------------------------------------------------------------------------------------------

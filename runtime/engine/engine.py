@@ -8,6 +8,7 @@ engine thread steps; a cancel lands between steps and frees the request's pages 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 
@@ -17,16 +18,18 @@ from oval_edge.config import OvalConfig
 from oval_edge.kv.store.page_file import StoreError
 from oval_edge.kv.pool import PagePool
 from oval_edge.runtime.model.heap import release_heap
+from oval_edge.sparse.reuse import ReuseInput, SelectionReuse
 from oval_edge.runtime.model.loader import LoadedModel, load_model
 from oval_edge.runtime.model.tokenizer import encode_chat, eos_token_ids
 
 from .forward.paged_llama import PagedLlama
-from .forward.step_rows import DecodeRows, PrefillRows, StaticDecodeRows, StepStats
+from .forward.step_policy import StepPolicy, WindowModuleInput
+from .forward.step_rows import PrefillRows, StaticDecodeRows
 from .grammar import GrammarService
 from .request import FINISHED, RUNNING, WAITING, QueueFull, Request, RequestRejected
 from .sampling import SamplingParams, choose_batch
 from .scheduler import Scheduler, StepPlan
-from .setup import EngineConfig, build_pool, describe_decode_step, uses_cuda_graphs
+from .setup import EngineConfig, build_pool, describe_decode_step, resolve_oval_from, uses_cuda_graphs
 from .forward.static_step import StaticDecoder
 from .stats import EngineStats
 
@@ -43,19 +46,39 @@ class Engine:
         self.pool: PagePool = build_pool(loaded, self.oval, self.config, self.max_model_len)
         self.runner = PagedLlama(loaded.model, self.pool, self.oval, attention=self.config.attention,
                                  context=min(self.pool.capacity_tokens, self.max_model_len))  # = token_limit()
-        if self.oval.window_module:  # the calibrated output-aware window module (oval-edge calibrate)
+        policy = StepPolicy()
+        self.reuse = None  # selection reuse ([R-reuse], oval_edge/sparse/reuse.py): the step's scorer when asked
+        if self.oval.reuse_tau is not None:
+            if self.runner.softcap:
+                raise ValueError("selection reuse (reuse_tau) does not support soft-capped attention (Gemma 2); "
+                                 "leave reuse_tau unset")
+            r = self.runner
+            self.reuse = ReuseInput(SelectionReuse.for_model(self.oval, len(r.layers), r.num_heads, r.kv_heads,
+                                                             r.head_dim, self.pool.device), self.pool, self.oval,
+                                    r.scale)
+            policy = StepPolicy(scores=self.reuse.scores, selected=self.reuse.selected, begin=self.reuse.begin)
+        if self.oval.window_module:  # the calibrated output-aware window module (oval-edge calibrate): a step input
             from oval_edge.sparse.window_module import window_hook
 
-            self.runner.hooks.window = window_hook(self.oval, loaded.config, loaded.name, loaded.device)
-        # The static decode step (static_step.py), sized for the longest sequence this engine admits; eager with a
-        # page store (recalls are decided per layer on the host: store/tier.py).
-        self.static = None if self.config.decode_step == "eager" or self.pool.store is not None else StaticDecoder(
-            self.runner, self.config.max_batch, self.token_limit(),
-            compile_backend="inductor" if self.config.decode_step == "compiled" else None)
-        if self.static is not None and uses_cuda_graphs(self.config, loaded.device) and self.runner.hooks.empty():
+            policy = dataclasses.replace(policy, window=WindowModuleInput(
+                window_hook(self.oval, loaded.config, loaded.name, loaded.device)))
+        # The static decode step (static_step.py), sized for the longest sequence this engine admits: the one decode
+        # path. decode_step="eager" runs it uncaptured and uncompiled; a page store runs it eager (its recalls are
+        # decided per layer on the host: store/tier.py).
+        compiled = "inductor" if self.config.decode_step == "compiled" else None
+        self.static = StaticDecoder(self.runner, self.config.max_batch, self.token_limit(), compiled, policy)
+        # Below `oval_from` tokens a step attends densely (the same static step, attention="dense"): there OVAL's
+        # scoring costs more than the pages it skips (runtime/engine/crossover.py, measured by `oval-edge profile`)
+        self.oval_from = 0 if self.config.attention == "dense" else resolve_oval_from(self.config, loaded.device)
+        self.dense_static = StaticDecoder(self.runner, self.config.max_batch, min(self.oval_from, self.token_limit()),
+                                          compiled, StepPolicy(attention="dense")) \
+            if self.oval_from > 0 else None
+        if uses_cuda_graphs(self.config, loaded.device) and policy.graph_safe() and self.pool.store is None:
             from .forward.cuda_graph import CudaGraphs
 
-            self.static.capture(CudaGraphs(loaded.device))  # now, while every page is free (cuda_graph.py)
+            for decoder in (self.static, self.dense_static):  # now, while every page is free (cuda_graph.py)
+                if decoder is not None:
+                    decoder.capture(CudaGraphs(loaded.device))
         self.next_decode_trace = None  # a dispatch mode to run the next decode step under (bench's op count)
         self.tokenizer = loaded.tokenizer  # after the pool: it may still be loading (load_model's background load)
         self.eos_ids = eos_token_ids(self.tokenizer, loaded.model)
@@ -76,6 +99,10 @@ class Engine:
     def describe_decode_step(self) -> str:
         """Which decode step runs, for serve's startup report and bench's labels."""
         return describe_decode_step(self)
+
+    def describe_step_ops(self) -> str:
+        """The decode step's op bodies, resolved once (oval_edge/sparse/step_ops_table.py), for the startup report."""
+        return self.static.step_for(1).ops.describe()
 
     def token_limit(self) -> int:
         """Longest prompt + max_tokens one request may ever have: the pool's and the model's limit."""
@@ -171,10 +198,11 @@ class Engine:
         decode_logits = read = None
         trace, self.next_decode_trace = (self.next_decode_trace, None) if plan.decode else (None, None)
         self.grammar.start_masks(plan)
+        decoder = self._decoder_for(plan.decode) if plan.decode else None
         if plan.decode:
-            group = self._decode_rows(plan.decode, mixed=bool(plan.prefill))
+            group = self._decode_rows(plan.decode, bool(plan.prefill), decoder)
             if group is None:  # the static step alone: replayed from its graph, compiled, or run eager
-                decode_logits, read, after = self.static.decode(*self._decode_inputs(plan.decode), trace)
+                decode_logits, read, after = decoder.decode(*self._decode_inputs(plan.decode), trace)
                 seq_ids, lengths, trace = [r.request_id for r in plan.decode], after, None
             else:
                 groups.append(group)
@@ -192,7 +220,7 @@ class Engine:
             seq_ids += group.seq_ids
             lengths += group.lengths_list
         if groups and groups[0].decode:
-            decode_logits, read = outputs[0], self._read(groups[0])
+            decode_logits, read = outputs[0], decoder.read_stats(groups[0].step, groups[0].stats_vector())
         self.pool.advance(seq_ids, lengths)  # one batch of sealing for the whole step
         if self.pool.device.type == "cpu" and plan.prefill:
             release_heap()  # a chunk's transients (tens of MB at 8k) would stay mapped and fragment the heap
@@ -216,33 +244,20 @@ class Engine:
             self.pool.record_tokens(seq_id, (token,))
         return seq_ids, tokens
 
-    def _decode_rows(self, requests: list[Request], mixed: bool):
+    def _decoder_for(self, requests: list[Request]) -> StaticDecoder:
+        """The dense step while every row is shorter than oval_from tokens (after this step's token), else OVAL's."""
+        if self.dense_static is not None and all(self.pool.length(r.request_id) + 1 < self.oval_from
+                                                 for r in requests):
+            return self.dense_static
+        return self.static
+
+    def _decode_rows(self, requests: list[Request], mixed: bool, decoder: StaticDecoder):
         """The decode rows' group for the step's forward, or None when the static step runs them alone: always
         without prompt chunks (its compiled or captured form), and beside them when it replays a CUDA graph."""
-        if self.static is not None and self.runner.hooks.empty() and not self._short_rows_on_cpu(requests):
-            if not mixed or self.static.graphs is not None:
-                return None
-            seq_ids, tokens = self._decode_inputs(requests)
-            return StaticDecodeRows(self.static.load(seq_ids, tokens), seq_ids)
+        if not mixed or decoder.graphs is not None:
+            return None
         seq_ids, tokens = self._decode_inputs(requests)
-        step = self.pool.prepare(seq_ids, [1] * len(requests))
-        return DecodeRows(self.runner, step, torch.tensor(tokens, dtype=torch.long))
-
-    def _short_rows_on_cpu(self, requests: list[Request]) -> bool:
-        """Rows that all fit the token budget (every layer attends densely) take the eager forward on a CPU, where
-        the static step is run eager, not captured or compiled: its fixed-shape selection over the whole page table
-        is pure overhead for them (batch 8 at 100 tokens: 29.3 ms eager vs 33.4 ms static; at 4k the static step
-        wins, 65.7 vs 72.7 ms; docs/serving.md)."""
-        if self.loaded.device.type != "cpu" or self.config.decode_step != "static":
-            return False
-        budget = self.oval.token_budget
-        return all(self.pool.length(r.request_id) + 1 <= budget for r in requests)
-
-    def _read(self, group) -> StepStats:
-        """What the decode rows read (after the forward: the one device read back of the step)."""
-        if isinstance(group, StaticDecodeRows):
-            return self.static.read_stats(group.step, group.stats_vector())
-        return group.stats()
+        return StaticDecodeRows(decoder.load(seq_ids, tokens), seq_ids)
 
     def _prefilled(self, chunks: list[tuple[Request, int]], logits: torch.Tensor, elapsed: float) -> list[Request]:
         """After a step's prompt chunks: requests whose prompt is complete start running (their first token comes
@@ -276,8 +291,8 @@ class Engine:
     def _end(self, request: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.remove(request)
         self.pool.free(request.request_id)
-        if self.runner.reuse is not None:  # its selections must not outlive it (oval_edge/sparse/reuse.py)
-            self.runner.reuse.drop(request.request_id)
+        if self.reuse is not None:  # its selections must not outlive it (oval_edge/sparse/reuse.py)
+            self.reuse.drop(request.request_id)
         self.stats.pages_used = self.pool.num_used
         if reason == "cancelled":
             self.stats.cancelled += 1

@@ -47,8 +47,8 @@ class EngineConfig:
     summary_kinds page summaries to keep (default: the configured scorer's); eval keeps both
     decode_step   'static' (default: the static step of static_step.py, run eager on a CPU and captured into
                   CUDA graphs on CUDA), 'compiled' (the same step through torch.compile, compiled once per batch
-                  bucket on first use), 'eager' (the flexible forward that follows the context's shape; used anyway
-                  while a decode hook is installed)
+                  bucket on first use), 'eager' (the same static step, never captured or compiled: the only
+                  decode is the static step)
     cuda_graphs   on CUDA, capture the static step of every batch bucket at startup and replay it (cuda_graph.py);
                   False runs it eager (A/B measurements, debugging)
     prefix_cache  map a new prompt's longest run of full pages already in the pool (oval_edge/kv/prefix_cache.py)

@@ -70,7 +70,7 @@ class _EngineCollector:
         yield _gauge("summary_bytes_read_last_step", "bytes of page records (summaries) the last decode step's "
                      "scoring read, all layers", stats.summary_bytes_last_step)
         yield _counter("sparse_layer_steps", "layer-steps decoded with OVAL page selection", stats.sparse_layer_steps)
-        yield from _reuse_metrics(getattr(getattr(engine, "runner", None), "reuse", None))
+        yield from _reuse_metrics(getattr(engine, "reuse", None))
         yield from _prefix_metrics(pool)
         yield from _group_metrics(pool)
         yield from _store_metrics(pool)
@@ -103,7 +103,7 @@ def _engine_facts(engine):
                  float(tier is not None))
     yield _gauge("kv_store_pages_total", "pages the page store holds (its file, allocated at startup)",
                  tier.blocks if tier is not None else 0)
-    reuse = getattr(getattr(engine, "runner", None), "reuse", None)
+    reuse = getattr(engine, "reuse", None)
     yield _gauge("selection_reuse_tau", "query cosine needed to reuse a recent page selection (0: reuse is off)",
                  reuse.tau if reuse is not None else 0.0)
     # Info-style: value 1, the facts in labels. block_size is tokens per page, num_gpu_blocks the pool's page count

@@ -100,7 +100,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--decode-step", choices=("static", "compiled", "eager"),
                        help="static (the default: fixed shapes, no host sync, run eager), compiled (the same step "
                             "through torch.compile: faster steps after a one-time compile per batch bucket, ~50 s each "
-                            "on a 2-core CPU), eager (the forward whose shapes follow the context)")
+                            "on a 2-core CPU), eager (the same static step, never captured into CUDA graphs or compiled)")
     group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="on CUDA, capture the static decode step per batch bucket at startup and replay it "
                             "(default: on); --no-cuda-graphs runs it eager")

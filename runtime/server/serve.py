@@ -158,6 +158,7 @@ def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = N
         f"  kernels   {describe_kernels(engine.loaded.device)}",
         *([f"  matmuls   {four_bit}"] if four_bit is not None else []),
         f"  decode    {engine.describe_decode_step()}",
+        f"  step ops  {engine.describe_step_ops()}",
         f"  serving   {url}/v1 (OpenAI API), {url}/health, {url}/metrics, {url}/docs"
         + (f", {url}/ (chat page)" if webui else "")
         + ("; API key required" if api_key else ""),

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads for every engine (default: the CPUs this process may use)")
     parser.add_argument("--page-size", type=int, default=32, help="OVAL page size in tokens (default 32)")
     parser.add_argument("--top-k", type=int, default=4, help="OVAL pages selected per KV head (default 4)")
+    parser.add_argument("--oval-from", type=int, default=None, metavar="TOKENS",
+                        help="the oval engines attend densely below this context length, as serve does (default: "
+                             "serve's default for the device; 0: OVAL at every length)")
     parser.add_argument("--decode-step", default="static", choices=("static", "compiled", "eager"),
                         help="this runtime's decode step: static (default), compiled (torch.compile), eager (the "
                              "shape-following forward)")
@@ -155,7 +158,8 @@ def build_settings(args: argparse.Namespace) -> BenchSettings:
         model=model, model_name=model_name or source.name, synthetic=model_name is not None,
         model_dir=source.directory, gguf_file=source.gguf_file, quant=args.quant, device=device,
         threads=args.threads if args.threads is not None else default_threads(), page_size=args.page_size,
-        top_k=args.top_k, decode_step=args.decode_step, cuda_graphs=args.cuda_graphs, hf_dtype=args.hf_dtype,
+        top_k=args.top_k, decode_step=args.decode_step, oval_from=args.oval_from,
+        cuda_graphs=args.cuda_graphs, hf_dtype=args.hf_dtype,
         timeout_s=args.timeout, skipped=skipped, schema=schema,
     )
 
@@ -247,6 +251,6 @@ def _meta(settings: BenchSettings, bandwidth: float | None, bandwidth_note: str,
         "gen": settings.gen, "runs": settings.runs, "model": settings.model, "model_name": settings.model_name,
         "synthetic": settings.synthetic, "quant": settings.quant,
         "device": settings.device, "threads": settings.threads, "page_size": settings.page_size,
-        "top_k": settings.top_k, "decode_step": settings.decode_step, "cuda_graphs": settings.cuda_graphs, "hf_dtype": settings.hf_dtype, "bandwidth_gb_s": bandwidth,
+        "top_k": settings.top_k, "decode_step": settings.decode_step, "oval_from": settings.oval_from, "cuda_graphs": settings.cuda_graphs, "hf_dtype": settings.hf_dtype, "bandwidth_gb_s": bandwidth,
         "bandwidth_note": bandwidth_note, "versions": versions, "notes": notes,
     }

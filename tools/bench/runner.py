@@ -47,6 +47,7 @@ def job_spec(settings: BenchSettings, engine: str, context: int, run: int, promp
         "gguf_file": settings.gguf_file, "quant": settings.quant, "device": settings.device,
         "threads": settings.threads, "page_size": settings.page_size, "top_k": settings.top_k,
         "decode_step": settings.decode_step, "cuda_graphs": settings.cuda_graphs, "reuse_tau": reuse_tau_of(engine),
+        "oval_from": settings.oval_from,
         "group_pages": group_pages_of(engine),
         "hf_dtype": settings.hf_dtype, "kv_elements_per_token": kv_elements_per_token,
         "schema": settings.schema if engine == CONSTRAINED else None,

@@ -36,7 +36,7 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
         model=job["model"], quant=job["quant"], device=job["device"], oval=oval,
         config=EngineConfig(max_batch=1, max_queue=1, attention="dense" if job["engine"] == "dense" else "oval",
                             num_pages=pages, decode_step=job.get("decode_step", "static"),
-                            cuda_graphs=bool(job.get("cuda_graphs", True)),
+                            cuda_graphs=bool(job.get("cuda_graphs", True)), oval_from=job.get("oval_from"),
                             prefix_cache=False),  # the warm-up must not serve the timed prompt's prefill
     )
     engine.generate(list(job["warmup_ids"]), SamplingParams(max_tokens=WARMUP_GEN_TOKENS, ignore_eos=True))
@@ -70,10 +70,11 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
                            "that allows more (an array with a larger minItems) or a smaller --gen")
     geometry = engine.pool.geometry
     # Selection reuse counts (the 32-token warm-up fits the token budget: dense, so it looks nothing up).
-    counts = engine.runner.reuse.counts if engine.runner.reuse is not None else None
+    counts = engine.reuse.counts if engine.reuse is not None else None
     graphed = engine.static is not None and engine.static.graphs is not None
+    dense_below = f", dense below {engine.oval_from} tokens" if engine.dense_static is not None else ""
     label = f"{job['engine']} ({engine.loaded.quant}, {engine.config.decode_step} decode step" \
-            f"{', CUDA graphs' if graphed else ''})"
+            f"{', CUDA graphs' if graphed else ''}{dense_below})"
     if grammar is not None:
         label = f"oval + JSON schema (xgrammar mask per token; {engine.loaded.quant}, {engine.config.decode_step} step)"
     if counts is not None:

@@ -68,6 +68,7 @@ class BenchSettings:
     page_size: int = 32
     top_k: int = 4
     decode_step: str = "static"  # EngineConfig.decode_step of the runtime's engines
+    oval_from: int | None = None  # EngineConfig.oval_from of the oval engines (None: serve's default for the device)
     cuda_graphs: bool = True  # EngineConfig.cuda_graphs (on CUDA: the static step replayed from CUDA graphs)
     hf_dtype: str = "float32"
     timeout_s: float = 3600.0

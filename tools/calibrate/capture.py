@@ -49,11 +49,11 @@ def capture(loaded, ids: list[int], page_size: int, chunk: int = 512) -> Capture
     runner = PagedLlama(model, pool, OvalConfig(page_size=page_size, kv_dtype="float32"), attention="dense")
     seen: list[list[torch.Tensor]] = [[] for _ in runner.layers]
 
-    def record(layer: int, x: torch.Tensor, _step):
+    def record(layer: int, x: torch.Tensor, _step) -> None:
         seen[layer].append(x.detach().float().cpu())  # [n, H] of this chunk
         return None  # no window: prefill is dense
 
-    runner.hooks.window = record
+    runner.hooks.observe = record
     pool.allocate("calibration", len(ids))
     prefill(runner, "calibration", ids, chunk)
     keys, values = capture_kv(pool, "calibration", len(ids))

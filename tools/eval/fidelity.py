@@ -141,7 +141,7 @@ def _one_pass(ids, start, config: OvalConfig, lanes, show_progress, window_modul
             tokens_attended=attended, window_mean=window, context=total, steps=n,
             kl=max(float(kl[row]) / n, 0.0), top1=float(agree[row]) / n,
             ppl=math.exp(float(nll[row]) / scored) if n > 1 else float("nan"),
-            reuse=_reuse_summary(runner.row_reuse.counts(i)), kv_dtype=kv_dtype,
+            reuse=_reuse_summary(runner.reuse_counts(i)), kv_dtype=kv_dtype,
             activations=str(model.dtype).removeprefix("torch."), kl_own=max(float(kl_own[row]) / n, 0.0),
         ))
     return out

@@ -1,9 +1,10 @@
-"""The runtime pieces `oval-edge eval` drives: a pool that seals each row with its own eta, a PagedLlama that
-decodes every policy of a pass as rows of one batch, the oracle page scorer, and K/V copying between sequences.
+"""The runtime pieces `oval-edge eval` drives: a pool that seals each row with its own eta, the engine's static
+decode step run for every policy of a pass as row groups of one batch, the oracle page scorer, and K/V copying
+between sequences.
 
 One forward per teacher-forced step serves all policies: the weights (the bulk of a CPU decode step) are read
-once for the whole batch. Rows are grouped by the OvalConfig they decode with (dense / window per budget / scored
-per budget); a scored group holds quest, oval (any eta) and oracle rows, which differ only in their page scores.
+once for the whole batch. Rows are grouped by the static step they decode with (step_key: dense / window / each
+scorer per budget / each reuse row); each group's attention is the engine's own ([R-static-step]).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
 from oval_edge.kv.summaries import seal_pages
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
-from oval_edge.sparse.attention import decode_attention, decode_plan, flat_slots, gather_kv, gather_rows
-from oval_edge.sparse.scoring import group_queries, score_pages
-from oval_edge.sparse.selection import Selection
+from oval_edge.runtime.engine.forward.step_policy import StepPolicy, WindowModuleInput
+from oval_edge.runtime.engine.forward.step_rows import StaticDecodeRows, StepStats
+from oval_edge.sparse.attention import flat_slots, gather_kv, gather_rows
+from oval_edge.sparse.scoring import group_queries
+
+from oval_edge.sparse.reuse import ReuseInput, SelectionReuse
 
 from .policies import Policy
-from .reuse import EvalReuse
 
 
 def geometry_for(model_config, page_size: int, rank: int, kinds=("oval", "quest"), record: str = "float",
@@ -112,135 +115,139 @@ class RowGroup:
     rows: torch.Tensor  # [n] batch rows of this group
     row_list: list[int]
     config: OvalConfig
-    kind: str  # 'dense', 'window' or 'scored'
-    by_scorer: dict[str, torch.Tensor]  # scorer -> positions within the group (scored groups only)
+    kind: str  # 'dense', 'window', 'scored' or 'module'
+    scorer: str  # the rows' page scorer: 'oval', 'oval:G' (two levels), 'quest' or 'oracle' (Policy.scorer)
+    reuse: ReuseInput | None = None  # one oval row that reuses selections (oval_edge/sparse/reuse.py)
 
 
-class EvalRunner(PagedLlama):
-    """PagedLlama whose decode layers dispatch each row group to decode_attention with that group's config.
+def step_key(row: int, policy: Policy) -> tuple:
+    """Rows with the same key decode in one static step (one StepPolicy): same config, same scorer. A reuse row
+    keeps its own selections, so it is a step of its own."""
+    if policy.reuse_tau is not None:
+        return ("reuse", row)
+    kind = policy.group_key()[0]
+    return (kind, policy.top_k, policy.window, policy.scorer if kind == "scored" else None)
 
-    row_policies[b] is the policy of batch row b; every step must list the rows in that order.
-    `reads` accumulates, per row, the K/V slots attended in sparse layers (summed over KV heads), `window_sum`
-    the window lengths (summed over KV heads). Rows of the `module` policy take their windows from
-    `window_module` (a calibrated OutputAwareModule) through the runtime's window hook; every decode layer goes
-    through `decode_rows`, the runtime's layer hook.
+
+class EvalRunner:
+    """Every policy of a pass as rows of one forward through the engine's static decode step.
+
+    Rows are grouped by step_key; each group is a static step (runtime/engine/forward/static_step.py) built with its
+    own StepPolicy: its OvalConfig (window rows: no pages; scored rows: their top-k and scorer; window-range rows:
+    the entropy rule or the calibrated module as the step's window input), the oracle's page scores as the step's
+    scorer, a reuse row's reused pages likewise. The groups run as row groups of one PagedLlama.forward_rows, so the
+    weights are read once per teacher-forced step, and each group's attention is exactly the engine's.
+
+    row_policies[b] is the policy of batch row b; every step must list the rows in that order. `reads` accumulates,
+    per row, the K/V slots attended in sparse layers (summed over KV heads), `window_sum` the window lengths (summed
+    over KV heads), `sparse_layer_steps` the sparse layers decoded.
     """
 
     def __init__(self, hf_model, pool: PagePool, base: OvalConfig, row_policies: Sequence[Policy],
                  window_module=None):
-        super().__init__(hf_model, pool, base, attention="oval")
+        self.runner = PagedLlama(hf_model, pool, base, attention="oval")
+        self.pool, self.config = pool, base
         self.row_policies = list(row_policies)
         keys: dict[tuple, list[int]] = defaultdict(list)
         for row, policy in enumerate(self.row_policies):
-            keys[policy.group_key()].append(row)
+            keys[step_key(row, policy)].append(row)
+        hook = self._window_hook(window_module)
         self.groups: list[RowGroup] = []
+        self.decoders = []
         for rows in keys.values():
             first = self.row_policies[rows[0]]
-            by_scorer: dict[str, list[int]] = defaultdict(list)
-            for i, row in enumerate(rows):
-                by_scorer[self.row_policies[row].scorer].append(i)
-            self.groups.append(RowGroup(
-                torch.tensor(rows, dtype=torch.long, device=pool.device), rows, first.config(base),
-                first.group_key()[0],
-                {s: torch.tensor(i, dtype=torch.long, device=pool.device) for s, i in by_scorer.items()},
-            ))
+            kind = "module" if first.name == "module" else first.group_key()[0]
+            # Two-level scoring only where the row asks for it (its pool holds coarse records for those rows only)
+            config = first.config(base).replace(group_pages=first.group_pages)
+            group = RowGroup(torch.tensor(rows, dtype=torch.long, device=pool.device), rows, config, kind,
+                             first.scorer)
+            if first.reuse_tau is not None:
+                group.reuse = self._reuse(config.replace(reuse_tau=first.reuse_tau))
+            self.groups.append(group)
+            self.decoders.append(self.runner.static_decoder(self._policy(group, hook), rows=len(rows)))
         self.reads = torch.zeros(len(self.row_policies), dtype=torch.float64)
         self.window_sum = torch.zeros(len(self.row_policies), dtype=torch.float64)
-        ranges = {p.window for p in self.row_policies if p.name == "module"}
-        if ranges:
-            from oval_edge.sparse.window_module import WindowHook
-
-            if window_module is None:
-                raise ValueError("the module policy needs a calibrated window module (--window-module FILE)")
-            if len(ranges) > 1:
-                raise ValueError(f"module rows must share one window range, got {sorted(ranges)}")
-            lo, hi = ranges.pop()
-            self.hooks.window = WindowHook(window_module, lo, hi)  # windows of every row; module rows use them
         self.sparse_layer_steps = torch.zeros(len(self.row_policies), dtype=torch.long)
-        # Oval rows with a reuse_tau keep recent selections (tools/eval/reuse.py); no-op without such rows.
-        self.row_reuse = EvalReuse(self.groups, self.row_policies, len(self.layers), self.num_heads, self.kv_heads,
-                                   self.head_dim, pool.device)
-        self._cached: tuple[StepIndex, list] | None = None
-        self.hooks.layer = self.decode_rows
 
-    def _substeps(self, step: StepIndex) -> list:
-        """(sub-step, decode plan) of every group, built once per step and shared by all layers."""
+    def _window_hook(self, window_module):
+        ranges = {p.window for p in self.row_policies if p.name == "module"}
+        if not ranges:
+            return None
+        from oval_edge.sparse.window_module import WindowHook
+
+        if window_module is None:
+            raise ValueError("the module policy needs a calibrated window module (--window-module FILE)")
+        if len(ranges) > 1:
+            raise ValueError(f"module rows must share one window range, got {sorted(ranges)}")
+        return WindowHook(window_module, *ranges.pop())
+
+    def _policy(self, group: RowGroup, hook) -> StepPolicy:
+        """The static step's inputs for one row group."""
+        if group.kind == "dense":
+            return StepPolicy(config=group.config, attention="dense")
+        window = WindowModuleInput(hook) if group.kind == "module" else None
+        if group.reuse is not None:
+            reuse = group.reuse
+            return StepPolicy(config=group.config, scores=reuse.scores, selected=reuse.selected, begin=reuse.begin)
+        if group.kind == "window":  # no page is selected (top_k = 0): constant scores skip a scorer never used
+            return StepPolicy(config=group.config, scores=_no_scores)
+        if group.scorer == "oracle":
+            return StepPolicy(config=group.config, scores=self._oracle_scores, window=window)
+        return StepPolicy(config=group.config, window=window)  # the engine's own scorer for the config
+
+    def _reuse(self, config: OvalConfig) -> ReuseInput:
+        r = self.runner
+        state = SelectionReuse.for_model(config, len(r.layers), r.num_heads, r.kv_heads, r.head_dim, self.pool.device)
+        return ReuseInput(state, self.pool, config, r.scale)
+
+    def _oracle_scores(self, layer: int, grouped: torch.Tensor, page_table: torch.Tensor, sealed: torch.Tensor,
+                       lengths: torch.Tensor) -> torch.Tensor:
+        q = grouped.reshape(grouped.shape[0], -1, grouped.shape[-1])  # [n, Hq, D]
+        return oracle_page_scores(self.pool, layer, page_table, lengths, q, self.runner.scale)
+
+    def output_metrics(self) -> list[torch.Tensor]:
+        return self.runner.output_metrics()
+
+    def forward(self, step: StepIndex, input_ids: torch.Tensor, decode: bool):
+        """As PagedLlama.forward: prefill chunks through the runner; a decode step of every row, each group through
+        its static step, in one pass over the weights -> (logits [B, vocab] fp32, StepStats of nothing)."""
+        if not decode:
+            return self.runner.forward(step, input_ids, decode=False)
         if len(step.seq_ids) != len(self.row_policies):
             raise ValueError(f"step has {len(step.seq_ids)} rows, the runner was built for {len(self.row_policies)}")
-        if self._cached is None or self._cached[0] is not step:
-            subs = [slice_step(step, g.row_list, g.rows) for g in self.groups]
-            plans = [decode_plan(self.pool, sub, g.config) for sub, g in zip(subs, self.groups)]
-            self._cached = (step, list(zip(subs, plans)))
-        return self._cached[1]
+        tokens = input_ids.tolist()
+        parts = []
+        for group, decoder in zip(self.groups, self.decoders):
+            seq_ids = [step.seq_ids[r] for r in group.row_list]
+            parts.append(StaticDecodeRows(decoder.load(seq_ids, [tokens[r] for r in group.row_list]), seq_ids))
+        outputs = self.runner.forward_rows(parts)
+        logits = torch.empty(len(tokens), outputs[0].shape[-1], dtype=outputs[0].dtype, device=outputs[0].device)
+        for group, part, out in zip(self.groups, parts, outputs):
+            logits[group.rows] = out
+            self._count(group, part.attention)
+        return logits, StepStats()
 
-    def decode_rows(self, index: int, step: StepIndex, q: torch.Tensor, _runtime_plan, window, _dense):
-        """hooks.layer: every row group decodes the layer with its own config, plan and scorer.
+    def _count(self, group: RowGroup, attention) -> None:
+        """A group's reads and windows this step, from its static attention (sparse layers only)."""
+        if not attention.valids:
+            return
+        rows = group.rows.cpu()
+        reads = torch.stack(attention.valids).sum((0, 2, 3))  # [n]: valid slots over sparse layers and KV heads
+        self.reads.index_add_(0, rows, reads.double().cpu())
+        self.sparse_layer_steps[rows] += len(attention.valids)
+        sparse = attention.plan.sparse_rows[:, None]  # [n, 1]: short rows (dense) have no window
+        used = sum((window * sparse).sum(1) for window in attention.windows)  # [n]
+        self.window_sum.index_add_(0, rows, used.double().cpu())
 
-        The runtime's own plan and dense flag (built for the base config over all rows) are not used: each group has
-        its own. window [B, Hkv]: the module's windows for every row (None without module rows), used by module rows.
-        """
-        out = torch.empty_like(q)
-        b, kv_heads = q.shape[0], self.kv_heads
-        parts: list[tuple[torch.Tensor, Selection]] = []
-        for group, (sub, plan) in zip(self.groups, self._substeps(step)):
-            q_group = q.index_select(0, group.rows)
-            dense = group.kind == "dense" or index < group.config.dense_layers
-            scores = None if dense else self._group_scores(group, index, sub, q_group)
-            rows_window = window.index_select(0, group.rows) if window is not None and group.kind == "module" else None
-            reused = self.row_reuse.apply(group, index, sub, plan, q_group, scores)
-            o, sel = decode_attention(self.pool, index, sub, q_group, group.config, self.scale, dense=dense,
-                                      scores=scores, plan=plan, window=rows_window)
-            self.row_reuse.record(reused, sel)
-            out.index_copy_(0, group.rows, o)
-            parts.append((group.rows, sel))
-            if not dense:
-                self.reads.index_add_(0, group.rows.cpu(), sel.valid.sum((1, 2)).double().cpu())
-                self.sparse_layer_steps[group.rows.cpu()] += 1
-                if sel.window is not None:
-                    used = sel.window * sel.sparse_rows[:, None]  # [n, Hkv]; dense (short) rows have none
-                    self.window_sum.index_add_(0, group.rows.cpu(), used.sum(1).double().cpu())
-        # One Selection for the runner's statistics: every group's slots, padded to the widest group.
-        width = max(sel.slots for _, sel in parts)
-        valid = torch.zeros(b, kv_heads, width, dtype=torch.bool, device=q.device)
-        sparse_rows = torch.zeros(b, dtype=torch.bool, device=q.device)
-        for rows, sel in parts:
-            valid[rows, :, : sel.slots] = sel.valid
-            sparse_rows[rows] = sel.sparse_rows
-        return out, Selection(torch.zeros_like(valid, dtype=torch.long), valid, None, None, sparse_rows)
-
-    def _group_scores(self, group: RowGroup, layer: int, sub: StepIndex, q: torch.Tensor) -> torch.Tensor:
-        """Page scores [n, Hkv, Np] for a group: each row scored by its own policy's scorer."""
-        if group.kind == "window":
-            # Window rows select no page (top_k = 0): constant scores skip the scorer they never use.
-            return torch.zeros(q.shape[0], self.kv_heads, sub.page_table.shape[1], device=q.device)
-        scores = torch.empty(q.shape[0], self.kv_heads, sub.page_table.shape[1], device=q.device)
-        for scorer, idx in group.by_scorer.items():
-            table = sub.page_table.index_select(0, idx)
-            q_rows = q.index_select(0, idx)
-            if scorer == "oracle":
-                s = oracle_page_scores(self.pool, layer, table, sub.lengths.index_select(0, idx), q_rows, self.scale)
-            else:  # 'oval:G': two-level scoring with groups of G pages
-                name, _, size = scorer.partition(":")
-                groups = (int(size), self.config.top_groups) if size else (0, 0)
-                s = score_pages(name, group_queries(q_rows, self.kv_heads), self.pool.summaries, layer, table,
-                                self.scale, sealed=sub.sealed.index_select(0, idx), groups=groups)
-            scores.index_copy_(0, idx, s.float())
-        return scores
+    def reuse_counts(self, row: int):
+        """The reuse counters of a reuse row (None for the others)."""
+        group = next(g for g in self.groups if row in g.row_list)
+        return group.reuse.counts if group.reuse is not None else None
 
 
-def slice_step(step: StepIndex, rows: list[int], rows_t: torch.Tensor) -> StepIndex:
-    """The StepIndex of a subset of rows of a decode step (one new token per row, so token index == row)."""
-    return StepIndex(
-        seq_ids=[step.seq_ids[r] for r in rows],
-        new_tokens=[step.new_tokens[r] for r in rows],
-        positions=step.positions.index_select(0, rows_t),
-        token_row=torch.arange(len(rows), device=rows_t.device),
-        write_base=step.write_base.index_select(0, rows_t),
-        page_table=step.page_table.index_select(0, rows_t),
-        lengths=step.lengths.index_select(0, rows_t),
-        sealed=step.sealed.index_select(0, rows_t),
-        lengths_list=[step.lengths_list[r] for r in rows],
-    )
+def _no_scores(layer: int, grouped: torch.Tensor, page_table: torch.Tensor, sealed: torch.Tensor,
+               lengths: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(grouped.shape[0], grouped.shape[1], page_table.shape[1], device=grouped.device)
 
 
 # ---- K/V of a prefix: computed once densely, copied into every row -------------------------------------------

@@ -19,38 +19,23 @@ from oval_edge.geometry import head_dim_of
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
 from oval_edge.kv.summaries import output_metric_sqrt
-from oval_edge.sparse.attention import cap_logits, decode_attention
-from oval_edge.sparse.reuse import SelectionReuse
-from oval_edge.sparse.selection import DecodePlan, Selection
+from oval_edge.sparse.attention import cap_logits
 
 from .layer_ops import HeadNorms, LayerOps, bind_one_op_norm  # noqa: F401  (HeadNorms: re-exported for the tests)
-from .step_rows import DecodeRows, PrefillRows, StepStats
+from .step_rows import PrefillRows, StepStats
 
 ATTENTION_MODES = ("oval", "dense")
-# (layer, q [B, Hq, D], step) -> page scores [B, Hkv, Np], or None for the config's scorer; called in sparse decode
-# layers (the eval's oracle scorer, tests that record the queries).
-ScoreOverride = Callable[[int, torch.Tensor, StepIndex], "torch.Tensor | None"]
-# (layer, normed hidden state x [N, hidden], step) -> window lengths [B, Hkv] or None; called for every layer of
-# every step (prefill too, where the result is unused): the output-aware window module (oval_edge/sparse/window_module).
-WindowOverride = Callable[[int, torch.Tensor, StepIndex], "torch.Tensor | None"]
-# (layer, step, q [B, Hq, D], plan, window [B, Hkv] | None, dense) -> (out [B, Hq, D], Selection), or None for the
-# default decode attention; called in every decode layer without override scores. `dense` is what the forward's own
-# config says for the layer. Selection reuse and the eval's per-row policies decide whole layers this way.
-LayerOverride = Callable[[int, StepIndex, torch.Tensor, DecodePlan, "torch.Tensor | None", bool],
-                         "tuple[torch.Tensor, Selection] | None"]
+# (layer, normed hidden state x [N, hidden], step) -> None: called in every layer of every prefill chunk with the
+# layer's attention input (`oval-edge calibrate` records what the window module will read at decode time).
+PrefillObserver = Callable[[int, torch.Tensor, StepIndex], None]
 
 
 @dataclass
-class DecodeHooks:
-    """The paged forward's public extension points, one per decision a layer makes (all optional)."""
+class PrefillHooks:
+    """The paged forward's public extension point for prefill; decode is the static step's, whose inputs
+    (scorer, window, selection callback) are a StepPolicy (step_policy.py)."""
 
-    scores: ScoreOverride | None = None  # which pages a sparse layer reads
-    window: WindowOverride | None = None  # how long each KV head's local window is
-    layer: LayerOverride | None = None  # the layer's whole decode attention
-
-    def empty(self) -> bool:
-        """No hook installed: the static decode step (static_step.py) computes what the eager forward would."""
-        return self.scores is None and self.window is None and self.layer is None
+    observe: PrefillObserver | None = None
 
 
 class PagedLlama:
@@ -78,19 +63,12 @@ class PagedLlama:
         self.final_softcap = float(getattr(cfg, "final_softcap", 0.0))
         self.softcap = float(getattr(cfg, "attn_softcap", 0.0))  # Gemma 2: every attention's logits, tanh-capped
         self.qkv_split = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
-        self.hooks = DecodeHooks()
-        # Selection reuse ([R-reuse], oval_edge/sparse/reuse.py); None unless config.reuse_tau is set.
-        self.reuse = SelectionReuse.for_model(config, len(self.layers), self.num_heads, self.kv_heads,
-                                              self.head_dim, pool.device)
-        if self.reuse is not None:
-            if self.softcap:
-                raise ValueError("selection reuse (reuse_tau) does not support soft-capped attention (Gemma 2); "
-                                 "leave reuse_tau unset")
-            self.hooks.layer = self._reuse_layer
-        self.last_selections: list[Selection | None] = []
+        self.hooks = PrefillHooks()
         sliding = [bool(getattr(cfg, "is_sliding", lambda i: False)(i)) for i in range(len(self.layers))]
         if context is None:
             context = min(pool.capacity_tokens, cfg.max_position_embeddings)
+        self.context = context
+        self._decoder = None  # the static decoder `forward(decode=True)` runs, built on first use
         rotary = self.decoder.rotary_emb  # LongRoPE (Phi-3): the factor set for this engine's context
         self.rotary_emb = rotary.for_context(context) if hasattr(rotary, "for_context") else rotary
         local = getattr(self.decoder, "rotary_emb_local", None)  # Gemma 3: the sliding layers' own rotary table
@@ -113,18 +91,32 @@ class PagedLlama:
                 for i, row in enumerate(self.pool.paged_index) if row >= 0]
 
     @torch.inference_mode()
-    def forward(self, step: StepIndex, input_ids: torch.Tensor, decode: bool, collect: bool = False):
+    def forward(self, step: StepIndex, input_ids: torch.Tensor, decode: bool):
         """Run every layer for this step's new tokens and return the logits of each row's last token.
 
-        input_ids [N] (rows concatenated as in `step`). decode=True requires one new token per row.
+        input_ids [N] (rows concatenated as in `step`). decode=True requires one new token per row and runs the
+        static decode step (static_step.py) of this runner's config over `step.seq_ids`, as the engine does.
         Returns (logits [B, vocab] float32, StepStats). The caller commits the step to the pool afterwards.
         """
-        rows = DecodeRows(self, step, input_ids, collect) if decode else PrefillRows(self, step, input_ids)
-        (logits,) = self.forward_rows([rows])
-        if not decode:
-            return logits, StepStats()
-        self.last_selections = rows.selections
-        return logits, rows.stats()
+        if decode:
+            if any(n != 1 for n in step.new_tokens):
+                raise ValueError(f"a decode step takes one new token per row, got {step.new_tokens}; prefill "
+                                 "chunks go through decode=False")
+            logits, stats, _ = self.static_decoder().decode(step.seq_ids, input_ids.tolist())
+            return logits, stats
+        (logits,) = self.forward_rows([PrefillRows(self, step, input_ids)])
+        return logits, StepStats()
+
+    def static_decoder(self, policy=None, rows: int | None = None):
+        """A static decoder (static_step.StaticDecoder) over this runner: with `policy` (step_policy.StepPolicy) a
+        new one for exactly `rows` rows a step (eval's row groups); without, the runner's own, built once."""
+        from .static_step import StaticDecoder
+
+        if policy is not None:
+            return StaticDecoder(self, rows or 1, self.context, policy=policy, exact_batches=True)
+        if self._decoder is None:
+            self._decoder = StaticDecoder(self, 64, self.context, exact_batches=True)
+        return self._decoder
 
     @torch.inference_mode()
     def forward_rows(self, groups: list) -> list[torch.Tensor]:
@@ -224,30 +216,6 @@ class PagedLlama:
         if ops.rope:
             qk = _rotate(qk, cos, sin)
         return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(n, hkv, d)
-
-    def decode_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan: DecodePlan,
-                     window: torch.Tensor | None = None) -> tuple[torch.Tensor, Selection]:
-        """One layer's attention of a decode step: q [B, Hq, D] (rotated) -> (out [B, Hq, D], the selection read).
-
-        Override scores come first, then the layer override, then the config's own decode attention.
-        """
-        dense = self.attention == "dense" or index < self.config.dense_layers
-        hooks = self.hooks
-        scores = hooks.scores(index, q, step) if hooks.scores is not None and not dense else None
-        if scores is None and hooks.layer is not None:
-            decided = hooks.layer(index, step, q, plan, window, dense)
-            if decided is not None:
-                return decided
-        return decode_attention(self.pool, index, step, q, self.config, self.scale, dense=dense, scores=scores,
-                                softcap=self.softcap,
-                                plan=plan, window=window)
-
-    def _reuse_layer(self, index: int, step: StepIndex, q: torch.Tensor, plan: DecodePlan,
-                     window: torch.Tensor | None, dense: bool):
-        """hooks.layer when reuse is on: a sparse layer reuses a recent selection where its queries barely moved."""
-        if dense:
-            return None
-        return self.reuse.decode(self.pool, index, step, q, plan, self.config, self.scale, window)
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:

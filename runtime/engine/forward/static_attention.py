@@ -1,22 +1,21 @@
 """One static step's attention, layer by layer (static_step.py builds the step and its inputs; this runs its layers'
 attention over them): write the rows' K/V, select pages in sparse layers from their scores, attend.
 
-Which scorer reads a sparse layer's records is fixed when the step is built (StaticStep): a bound native scorer
-(CPU), the Triton kernels (CUDA), or the torch ops of PackedScorer; the tensors they read besides the pool (the
-int4 record's rotation, byte tables) are built then too, so a step never rebuilds them.
+Each op's body (write, scores, select, attend) is fixed when the step is built: StaticStep.ops, the table of
+oval_edge/sparse/step_ops_table.py (C on a CPU, Triton on CUDA, torch otherwise; none returns None). A step policy
+(step_policy.py) may replace a sparse layer's scores and window and see its selection.
 """
 
 from __future__ import annotations
 
 import torch
 
-from oval_edge.kv.page_record import layer_records
 from oval_edge.kv.ring import ring_row
-from oval_edge.sparse.grouped import grouped_scores, uses_groups
-from oval_edge.sparse.scoring import group_queries, score_pages
+from oval_edge.sparse.attention import attend_rows
+from oval_edge.sparse.scoring import group_queries
 from oval_edge.sparse.selection import DecodePlan
 from oval_edge.sparse.sliding import ring_slots
-from oval_edge.sparse.step_ops import attend_slots, page_scores, select_slots, write_kv
+from oval_edge.sparse.step_ops import write_kv
 
 
 def rotation_matrices(cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -34,7 +33,7 @@ class StaticAttention:
 
     def __init__(self, step: StaticStep) -> None:
         self.step, self.runner, self.pool = step, step.runner, step.pool
-        config = self.runner.config
+        config = step.config
         self.plan = DecodePlan(config, step.lengths, step.sealed, step.width, self.runner.kv_heads, step.page_table,
                                static=True)
         self.slots = step.write_base[:, None] + step.head_offsets  # [B, Hkv] rows this step writes
@@ -54,7 +53,8 @@ class StaticAttention:
         and the writes. None where the forward's ops run: a CPU (its figures as measured), head norms, a NoPE layer,
         under tracing, and for Triton int8 K/V or a page store."""
         step, pool, runner = self.step, self.pool, self.runner
-        if ops.qk_norm is not None or not ops.rope or torch.compiler.is_compiling() or pool.device.type == "cpu":
+        if ops.qk_norm is not None or not ops.rope or torch.compiler.is_compiling() or pool.device.type == "cpu" \
+                or step.recalls:
             return None
         slots = self.ring_slots if step.sliding[index] else self.slots
         hq, hkv, d = runner.num_heads, runner.kv_heads, runner.head_dim
@@ -76,55 +76,54 @@ class StaticAttention:
         """q [B, Hq, D], k, v [B, Hkv, D] (None: rope_write stored them) -> out [B, Hq, D]."""
         step, plan = self.step, self.plan
         q = q.contiguous()  # a slice of the fused q|k heads: copied once here, not by the scorer and the attention
+        ops = step.ops
         if step.sliding[index]:
             if k is not None:
-                write_kv(self.pool, index, self.ring_slots, k, v)
+                ops.write[index](self.ring_slots, k, v)
             flat, valid = self.ring
-            return attend_slots(self.pool, index, q, flat, valid, None, self.runner.scale, self.runner.softcap)
+            return ops.attend[index](q, flat, valid, None)
         if k is not None:
-            write_kv(self.pool, index, self.slots, k, v)
+            ops.write[index](self.slots, k, v)
         if step.dense[index]:
             dense = plan.full_dense()
             flat, valid, limits = dense.flat, dense.valid, step.lengths  # row b reads its first lengths[b] slots
         else:
-            flat, valid, window = select_slots(plan, self._scores(index, q), step.sealed)
+            flat, valid, window = self._select(index, x, q)
             limits = None
             self.valids.append(valid)
             self.windows.append(window)
-        return attend_slots(self.pool, index, q, flat, valid, limits, self.runner.scale, self.runner.softcap)
+        if step.recalls:  # stored pages the selection names come back into the pool's recall frames first
+            return self._attend_recalled(index, q, flat, valid, limits)
+        return ops.attend[index](q, flat, valid, limits)
 
-    def _scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Page scores [B, Hkv, W] of one sparse layer from the records (pages past `sealed` are not candidates)."""
-        runner, step = self.runner, self.step
-        grouped = group_queries(q, runner.kv_heads)  # [B, Hkv, G, D]
-        scorer = None if torch.compiler.is_compiling() else step.scorers[layer]
-        if scorer is not None:
-            scores = scorer(grouped, step.page_table, step.sealed, runner.scale)
-            if scores is not None:
-                return scores
-        config = runner.config
-        if config.scorer == "oval" and uses_groups(step.page_table.shape[1], config.group_pages, config.top_groups):
-            return grouped_scores(grouped, self.pool.summaries, self.pool.paged_index[layer], step.page_table,
-                                  step.sealed, runner.scale, config.group_pages, config.top_groups,
-                                  lambda table, n: self._fine_scores(layer, grouped, table, n))
-        if config.scorer == "oval":
-            return self._fine_scores(layer, grouped, step.page_table, step.sealed)
-        return score_pages(runner.config.scorer, grouped, self.pool.summaries, layer, step.page_table, runner.scale)
+    def _select(self, index: int, x: torch.Tensor, q: torch.Tensor):
+        """(flat, valid [B, Hkv, T], window [B, Hkv]) of one sparse layer: its scores (the policy's scorer or the
+        step's kernels), the policy's window input (x [B, hidden]: the layer's normed input), the selection."""
+        step, plan, policy = self.step, self.plan, self.step.policy
+        window = policy.window(index, x, step.positions) if policy.window is not None else None
+        grouped = group_queries(q, self.runner.kv_heads)  # [B, Hkv, G, D]
+        if policy.scores is not None:
+            scores = policy.scores(index, grouped, step.page_table, step.sealed, step.lengths)
+        else:
+            scores = step.ops.scores[index](grouped, step.page_table, step.sealed)
+        if policy.selected is not None:
+            selection = plan.select(scores, window)
+            policy.selected(index, q, selection)
+            return selection.flat, selection.valid, selection.window
+        if window is not None:
+            selection = plan.select(scores, window, detail=False)
+            return selection.flat, selection.valid, selection.window
+        return step.ops.select(plan, scores, step.sealed)
 
-    def _fine_scores(self, layer: int, grouped: torch.Tensor, table: torch.Tensor,
-                     counts: torch.Tensor) -> torch.Tensor:
-        """oval scores [B, Hkv, F] of grouped [B, Hkv, G, D] over table [B, F] (pages past counts[b] are no
-        candidates) from the layer's records: Triton with the step's rotation, PackedScorer, or page_scores."""
-        step, scale = self.step, self.runner.scale
-        if not torch.compiler.is_compiling() and (step.triton is not None or step.record_scorer is not None):
-            records = layer_records(self.pool.summaries, self.pool.paged_index[layer])
-            if step.triton is not None:
-                scores = step.triton.oval_scores(grouped, records, table, scale, counts, step.rotation)
-                if scores is not None:
-                    return scores
-            elif step.record_scorer.takes(records):
-                return step.record_scorer(grouped, records, table)
-        return page_scores(self.pool, layer, grouped, table, counts, scale)
+    def _attend_recalled(self, index: int, q: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor,
+                         limits: torch.Tensor | None) -> torch.Tensor:
+        """Attention of a page-store step: PagePool.readable recalls the stored pages among the valid slots into
+        the layer's recall frames and maps their slots there (the step's own attention body then reads them in
+        place), or reads them with the resident ones into a transient buffer (many stored pages: a dense layer)."""
+        k_rows, v_rows, flat, scales = self.pool.readable(index, flat, valid)
+        if k_rows is self.pool.k_rows[index]:
+            return self.step.ops.attend[index](q, flat, valid, limits)
+        return attend_rows(q, k_rows, v_rows, flat, valid, self.runner.scale, limits, self.runner.softcap, scales)
 
     def stats(self) -> torch.Tensor:
         """[attended slots, window sum, window count] over the real rows, on the device (no sync)."""

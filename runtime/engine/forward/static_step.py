@@ -30,13 +30,13 @@ from oval_edge.kernels.cpu import decode_kernels
 from oval_edge.kernels.gpu import gpu_kernels
 from oval_edge.kv.page_record import Rotations
 from oval_edge.sparse.grouped import uses_groups
-from oval_edge.sparse.packed_scores import PackedScorer
 from oval_edge.sparse.selection import slots_per_step
-from oval_edge.sparse.step_ops import bind_scorer
+from oval_edge.sparse.step_ops_table import step_ops_table
 
-from .paged_llama import PagedLlama
+from .step_policy import StepPolicy
 from .step_rows import StepStats
 
+# `runner` below is a paged_llama.PagedLlama (not imported here: PagedLlama.static_decoder builds these steps).
 # [B] each, then page_table [B, W]; ring_base: each row's first ring page (sliding layers, oval_edge/kv/ring.py)
 ROW_FIELDS = ("ids", "positions", "lengths", "sealed", "real", "write_base", "ring_base")
 
@@ -44,10 +44,13 @@ ROW_FIELDS = ("ids", "positions", "lengths", "sealed", "real", "write_base", "ri
 class StaticStep:
     """One bucket's step: its preallocated inputs and the static forward over them."""
 
-    def __init__(self, runner: PagedLlama, batch: int, width: int, compile_backend: str | None = None,
-                 rotations: Rotations | None = None) -> None:
+    def __init__(self, runner, batch: int, width: int, compile_backend: str | None = None,
+                 rotations: Rotations | None = None, policy: StepPolicy | None = None) -> None:
         pool = runner.pool
         self.runner, self.pool, self.batch, self.width = runner, pool, batch, width
+        self.policy = policy = policy if policy is not None else StepPolicy()
+        self.config = config = policy.config if policy.config is not None else runner.config
+        self.attention = policy.attention if policy.attention is not None else runner.attention
         dev = pool.device
         size = batch * (len(ROW_FIELDS) + width)
         self.host = torch.zeros(size, dtype=torch.long, pin_memory=dev.type == "cuda")
@@ -58,37 +61,38 @@ class StaticStep:
         self.page_table = self.packed[batch * len(ROW_FIELDS):].view(batch, width)
         g = pool.geometry
         self.head_offsets = torch.arange(g.kv_heads, device=dev) * g.page_size  # [Hkv]: head h's rows in a page
-        config = runner.config
         self.sliding = [ops.sliding for ops in runner.ops]  # ring layers: neither dense over pages nor scored
-        self.dense = [not self.sliding[i] and (runner.attention == "dense" or i < config.dense_layers)
+        self.dense = [not self.sliding[i] and (self.attention == "dense" or i < config.dense_layers)
                       for i in range(len(runner.layers))]
         self.dense_layers = sum(self.dense)
         self.sliding_layers = sum(self.sliding)
         self.slots = slots_per_step(config)
-        # What the attention reads per slot: the native (CPU) and Triton (CUDA) kernels read valid slots in place;
-        # the torch ops gather all.
-        self.reads_valid_only = decode_kernels(dev) is not None
         # compile_backend: None runs the step eager; "inductor" (decode_step="compiled") or another torch.compile backend
         # (the tests use "aot_eager": the same trace, the eager kernels' exact arithmetic).
         if compile_backend is not None and pool.int8 is not None:  # the operators of step_ops take no scales
             raise ValueError("decode_step='compiled' does not take kv_dtype='int8'; use decode_step='static' (the "
                              "default) or 'eager'")
+        if compile_backend is not None and not policy.graph_safe():
+            raise ValueError("a step policy with host callables (eval's scorers, reuse) cannot be compiled; build "
+                             "the step without compile_backend")
         self.run = self.forward if compile_backend is None else torch.compile(
             self.forward, fullgraph=True, dynamic=False, backend=compile_backend)
         self.lengths_list: list[int] = []
-        # Each sparse layer's page scorer with its records checked once (oval_edge/kernels/cpu_bound.py): a callable
-        # (q, page_table, sealed, scale), or None where the torch code scores (no native kernels, another scorer).
-        # Bound here, not in a step, so every step dispatches the same ops; the pool never replaces its records.
-        self.scorers = [None if self.dense[i] or self.sliding[i] else bind_scorer(pool, i, config, width)
-                        for i in range(len(runner.layers))]
-        # Where no bound scorer reads the records: the Triton kernels (CUDA), else the torch ops of PackedScorer.
-        # What they read besides the records (the int4 record's rotation, byte tables) is built here, before any
-        # capture, never inside a step.
+        # The ops of this step (write, scores, select, attend), each body chosen once here from what the kernels
+        # take: C on a CPU, Triton on CUDA, torch otherwise (oval_edge/sparse/step_ops_table.py); what they read
+        # besides the pool (the int4 record's rotation, byte tables) is built now, before any capture, never in a step
         rotations = rotations if rotations is not None else Rotations()
         self.triton = gpu_kernels(dev) if dev.type != "cpu" else None
-        self.rotation = rotations.get(runner.head_dim, dev)
-        self.record_scorer = None if self.triton is not None or config.scorer != "oval" else PackedScorer(
-            runner.head_dim, runner.scale, dev, rotations)
+        scored = [not (self.dense[i] or self.sliding[i]) for i in range(len(runner.layers))]
+        self.ops = step_ops_table(pool, config, width, runner.num_heads, runner.scale, scored, runner.softcap,
+                                  dtype=runner.decoder.norm.weight.dtype, traced=compile_backend is not None,
+                                  rotations=rotations)
+        # What the attention reads per slot: the C and Triton bodies read the valid slots in place; the torch ops
+        # gather all
+        self.reads_valid_only = self.ops.attends_in_place()
+        # A page store (oval_edge/kv/store/): each layer recalls the stored pages its selection names before it
+        # attends (host decisions per layer), so such a step runs eager and is never captured
+        self.recalls = pool.store is not None
 
     def load(self, seq_ids: list, tokens: list[int]) -> None:
         """Write this step's inputs for the rows (one new token each) into the buffer: one copy to the device."""
@@ -116,6 +120,8 @@ class StaticStep:
                 self.lengths_list.append(position + 1)
                 if pool.int8 is not None:  # the staging slot of the page this row writes (oval_edge/kv/int8.py)
                     pool.int8.stage(table, position, 1, P)
+        if self.policy.begin is not None:
+            self.policy.begin(list(seq_ids), list(self.lengths_list))
         self.host.copy_(torch.tensor([v for values in rows for v in values] + tables, dtype=torch.long))
         if self.packed is not self.host:
             self.packed.copy_(self.host, non_blocking=True)
@@ -155,10 +161,17 @@ class StaticDecoder:
     that holds the batch's longest row, chosen on the host before the step runs (or replays), so a batch of short
     rows never pays for max_model_len. Where kernels read each row's own pages (native CPU, Triton) one width."""
 
-    def __init__(self, runner: PagedLlama, max_batch: int, max_tokens: int, compile_backend: str | None = None) -> None:
-        self.runner = runner
-        pool, config = runner.pool, runner.config
-        self.buckets = batch_buckets(max_batch)
+    def __init__(self, runner, max_batch: int, max_tokens: int, compile_backend: str | None = None,
+                 policy: StepPolicy | None = None, exact_batches: bool = False) -> None:
+        """policy: what the steps decide besides their shapes (step_policy.py; default the runner's config and
+        attention). exact_batches: a step per row count instead of power-of-two buckets (a caller whose row count
+        never changes, as eval's, pays no padded rows)."""
+        self.runner, self.policy = runner, policy if policy is not None else StepPolicy()
+        pool = runner.pool
+        config = self.policy.config if self.policy.config is not None else runner.config
+        self.config = config
+        self.exact = exact_batches
+        self.buckets = (max_batch,) if exact_batches else batch_buckets(max_batch)
         self.width = pool.pages_needed(max_tokens)
         # compiled steps keep one width: each (bucket, width) would be one more compilation of the same forward
         one = decode_kernels(pool.device) is not None or compile_backend is not None
@@ -175,19 +188,23 @@ class StaticDecoder:
 
         if self.compile_backend is not None:
             raise ValueError("decode_step='compiled' and CUDA graphs do not combine; use decode_step='static'")
+        if not self.policy.graph_safe() or self.runner.pool.store is not None:
+            raise ValueError("this step calls host code between its ops (a policy's scorer, or a page store's "
+                             "recalls) and cannot be captured; run it eager (cuda_graphs off)")
         self.graphs = capture_steps(self, backend)
 
     def step_for(self, rows: int, width: int | None = None) -> StaticStep:
         """The step of the batch bucket for `rows` rows over page tables `width` wide (one of self.widths; None: the
         widest)."""
-        bucket = next((size for size in self.buckets if size >= rows), None)
+        bucket = rows if self.exact and rows >= 1 else next((size for size in self.buckets if size >= rows), None)
         if bucket is None:
             raise ValueError(f"{rows} rows exceed max_batch={self.buckets[-1]}")
         width = self.width if width is None else width
         if width not in self.widths:
             raise ValueError(f"no static step is built for {width}-page tables; widths: {self.widths}")
         if (bucket, width) not in self._steps:
-            self._steps[bucket, width] = StaticStep(self.runner, bucket, width, self.compile_backend, self.rotations)
+            self._steps[bucket, width] = StaticStep(self.runner, bucket, width, self.compile_backend, self.rotations,
+                                                    self.policy)
         return self._steps[bucket, width]
 
     def width_for(self, seq_ids: list) -> int:
@@ -223,7 +240,7 @@ class StaticDecoder:
                                                   * step.slots + step.sliding_layers * g.ring_pages * g.page_size)
         # Scoring reads the records of each row's sealed pages (the kernels stop at sealed[b]), in every sparse layer;
         # in two levels, every group's coarse record and the fine records of a fixed set of pages per row.
-        config = self.runner.config
+        config = step.config
         if uses_groups(step.width, config.group_pages, config.top_groups):
             per_head = rows * g.scoring_bytes(self.width, config.top_groups)
         else:
@@ -231,4 +248,4 @@ class StaticDecoder:
         return StepStats(kv_tokens_read=attended if step.reads_valid_only else gathered, attended_tokens=attended,
                          sparse_layers=0 if shorts else sparse_layers,
                          summary_bytes=per_head * sparse_layers * self.runner.kv_heads,
-                         window_mean=window_sum / window_count if window_count else float(self.runner.config.window_min))
+                         window_mean=window_sum / window_count if window_count else float(config.window_min))
