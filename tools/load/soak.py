@@ -129,7 +129,7 @@ class Soak:
     async def _sample(self, http) -> None:
         values = await self._metrics(http)
         pages = kv_pages(values)
-        self.samples.append({"t_s": round(self.watch.seconds, 2),
+        self.samples.append({"t_s": round(self.watch.seconds, 2), "requests": len(self.outcomes),
                              "rss_bytes": rss_bytes(self.pid) if self.pid else None,
                              "pages_used": pages["used"], "pages_total": pages["total"],
                              "running": values.get("oval_edge_requests_running"),
