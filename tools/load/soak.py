@@ -178,9 +178,12 @@ class Soak:
         outcome = self._end("tools", response.status_code, classify(response.status_code,
                                                                      response.headers.get("retry-after")))
         if outcome.result == "ok":
-            calls = response.json()["choices"][0]["message"].get("tool_calls") or []
+            choice = response.json()["choices"][0]
+            calls = choice["message"].get("tool_calls") or []
             valid = all(isinstance(_json_or_none(c["function"]["arguments"]), dict) for c in calls)
-            outcome.note = f"{len(calls)} call(s), arguments {'valid' if valid else 'NOT JSON objects'}"
+            # finish_reason tells a reply under "auto" (stop) from a call cut at max_tokens (length)
+            outcome.note = (f"{len(calls)} call(s), arguments {'valid' if valid else 'NOT JSON objects'}, "
+                            f"finish {choice['finish_reason']}")
         return outcome
 
     async def _json_schema(self, http, body: dict) -> Outcome:
