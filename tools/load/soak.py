@@ -123,7 +123,13 @@ class Soak:
         return self.outcomes[-1]
 
     async def _metrics(self, http) -> dict[str, float]:
-        response = await http.get(f"{self.url}/metrics", headers=self.headers)
+        """/metrics as {name: value}; {} when it cannot be read (the sample then records no pages)."""
+        import httpx
+
+        try:
+            response = await http.get(f"{self.url}/metrics", headers=self.headers)
+        except httpx.HTTPError:
+            return {}
         return parse_metrics(response.text) if response.status_code == 200 else {}
 
     async def _sample(self, http) -> None:
