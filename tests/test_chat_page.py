@@ -65,7 +65,8 @@ def _browser_or_skip():
     if chromium is None or driver is None:
         pytest.skip("Debian's chromium and chromium-driver are not installed (apt-get install -y chromium "
                     "chromium-driver; .ci/run installs them)")
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the test extras: pip install -e .[test]")
+    webdriver = pytest.importorskip("selenium.webdriver",
+                                    reason="selenium is in the test extras: pip install -e '.[test]'")
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
