@@ -217,6 +217,21 @@ class PagePool:
         self.tables.open(seq_id, pages, hits, names, tokens, scored)
         return list(pages)
 
+    def score(self, seq_id: Hashable) -> int:
+        """Seal this sequence's pages with summaries from now on, and build the ones its sealed pages lack: a sequence
+        allocated unscored (its own length never asked for page selection) whose decode steps now select pages (it
+        shares a step with a longer row). Returns the pages sealed now."""
+        if seq_id not in self.tables.unscored:
+            return 0
+        self.tables.unscored.discard(seq_id)
+        sealed = self.tables.tables[seq_id][: self.tables.sealed[seq_id]]
+        missing = [p for p in sealed if p in self.unsummarized]
+        if missing:
+            self.unsummarized.difference_update(missing)
+            self.seal(missing)
+        seal_groups(self, self.group_slots.lacking(completed_groups(sealed, 0, len(sealed), self.geometry.group_pages)))
+        return len(missing)
+
     def _take(self) -> int:
         """One page: from the free list, else a store reservation (a frame comes when it is written:
         make_resident), else the least recently used cached page. Callers checked num_takeable."""

@@ -69,7 +69,9 @@ class Engine:
         self.static = StaticDecoder(self.runner, self.config.max_batch, self.token_limit(), compiled, policy)
         # Below `oval_from` tokens a step attends densely (the same static step, attention="dense"): there OVAL's
         # scoring costs more than the pages it skips (runtime/engine/crossover.py, measured by `oval-edge profile`)
-        self.oval_from = 0 if self.config.attention == "dense" else resolve_oval_from(self.config, loaded.device)
+        # (not with a page store: a dense step would read every stored page back from the drive at every step)
+        self.oval_from = 0 if self.config.attention == "dense" or self.pool.store is not None else \
+            resolve_oval_from(self.config, loaded.device)
         self.dense_static = StaticDecoder(self.runner, self.config.max_batch, min(self.oval_from, self.token_limit()),
                                           compiled, StepPolicy(attention="dense")) \
             if self.oval_from > 0 else None
@@ -84,7 +86,9 @@ class Engine:
         self.eos_ids = eos_token_ids(self.tokenizer, loaded.model)
         self.stats = EngineStats(pages_total=self.pool.num_pages)
         # Requests that fit the token budget are attended densely at every step: their pages need no summaries.
-        scored_above = None if self.config.attention == "dense" else self.oval.token_budget
+        # Below oval_from they run the dense step too: a request that never reaches it seals no summaries unless it
+        # shares an OVAL step with a longer row (_decoder_for scores it then: PagePool.score).
+        scored_above = None if self.config.attention == "dense" else max(self.oval.token_budget, self.oval_from - 1)
         self.scheduler = Scheduler(self.pool, self.config.max_batch, self.config.max_queue, scored_above)
         self._lock = threading.RLock()
         # JSON-schema grammars (grammar.py): compiler built on first use; a worker fills masks while a step runs.
@@ -245,10 +249,15 @@ class Engine:
         return seq_ids, tokens
 
     def _decoder_for(self, requests: list[Request]) -> StaticDecoder:
-        """The dense step while every row is shorter than oval_from tokens (after this step's token), else OVAL's."""
+        """The dense step while every row is shorter than oval_from tokens (after this step's token), else OVAL's,
+        whose rows past the token budget select pages: one allocated unscored gets its pages' summaries now."""
         if self.dense_static is not None and all(self.pool.length(r.request_id) + 1 < self.oval_from
                                                  for r in requests):
             return self.dense_static
+        budget = self.oval.token_budget
+        for request in requests:
+            if self.pool.length(request.request_id) + 1 > budget:
+                self.pool.score(request.request_id)
         return self.static
 
     def _decode_rows(self, requests: list[Request], mixed: bool, decoder: StaticDecoder):
