@@ -52,3 +52,14 @@ def test_a_short_request_beside_a_long_one_is_scored_and_decodes_as_if_scored_fr
     # the short row's pages were deferred while it prefilled and summarised before its first decode step
     first_decode = len(unsummarized) - GREEDY.max_tokens + 1
     assert max(unsummarized[:first_decode]) > 0 and unsummarized[first_decode:] == [0] * (GREEDY.max_tokens - 1)
+
+
+def test_a_dense_engine_never_summarises_a_page(tiny_folder):  # noqa: F811
+    engine = engine_for(tiny_folder, attention="dense")
+    sealed = []
+    seal = engine.pool.seal
+    engine.pool.seal = lambda pages, *args, **kwargs: sealed.append(list(pages)) or seal(pages, *args, **kwargs)
+    request = engine.submit(_ids(300, 4), GREEDY)  # past the token budget: an OVAL engine would score it
+    while not request.finished:
+        engine.step()
+    assert sealed == []

@@ -251,6 +251,8 @@ class Engine:
     def _decoder_for(self, requests: list[Request]) -> StaticDecoder:
         """The dense step while every row is shorter than oval_from tokens (after this step's token), else OVAL's,
         whose rows past the token budget select pages: one allocated unscored gets its pages' summaries now."""
+        if self.config.attention == "dense":  # nothing is ever scored
+            return self.static
         if self.dense_static is not None and all(self.pool.length(r.request_id) + 1 < self.oval_from
                                                  for r in requests):
             return self.dense_static
