@@ -1,5 +1,5 @@
 """Real client libraries, offline, against a real server of the bundled SmolLM2 with its own chat template (tools go
-through the generic format, runtime/server/tool_json.py): the `openai` SDK (chat, stream, tools, json_schema),
+through the generic format, runtime/server/tool_use/tool_json.py): the `openai` SDK (chat, stream, tools, json_schema),
 LangChain's `ChatOpenAI` (invoke, stream, `with_structured_output`, `bind_tools`) and pydantic-ai's `Agent`
 completing a tool round trip (call, the tool runs in the agent, its result goes back, a text answer). Each is what
 a user would write; nothing here talks HTTP by hand. The versions tested are printed."""

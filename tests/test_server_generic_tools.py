@@ -1,5 +1,5 @@
 """Tools with a chat template that does not render them: the bundled SmolLM2 with its own template, served as it
-ships (no --chat-template), through the official `openai` client. The generic format (runtime/server/tool_json.py)
+ships (no --chat-template), through the official `openai` client. The generic format (runtime/server/tool_use/tool_json.py)
 describes the tools in the system message and decodes the answer under a grammar: a call whose arguments follow
 the function's schema (validated here with `jsonschema`) or, for tool_choice auto, a plain reply. Also: named and
 none choices, streaming gives what the whole response gives, parallel calls when asked, a round trip through a

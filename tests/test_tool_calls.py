@@ -1,4 +1,4 @@
-"""The tool-call parser and its streaming form (runtime/server/tool_calls.py) on model outputs in the Hermes /
+"""The tool-call parser and its streaming form (runtime/server/tool_use/tool_calls.py) on model outputs in the Hermes /
 Qwen2.5 format, and the shipped chatml-tools template: streamed deltas, split anywhere, add up to the same calls and
 content as the whole text; text that is no call stays content; the template renders tools, calls and results."""
 
@@ -10,7 +10,7 @@ import random
 import pytest
 
 from oval_edge.runtime.model.tokenizer import SHIPPED_TEMPLATES, parse_template, read_chat_template, renders_tools
-from oval_edge.runtime.server.tool_calls import ToolPlan, ToolStream, parse_calls
+from oval_edge.runtime.server.tool_use.tool_calls import ToolPlan, ToolStream, parse_calls
 
 PLAN = ToolPlan(tools=[], names=frozenset({"get_weather", "add"}), forced=(), parallel=True)
 CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>'

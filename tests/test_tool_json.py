@@ -1,4 +1,4 @@
-"""The generic tool format (runtime/server/tool_json.py) without a model: a reply's JSON string decoded as it grows
+"""The generic tool format (runtime/server/tool_use/tool_json.py) without a model: a reply's JSON string decoded as it grows
 (escapes and surrogate pairs split anywhere wait for their end), streamed deltas split anywhere add up to the whole
 parse, calls and results of earlier turns rewritten for a template that renders neither, and the instructions
 match what the grammar allows."""
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from oval_edge.runtime.server.tool_json import (REPLY_PREFIX, JsonToolStream, instructions, parse_output,
+from oval_edge.runtime.server.tool_use.tool_json import (REPLY_PREFIX, JsonToolStream, instructions, parse_output,
                                                 prompt_messages, reply_text)
 
 NAMES = frozenset({"get_weather", "add"})

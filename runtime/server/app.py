@@ -32,7 +32,7 @@ from .generate import Job, chat_prompt_ids, completion_prompt_ids, respond, stre
 from .metrics import ServerMetrics
 from .protocol import ignored_fields, request_models
 from .tokenize_routes import install_token_routes
-from .tool_calls import ToolPlan, check_messages, tool_grammar, tool_message, tool_plan, tool_stream
+from .tool_use.tool_calls import ToolPlan, check_messages, tool_grammar, tool_message, tool_plan, tool_stream
 from .webui import install_chat_page
 
 log = logging.getLogger("oval_edge.server")

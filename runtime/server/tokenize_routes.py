@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 
 from .errors import ApiError
 from .protocol import ChatMessage, PromptText, TokenId, _Strict
-from .tool_calls import check_messages
+from .tool_use.tool_calls import check_messages
 
 MAX_TOKENS_LISTED = 1 << 17
 

@@ -21,8 +21,8 @@ from oval_edge.runtime.engine.grammar import ToolSchemaError
 from oval_edge.runtime.model.tokenizer import renders_tools
 
 from . import tool_json
-from .errors import ApiError
-from .protocol import NamedToolChoice
+from ..errors import ApiError
+from ..protocol import NamedToolChoice
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARALLEL_CALLS = 8  # generic format with parallel_tool_calls: true (a bound: a small model may list calls on)
