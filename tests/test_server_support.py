@@ -82,6 +82,18 @@ class ServerThread:
         pytest.fail(f"{self.url} did not become ready in {timeout} s")
 
 
+def serve_tools_engine(engine):
+    """A running server of `engine` as the tool tests use it (model name smol-test, 256 tokens a request at most)
+    and an openai client of it: yields (server, client)."""
+    import openai
+
+    from oval_edge.runtime.server.app import ServerSettings, create_app
+
+    with ServerThread(create_app(ServerSettings(model_name="smol-test", max_tokens_limit=256), lambda: engine)) as s:
+        s.wait_ready()
+        yield s, openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
 def get(url: str, **kwargs) -> httpx.Response:
     """httpx.get with a timeout that survives a loaded 2-core machine (httpx's default is 5 s)."""
     return httpx.get(url, timeout=kwargs.pop("timeout", 60), **kwargs)

@@ -9,13 +9,11 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
-import openai
 import pytest
 from schema_cases import function_tools
-from test_server_support import ServerThread, assert_error_object, make_engine, post, wait_pages_free
+from test_server_support import assert_error_object, make_engine, post, serve_tools_engine, wait_pages_free
 
 from oval_edge.runtime.model.tokenizer import read_chat_template
-from oval_edge.runtime.server.app import ServerSettings, create_app
 
 pytestmark = pytest.mark.slow
 TOOL_COUNT = 6
@@ -24,17 +22,20 @@ ASK = [{"role": "user", "content": "Use the tool that fits, please."}]
 
 
 @pytest.fixture(scope="module")
-def served():
+def serving():
     engine = make_engine(num_pages=96, max_model_len=1536)
     engine.chat_template = read_chat_template("chatml-tools")
-    with ServerThread(create_app(ServerSettings(model_name="smol-test", max_tokens_limit=256), lambda: engine)) as s:
-        s.wait_ready()
-        yield s
+    yield from serve_tools_engine(engine)
 
 
 @pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=300)
+def served(serving):
+    return serving[0]
+
+
+@pytest.fixture(scope="module")
+def client(serving):
+    return serving[1]
 
 
 def _case(index: int) -> tuple[list[dict], object, dict]:
