@@ -126,18 +126,22 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fla
         out = kernels.attend_slots(q, k_rows, v_rows, flat, valid, scale, limits, scales=scales)
         if out is not None:
             return out
+    return torch_attend(q, k_rows, v_rows, flat, valid, scale, limits, softcap, scales)
+
+
+def torch_attend(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
+                 valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None, softcap: float = 0.0,
+                 scales: Scales = None) -> torch.Tensor:
+    """attend_rows in torch ops only: the valid slots flat [B, Hkv, T] (the first limits[b] of row b) gathered, then
+    one softmax; from PER_HEAD_SLOTS slots one KV head at a time (head_by_head_kv)."""
     if limits is not None:
         valid = valid & (torch.arange(flat.shape[-1], device=flat.device) < limits[:, None, None])
     if flat.shape[-1] < PER_HEAD_SLOTS:
-        k, v = gather_rows(k_rows, v_rows, flat, scales, q.dtype)
-        return attend(q, k, v, valid, scale, softcap)
-    hkv = flat.shape[1]
-    group = q.shape[1] // hkv
-    out = torch.empty_like(q)
-    for head, (k, v) in enumerate(head_by_head_kv(k_rows, v_rows, flat, q.dtype, scales)):  # [B, 1, T, D] each
-        heads = slice(head * group, (head + 1) * group)
-        out[:, heads] = attend(q[:, heads], k, v, valid[:, head : head + 1], scale, softcap)
-    return out
+        return attend(q, *gather_rows(k_rows, v_rows, flat, scales, q.dtype), valid, scale, softcap)
+    group = q.shape[1] // flat.shape[1]
+    parts = [attend(q[:, h * group : (h + 1) * group], k, v, valid[:, h : h + 1], scale, softcap)
+             for h, (k, v) in enumerate(head_by_head_kv(k_rows, v_rows, flat, q.dtype, scales))]
+    return torch.cat(parts, dim=1)
 
 
 def head_by_head_kv(k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor, dtype: torch.dtype,

@@ -1,9 +1,9 @@
-"""Selection reuse ([R-reuse]): a row skips page scoring in a layer when its queries barely moved.
+"""Selection reuse ([R-reuse]): a row keeps a recent page selection in a layer when its queries barely moved.
 
 Per sequence, layer and KV head a small LRU (`OvalConfig.reuse_slots` entries, default 8) keeps recent
 selections: the unit query of the KV head's group (its G query heads flattened, [G*D]), and the top-k logical pages
 and window that query chose. At a decode step a row *hits* in a layer when every KV head finds an entry whose
-query has cosine >= tau with its current one; the row then takes those pages and windows and is not scored. A
+query has cosine >= tau with its current one; the row then takes those pages (its fresh scores are replaced). A
 row with any miss is scored afresh (one scoring call serves all of a row's KV heads, so reusing some heads of a row
 would save nothing) and each head's fresh selection replaces the least recently used entry. A hit only refreshes
 an entry's recency, never its query: every reused selection stays within tau of the query that chose it, however

@@ -27,7 +27,7 @@ import torch
 from oval_edge.kernels.cpu import decode_kernels
 from oval_edge.kv.page_record import RECORD_NAMES, LayerRecords
 
-from .attention import PER_HEAD_SLOTS, as_dtype, attend, attend_rows, gather_rows, head_by_head_kv
+from .attention import as_dtype, attend_rows, torch_attend
 from .scoring import record_scores, score_pages
 
 # The operator registry handle: it must live as long as the process, so it is module-level (never mutated after).
@@ -89,21 +89,6 @@ def _resolved(bound, op: str, body: int):
         raise RuntimeError(f"{op}: the {OP_BODIES[body]} body chosen when the step was built does not take these "
                            "tensors (a bug: report it; decode_step='static' runs without torch.compile)")
     return bound
-
-
-def torch_attend(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, flat: torch.Tensor,
-                 valid: torch.Tensor, scale: float, limits: torch.Tensor | None = None, softcap: float = 0.0,
-                 scales=None) -> torch.Tensor:
-    """attention.attend_rows in torch ops only: the valid slots flat [B, Hkv, T] (the first limits[b] of row b)
-    gathered, then one softmax; from PER_HEAD_SLOTS slots one KV head at a time (attention.head_by_head_kv)."""
-    if limits is not None:
-        valid = valid & (torch.arange(flat.shape[-1], device=flat.device) < limits[:, None, None])
-    if flat.shape[-1] < PER_HEAD_SLOTS:
-        return attend(q, *gather_rows(k_rows, v_rows, flat, scales, q.dtype), valid, scale, softcap)
-    group = q.shape[1] // flat.shape[1]
-    parts = [attend(q[:, h * group : (h + 1) * group], k, v, valid[:, h : h + 1], scale, softcap)
-             for h, (k, v) in enumerate(head_by_head_kv(k_rows, v_rows, flat, q.dtype, scales))]
-    return torch.cat(parts, dim=1)
 
 
 _LIBRARY.impl("write_kv", _write_kv, "CompositeExplicitAutograd")

@@ -33,7 +33,8 @@ from oval_edge.kv.group_record import layer_coarse
 from oval_edge.kv.page_record import LayerRecords, Rotations, layer_records
 
 from . import step_ops
-from .step_ops import OP_BODIES, torch_attend
+from .attention import torch_attend
+from .step_ops import OP_BODIES
 from .grouped import grouped_reference, uses_groups
 from .packed_scores import PackedScorer
 from .scoring import quest_scores, record_scores
