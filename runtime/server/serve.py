@@ -22,6 +22,22 @@ from .options import add_engine_arguments, describe_spec, engine_spec
 
 log = logging.getLogger("oval_edge.server")
 
+# Entries each of torch's two CPU shape caches keeps: oneDNN's primitive cache and ideep's computation cache (the
+# bf16 prefill matmuls, runtime/model/grouped/linear.py). Both default to 1,024 entries of ~0.5 MiB (each entry
+# holds JIT-compiled kernels for one [rows, in] x [in, out] shape), and a prompt's chunk gives every projection a
+# new row count: a soak's varied prompts grew the server's RSS by ~290 MiB over 6,000 requests (docs/soak.md). At
+# 16 (4 projection shapes per row count, so the last 4 row counts: a long prompt's equal chunks still hit) the two
+# caches hold ~30 MiB at most; a new shape costs ~0.2 ms to build either way. An operator's own values are kept.
+SHAPE_CACHE_CAPACITY = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
+
+
+def bound_shape_caches() -> None:
+    """Cap torch's CPU shape caches (SHAPE_CACHE_CAPACITY): the pool is sized once against a fixed reserve [R-pool],
+    which memory that grows with the requests served would eat. They read these variables when their first entry
+    is made, so this runs before the model loads (its self-checks may already multiply)."""
+    for name, value in SHAPE_CACHE_CAPACITY.items():
+        os.environ.setdefault(name, value)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
@@ -169,6 +185,7 @@ def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = N
 
 
 def run(args: argparse.Namespace) -> int:
+    bound_shape_caches()  # first: before anything in this process multiplies on the CPU
     from oval_edge.runtime.model.origin.source import resolve_model
 
     from .app import ServerSettings, create_app
