@@ -26,6 +26,7 @@ import tempfile
 
 from oval_edge.cache_dir import cache_root
 
+from .families.hybrid_gguf import HYBRID_GGUF_ARCHS, config_values as hybrid_config_values
 from .origin.source import ModelSource
 
 CONVERT_TIMEOUT_S = 600  # a large vocabulary converts in well under a minute; a hung child must not hang startup
@@ -147,25 +148,39 @@ def header_scalar(fields, key: str):
 
 
 def _own_header_values(path: str) -> dict | None:
-    """Config keys of a GGUF whose architecture is in OWN_HEADER_READER, else None (transformers reads it)."""
+    """Config keys of a GGUF whose architecture is in OWN_HEADER_READER or HYBRID_GGUF_ARCHS, else None
+    (transformers reads it)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
     fields = reader.fields
     arch = header_scalar(fields, "general.architecture")
-    if arch not in OWN_HEADER_READER:
+    if arch in HYBRID_GGUF_ARCHS:  # Qwen3.5 / LFM2: their own keys (families/hybrid_gguf.py)
+        values = hybrid_config_values(arch, lambda key: header_scalar(fields, f"{arch}.{key}"),
+                                      lambda key: header_array(fields, f"{arch}.{key}"),
+                                      {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors})
+    elif arch in OWN_HEADER_READER:
+        keys = dict(num_hidden_layers="block_count", max_position_embeddings="context_length",
+                    hidden_size="embedding_length", intermediate_size="feed_forward_length",
+                    num_attention_heads="attention.head_count", num_key_value_heads="attention.head_count_kv",
+                    rope_theta="rope.freq_base", rms_norm_eps="attention.layer_norm_rms_epsilon")
+        values = {name: header_scalar(fields, f"{arch}.{key}") for name, key in keys.items()}
+        values.update(model_type=arch, **OWN_HEADER_READER[arch])
+    else:
         return None
-    keys = dict(num_hidden_layers="block_count", max_position_embeddings="context_length",
-                hidden_size="embedding_length", intermediate_size="feed_forward_length",
-                num_attention_heads="attention.head_count", num_key_value_heads="attention.head_count_kv",
-                rope_theta="rope.freq_base", rms_norm_eps="attention.layer_norm_rms_epsilon")
-    values = {name: header_scalar(fields, f"{arch}.{key}") for name, key in keys.items()}
     tokens = fields.get("tokenizer.ggml.tokens")
-    values.update(model_type=arch, vocab_size=len(tokens.data) if tokens is not None else None,
-                  tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
+    values.update(vocab_size=len(tokens.data) if tokens is not None else None, tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
                   bos_token_id=header_scalar(fields, "tokenizer.ggml.bos_token_id"),
-                  eos_token_id=header_scalar(fields, "tokenizer.ggml.eos_token_id"), **OWN_HEADER_READER[arch])
+                  eos_token_id=header_scalar(fields, "tokenizer.ggml.eos_token_id"))
     return {name: value for name, value in values.items() if value is not None}
+
+
+def header_array(fields, key: str) -> list | None:
+    """One array of a GGUF header (numbers), None when absent or not an array (LFM2's per-layer head_count_kv)."""
+    field = fields.get(key)
+    if field is None or len(field.types) < 2:
+        return None
+    return [field.parts[index][0].item() for index in field.data]
 
 
 def _fields_transformers_drops(path: str, values: dict) -> dict:

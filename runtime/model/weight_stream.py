@@ -14,6 +14,8 @@ import re
 import numpy as np
 import torch
 
+from .families.hybrid_gguf import HYBRID_GGUF_ARCHS, HybridLayout, hf_name as hybrid_name
+
 # GGUF tensor names (llama.cpp's convert_hf_to_gguf) -> transformers' names for Llama-family decoders.
 _GGUF_GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -43,6 +45,7 @@ _GGUF_LAYER_BY_ARCH = {"gemma2": _GGUF_GEMMA_LAYER, "gemma3": _GGUF_GEMMA_LAYER,
                        "phi3": _GGUF_PHI3_LAYER}
 _NORMS_FOLDED = ("gemma2", "gemma3", "gemma3_text")
 _GGUF_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.")
 _CHUNK_BYTES = 4 << 20  # fp32 bytes dequantized at once: bounds the load peak whatever the tensor size
 
 
@@ -57,8 +60,12 @@ class GGUFWeights:
         self._reader = GGUFReader(path)
         self._permute = {"self_attn.q_proj.weight": heads, "self_attn.k_proj.weight": kv_heads} \
             if architecture in ("llama", "mistral", "smollm3") else {}
-        layer_names = _GGUF_LAYER_BY_ARCH.get(architecture, _GGUF_LAYER)
-        self._tensors = {_hf_name(tensor.name, path, layer_names): tensor for tensor in self._reader.tensors}
+        self._hybrid = None  # Qwen3.5 / LFM2: llama.cpp's changes to undo (families/hybrid_gguf.py)
+        if architecture in HYBRID_GGUF_ARCHS:
+            self._hybrid, self._tensors = _hybrid_tensors(self._reader, path, architecture)
+        else:
+            layer_names = _GGUF_LAYER_BY_ARCH.get(architecture, _GGUF_LAYER)
+            self._tensors = {_hf_name(tensor.name, path, layer_names): tensor for tensor in self._reader.tensors}
         self.norms_folded = architecture in _NORMS_FOLDED  # see _GGUF_GEMMA_LAYER
         # The parsed header (49k vocabulary strings as numpy views: ~100 MB of Python objects) is not needed here;
         # the configuration and tokenizer are read elsewhere. The tensors keep their views into the file's map.
@@ -73,7 +80,8 @@ class GGUFWeights:
         tensor = self._tensors[name]
         data = tensor.data  # [rows, bytes per row] quantized, or [rows, cols] float; a view into the file's mmap
         if data.ndim == 1:
-            return torch.from_numpy(np.array(dequantize(data, tensor.tensor_type), dtype=np.float32)).to(dtype)
+            flat = torch.from_numpy(np.array(dequantize(data, tensor.tensor_type), dtype=np.float32))
+            return (self._hybrid.restore(name, flat) if self._hybrid else flat).to(dtype)  # values in fp32
         first = dequantize(data[:1], tensor.tensor_type)  # one row tells the row width in weights
         rows, cols = data.shape[0], first.shape[-1]
         out = torch.empty((rows, cols), dtype=dtype)
@@ -87,7 +95,7 @@ class GGUFWeights:
         suffix = name.split(".", 3)[-1]
         if suffix in self._permute:
             out = _unpermute_rotary_rows(out, self._permute[suffix])
-        return out
+        return self._hybrid.restore(name, out) if self._hybrid else out  # 2-D: reorders and reshapes only
 
     def stored_type(self, name: str) -> str:
         """The GGML type name the file stores `name` in (Q4_1, Q6_K, F32, ...)."""
@@ -99,7 +107,13 @@ class GGUFWeights:
         from .grouped.gguf_blocks import convert
 
         tensor = self._tensors[name]
-        grouped = convert(tensor.data, tensor.tensor_type.name)
+        data = tensor.data
+        if self._hybrid:  # Qwen3.5's value heads back in grouped order, moving whole rows and blocks
+            data = _reordered_blocks(data, tensor.tensor_type, self._hybrid.row_order(name),
+                                     self._hybrid.column_order(name))
+            if data is None:
+                return None
+        grouped = convert(data, tensor.tensor_type.name)
         self._drop_pages(tensor.data_offset, tensor.data.nbytes)
         suffix = name.split(".", 3)[-1]
         if grouped is None or suffix not in self._permute:
@@ -216,6 +230,51 @@ def _hf_name(gguf_name: str, path: str, layer_names: dict) -> str:
         raise ValueError(f"model {path}: tensor {gguf_name!r} is not part of a supported decoder; oval-edge runs "
                          "Llama, SmolLM2, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3 and Gemma 3 GGUF files")
     return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
+
+
+def _hybrid_tensors(reader, path: str, architecture: str) -> tuple[HybridLayout, dict]:
+    """(the inverse transforms, {transformers name: tensor}) of a qwen35 / lfm2 GGUF. A Qwen3.5 file may hold
+    multi-token-prediction blocks after the decoder's (`nextn_predict_layers`): they are not run, so not listed."""
+    from .gguf_metadata import header_scalar
+
+    arch = header_scalar(reader.fields, "general.architecture")
+
+    def scalar(key: str):
+        return header_scalar(reader.fields, f"{arch}.{key}")
+
+    layers = int(scalar("block_count") or 0) - int(scalar("nextn_predict_layers") or 0)
+    tensors = {}
+    for tensor in reader.tensors:
+        block = _GGUF_BLOCK.match(tensor.name)
+        if block and int(block.group(1)) >= layers:
+            continue
+        name = hybrid_name(tensor.name, architecture)
+        if name is None:
+            raise ValueError(f"model {path}: tensor {tensor.name!r} is not part of a {arch} text decoder as "
+                             "llama.cpp's converter writes it")
+        tensors[name] = tensor
+    return HybridLayout.from_header(architecture, scalar), tensors
+
+
+def _reordered_blocks(data: np.ndarray, kind, rows: torch.Tensor | None, columns: torch.Tensor | None):
+    """A 2-D tensor's raw rows [rows, bytes per row] with rows and columns put in `rows` / `columns` order (None: as
+    stored), moving whole quantized blocks; None when a column run is not whole blocks (the caller re-quantizes
+    the dequantized, reordered weights instead)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    if data.dtype != np.uint8:  # a float tensor: no grouped form whatever its order
+        return None
+    if rows is not None:
+        data = data[rows.numpy()]
+    if columns is None:
+        return data
+    block, size = GGML_QUANT_SIZES[kind]
+    starts = columns.reshape(-1, block)  # a block of transformers' columns must be one stored block, in order
+    if columns.numel() % block or not torch.equal(starts, starts[:, :1] + torch.arange(block)) \
+            or bool((starts[:, 0] % block).any()):
+        return None
+    order = (starts[:, 0] // block).numpy()
+    return data.reshape(data.shape[0], -1, size)[:, order].reshape(data.shape[0], -1)
 
 
 def _unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

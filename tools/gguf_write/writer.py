@@ -3,6 +3,7 @@ synthetic model).
 
 Tensors are stored under llama.cpp's names, in F32 unless a quantized type is asked for; for the `llama`
 architecture family q/k rows are permuted into llama.cpp's interleaved rotary order (Qwen models are stored as is).
+Qwen3.5 (`qwen35`) and LFM2 (`lfm2`) take their header keys and tensor changes from hybrid.py.
 The tokenizer fields are copied from the bundled SmolLM2 GGUF, so the file tokenizes exactly as the bundled model
 does (the tiny test models use that vocabulary too).
 """
@@ -13,6 +14,9 @@ from typing import Iterable
 
 import numpy as np
 import torch
+
+from . import hybrid
+from .hybrid import HYBRID_ARCHITECTURES
 
 LAYER_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -56,8 +60,45 @@ def write_gguf_tensors(config, tensors: Iterable[tuple[str, torch.Tensor]], path
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
+    writer.add_vocab_size(config.vocab_size)
+    if architecture in HYBRID_ARCHITECTURES:
+        hybrid.add_header(writer, config, architecture)
+    else:
+        _add_header(writer, config, architecture)
+    _copy_tokenizer(writer, gguf.GGUFReader(bundled_gguf_path()))
+    names = GEMMA_LAYER_NAMES if architecture in GEMMA else LAYER_NAMES
+    for name, tensor in tensors:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if architecture in HYBRID_ARCHITECTURES:
+            for gguf_name, data, quantized in hybrid.converted(config, architecture, name, tensor):
+                stored = projection_type if quantized else embedding_type if gguf_name == "token_embd.weight" else "F32"
+                _add_tensor(writer, gguf_name, data, stored)
+            continue
+        tensor = tensor.detach().float()
+        if architecture in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            tensor = _permute(tensor, heads)
+        if architecture in GEMMA and name.endswith("norm.weight"):
+            tensor = tensor + 1.0
+        data = np.ascontiguousarray(tensor.numpy())
+        is_projection = name.startswith("model.layers.") and "norm" not in name and data.ndim == 2
+        stored = projection_type if is_projection else embedding_type if name == "model.embed_tokens.weight" else "F32"
+        _add_tensor(writer, _gguf_name(name, names), data, stored)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_header(writer, config, architecture: str) -> None:
+    """The Llama-shaped families' header keys besides the sizes every family has (Gemma's window and soft-caps,
+    Phi-3's rope)."""
+    import gguf
+
+    writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count_kv(config.num_key_value_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
@@ -75,33 +116,19 @@ def write_gguf_tensors(config, tensors: Iterable[tuple[str, torch.Tensor]], path
             writer.add_rope_scaling_factor(float(rope["factor"]))
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
     if architecture == "phi3":
         _add_phi3_rope(writer, config)
-    _copy_tokenizer(writer, gguf.GGUFReader(bundled_gguf_path()))
-    names = GEMMA_LAYER_NAMES if architecture in GEMMA else LAYER_NAMES
-    for name, tensor in tensors:
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        tensor = tensor.detach().float()
-        if architecture in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            tensor = _permute(tensor, heads)
-        if architecture in GEMMA and name.endswith("norm.weight"):
-            tensor = tensor + 1.0
-        data = np.ascontiguousarray(tensor.numpy())
-        is_projection = name.startswith("model.layers.") and "norm" not in name and data.ndim == 2
-        stored = projection_type if is_projection else embedding_type if name == "model.embed_tokens.weight" else "F32"
-        if stored != "F32":
-            kind = gguf.GGMLQuantizationType[stored]
-            writer.add_tensor(_gguf_name(name, names), gguf.quants.quantize(data, kind), raw_dtype=kind)
-            continue
-        writer.add_tensor(_gguf_name(name, names), data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+
+
+def _add_tensor(writer, gguf_name: str, data: np.ndarray, stored: str) -> None:
+    """One tensor, F32 as it is or quantized by gguf's quantizer to the GGML type `stored`."""
+    import gguf
+
+    if stored == "F32":
+        writer.add_tensor(gguf_name, data)
+        return
+    kind = gguf.GGMLQuantizationType[stored]
+    writer.add_tensor(gguf_name, gguf.quants.quantize(data, kind), raw_dtype=kind)
 
 
 def _add_phi3_rope(writer, config) -> None:
