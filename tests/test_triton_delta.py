@@ -12,39 +12,26 @@ from __future__ import annotations
 
 import importlib
 import os
+from unittest import mock
 
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (the x86_64 test extra has it); the torch step covers "
                                      "decoding without it")
+from test_triton_grouped import F16, F32, TOL, _near  # its import also sets up the interpreter for triton_ops
+from triton.runtime.interpreter import InterpretedFunction
 
-# TRITON_INTERPRET is read when @triton.jit runs, i.e. when the kernel modules are imported: set it first, reload
-# them if this worker imported them earlier without it, then put the variable back for the other test files.
-_PREVIOUS = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from oval_edge.runtime.engine.forward.op_trace import OpTrace
+from oval_edge.runtime.engine.forward.state_mixers import gated_delta_step
 
-from oval_edge.kernels import triton_delta, triton_ops  # noqa: E402
-
-if not all(isinstance(f, InterpretedFunction) for f in (triton_ops._add, triton_delta._delta_step_kernel)):
-    for _module in (triton_ops, triton_delta):  # the kernel binds triton_ops' reductions
-        importlib.reload(_module)
-if _PREVIOUS is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _PREVIOUS
-
-from oval_edge.runtime.engine.forward.op_trace import OpTrace  # noqa: E402
-from oval_edge.runtime.engine.forward.state_mixers import gated_delta_step  # noqa: E402
-
-F32, F16 = torch.float32, torch.float16
-TOL = {F32: 1e-5, F16: 2e-3}
-
-
-def _near(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    error = float((actual.double() - expected.double()).abs().max())
-    assert error <= tol * max(1.0, float(expected.abs().max())), f"max abs diff {error:.3g}"
+# TRITON_INTERPRET is read when @triton.jit runs, i.e. when a kernel module is imported: import (or reload, if this
+# worker imported it without the variable) with it set, and leave the environment as it was for other test files.
+with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+    from oval_edge.kernels import triton_delta, triton_ops
+    if not all(isinstance(f, InterpretedFunction) for f in (triton_ops._add, triton_delta._delta_step_kernel)):
+        for _module in (triton_ops, triton_delta):  # in this order: the kernel binds triton_ops' reductions
+            importlib.reload(_module)
 
 
 def _step_inputs(seed: int, slots: list[int], key_heads: int, value_heads: int, key_dim: int, value_dim: int,
@@ -115,34 +102,33 @@ def test_gated_delta_step_declines_what_it_does_not_take():
     assert take(*[t[:0] for t in inputs], states, slots[:0]).shape == (0, 4, 16)  # nothing to launch
 
 
+class LaunchRecorder:
+    """Stands in for the kernel: `kernel[grid](*args, **constexprs)` records (grid, constexprs) and runs nothing."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid: tuple):
+        return lambda *_args, **constexprs: self.launches.append((grid, constexprs))
+
+
 def test_gated_delta_step_reads_no_tensor_value_on_the_host(monkeypatch):
     """What CUDA-graph capture needs of the entry point: no op that reads a device value on the host (item(),
     bool(), nonzero), no copy between devices, the grid and block sizes from shapes alone. Run whole (the
-    interpreter's own staging copies show up, all on the host) and with the launch recorded instead."""
+    interpreter's own staging copies show up, all on the host), then with the launch recorded instead."""
     slots = torch.tensor([1, 0, 1])
     inputs = _step_inputs(5, [1, 0, 1], 2, 4, 16, 24, F32)
     pool = torch.randn(2, 4, 16, 24)
     expected = triton_delta.gated_delta_step(*inputs, pool.clone(), slots)
-
-    def refuse(*_args, **_kwargs):
-        raise AssertionError("the delta step kernel read a tensor's value on the host")
-
-    launches = []
-
-    class Recorder:  # kernel[grid](*args, **constexprs)
-        def __getitem__(self, grid):
-            return lambda *args, **constexprs: launches.append((grid, constexprs))
-
-    with monkeypatch.context() as patch:
-        for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
-            patch.setattr(torch.Tensor, name, refuse)
-        with torch.inference_mode(), OpTrace() as whole:
-            actual = triton_delta.gated_delta_step(*inputs, pool, slots)
-        patch.setattr(triton_delta, "_delta_step_kernel", Recorder())
-        with torch.inference_mode(), OpTrace() as entry:
-            triton_delta.gated_delta_step(*inputs, pool.clone(), slots)
-    assert whole.host_reads == [] and whole.device_copies == []
-    assert torch.equal(actual, expected)
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *_: pytest.fail("the delta step read a tensor on the host"))
+    with torch.inference_mode(), OpTrace() as whole:
+        actual = triton_delta.gated_delta_step(*inputs, pool, slots)
+    recorder = LaunchRecorder()
+    monkeypatch.setattr(triton_delta, "_delta_step_kernel", recorder)
+    with torch.inference_mode(), OpTrace() as entry:
+        triton_delta.gated_delta_step(*inputs, pool.clone(), slots)
+    monkeypatch.undo()  # torch.Tensor's methods back before the assertions format anything
+    assert whole.host_reads == [] and whole.device_copies == [] and torch.equal(actual, expected)
     assert entry.host_reads == [] and entry.device_copies == []
-    (grid, constexprs), = launches
-    assert grid == (3, 4, 2) and constexprs == {"KEY_DIM": 16, "BLOCK_V": 16}
+    assert recorder.launches == [((3, 4, 2), {"KEY_DIM": 16, "BLOCK_V": 16})]
