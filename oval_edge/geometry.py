@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .record_layout import int4_coord_bytes, int5_row_bytes
+from .state_layout import StateLayout
 from .units import format_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -45,6 +46,9 @@ class KVGeometry:
     group_pages: int = 0
     # kv_dtype='int8': K/V as int8 codes + a scale per row; `dtype` is then that of the rest (kv/int8.py).
     kv_int8: bool = False
+    # Hybrid models' state layers (Qwen3.5's linear attention, LFM2's conv; state_layout.py): a fixed state per
+    # sequence, no K/V at all. None = none.
+    states: StateLayout | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim", "page_size"):
@@ -75,6 +79,10 @@ class KVGeometry:
                                  or not all(0 <= i < self.layers for i in self.ring_layers)):
             raise ValueError(f"ring_layers={self.ring_layers} must be distinct increasing layer indices below "
                              f"layers={self.layers}, with a window >= 1 (got {self.window})")
+        state_layers = set(self.states.indices) if self.states is not None else set()
+        if state_layers & set(self.ring_layers) or any(i >= self.layers for i in state_layers):
+            raise ValueError(f"state layers {sorted(state_layers)} must be layers below layers={self.layers} and "
+                             f"not sliding ones ({self.ring_layers})")
         if self.kv_int8 and self.ring_layers:
             raise ValueError(f"kv_dtype='int8' does not take sliding-window layers (this model has "
                              f"{len(self.ring_layers)}; their rings are kept in the float dtype only); use "
@@ -83,26 +91,43 @@ class KVGeometry:
     @classmethod
     def for_oval(cls, layers: int, kv_heads: int, head_dim: int, oval, dtype: str,
                  summary_kinds: tuple[str, ...] | None = None,
-                 ring: tuple[tuple[int, ...], int] = ((), 0)) -> "KVGeometry":
+                 ring: tuple[tuple[int, ...], int] = ((), 0), states: StateLayout | None = None) -> "KVGeometry":
         """The geometry an OvalConfig asks for (its page size and rank; its scorer's summaries unless told).
         ring: (sliding-window layers, window), ring_layout() of the model config. dtype: the float dtype
-        (OvalConfig.pool_dtype); oval.kv_dtype == 'int8' stores K/V as int8 beside it."""
+        (OvalConfig.pool_dtype); oval.kv_dtype == 'int8' stores K/V as int8 beside it. states: state_layout() of
+        a hybrid model's config."""
         kinds = tuple(summary_kinds or (oval.scorer,))
         return cls(layers, kv_heads, head_dim, oval.page_size, dtype, kinds, oval.rank, oval.record, *ring,
-                   group_pages=oval.group_pages if "oval" in kinds else 0, kv_int8=oval.kv_dtype == "int8")
+                   group_pages=oval.group_pages if "oval" in kinds else 0, kv_int8=oval.kv_dtype == "int8",
+                   states=states)
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def state_layers(self) -> tuple[int, ...]:
+        """Layers that keep a fixed per-sequence state instead of K/V (hybrid models)."""
+        return self.states.indices if self.states is not None else ()
+
+    @property
     def paged_layers(self) -> int:
-        """Layers whose K/V live in pages of the pool (all but the sliding-window ones)."""
-        return self.layers - len(self.ring_layers)
+        """Layers whose K/V live in pages of the pool (all but the sliding-window and the state ones)."""
+        return self.layers - len(self.ring_layers) - len(self.state_layers)
 
     def paged_index(self, layer: int) -> int:
-        """Model layer -> its index in the pool's paged tensors (identity without sliding layers)."""
-        return layer - sum(1 for ring in self.ring_layers if ring < layer)
+        """Model layer -> its index in the pool's paged tensors (identity with full attention only)."""
+        return layer - sum(1 for other in self.ring_layers + self.state_layers if other < layer)
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """The state layers' conv and recurrent state of one sequence (state_layout.py); 0 without any."""
+        return self.states.bytes_per_sequence if self.states is not None else 0
+
+    @property
+    def sequence_bytes(self) -> int:
+        """What each sequence the engine may run at once costs before any page: its rings and its states."""
+        return self.ring_bytes_per_sequence + self.state_bytes_per_sequence
 
     @property
     def ring_pages(self) -> int:

@@ -22,14 +22,17 @@ class PoolSizing:
     bytes_per_page: int
     pages: int
     ring_bytes: int = 0  # the sliding layers' rings (oval_edge/kv/ring.py), fixed by the sequences they serve
+    state_bytes: int = 0  # hybrid models' conv and recurrent states (oval_edge/kv/state.py), likewise
 
     @property
     def pool_bytes(self) -> int:
-        return self.pages * self.bytes_per_page + self.ring_bytes
+        return self.pages * self.bytes_per_page + self.ring_bytes + self.state_bytes
 
     def explain(self) -> str:
-        left = self.budget_bytes - self.weight_bytes - self.workspace_bytes - self.reserve_bytes - self.ring_bytes
+        left = (self.budget_bytes - self.weight_bytes - self.workspace_bytes - self.reserve_bytes - self.ring_bytes
+                - self.state_bytes)
         rings = f" - sliding-layer rings {format_bytes(self.ring_bytes)}" if self.ring_bytes else ""
+        rings += f" - layer states {format_bytes(self.state_bytes)}" if self.state_bytes else ""
         return (
             f"pages = floor((budget {format_bytes(self.budget_bytes)} - weights {format_bytes(self.weight_bytes)}"
             f" - workspace {format_bytes(self.workspace_bytes)} - reserve {format_bytes(self.reserve_bytes)}{rings})"
@@ -46,13 +49,15 @@ def size_pool(
     reserve_bytes: int = 0,
     ring_sequences: int = 0,
 ) -> PoolSizing:
-    """pages = floor((budget - weights - workspace - reserve - rings) / bytes_per_page), where the sliding layers'
-    rings cost geometry.ring_bytes_per_sequence for each of `ring_sequences` sequences.
+    """pages = floor((budget - weights - workspace - reserve - rings - states) / bytes_per_page), where the sliding
+    layers' rings and the state layers' states cost geometry.sequence_bytes for each of `ring_sequences` sequences
+    (the engine's max_batch: each running sequence holds one).
 
     Raises ValueError with the minimum budget when not even one page fits, so the user knows what to set.
     """
     ring_bytes = ring_sequences * geometry.ring_bytes_per_sequence
-    reserve_bytes += ring_bytes  # spent before any page, like the reserve (split out again below)
+    state_bytes = ring_sequences * geometry.state_bytes_per_sequence
+    reserve_bytes += ring_bytes + state_bytes  # spent before any page, like the reserve (split out again below)
     left = budget_bytes - weight_bytes - workspace_bytes - reserve_bytes
     pages = left // geometry.bytes_per_page if left > 0 else 0
     if pages < 1:
@@ -63,5 +68,5 @@ def size_pool(
             f"{format_bytes(reserve_bytes)} already take {format_bytes(budget_bytes - left)}; "
             f"the minimum for one page is {format_bytes(minimum)} ({minimum} bytes)"
         )
-    return PoolSizing(budget_bytes, weight_bytes, workspace_bytes, reserve_bytes - ring_bytes, geometry.bytes_per_page,
-                      int(pages), ring_bytes)
+    return PoolSizing(budget_bytes, weight_bytes, workspace_bytes, reserve_bytes - ring_bytes - state_bytes,
+                      geometry.bytes_per_page, int(pages), ring_bytes, state_bytes)

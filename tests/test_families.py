@@ -174,7 +174,7 @@ def test_gguf_written_under_llama_cpp_names_loads_to_the_same_logits(tmp_path_fa
     assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "lfm2", "phimoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "jamba", "phimoe"])
 def test_families_not_yet_supported_are_refused_with_the_supported_list(tmp_path, model_type):
     import json
 

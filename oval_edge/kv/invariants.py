@@ -31,6 +31,9 @@ def check_pool_invariants(pool) -> None:
         assert pool.tables.sealed[sid] <= pool.tables.lengths[sid] // pool.page_size, f"{sid}: sealed a page not full"
     if pool.rings is not None:
         pool.rings.check_invariants()
+    if pool.states is not None:
+        pool.states.check_invariants()
+        assert pool.states.holders() == set(pool.tables.tables), "state slots and page tables name other sequences"
     pool.group_slots.check_invariants()
     if tier is not None:
         check_store_invariants(pool, tier)

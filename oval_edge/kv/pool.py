@@ -28,6 +28,7 @@ from .int8 import Int8Pages
 from .invariants import check_pool_invariants
 from .page_tables import PageTables
 from .ring import SlidingRings
+from .state import SequenceStates
 from .store.page_file import PageStore
 from .store.layout import StoreLayout
 from .store.tier import StoreTier
@@ -64,9 +65,9 @@ class PagePool:
         self.sizing = sizing
         self.seal_chunk = seal_chunk_pages(geometry)  # pages summarised per batch (bounded transient memory)
         g = geometry
-        if store is not None and (g.group_pages or g.ring_layers):
-            raise ValueError("the page store does not yet take two-level scoring (group_pages) or sliding-window "
-                             "layers; set group_pages=0 or leave kv_store unset")
+        if store is not None and (g.group_pages or g.ring_layers or g.states):
+            raise ValueError("the page store does not yet take two-level scoring (group_pages), sliding-window "
+                             "layers or a hybrid model's state layers; set group_pages=0 or leave kv_store unset")
         dtype = TORCH_DTYPES[g.dtype]
         frames = num_pages + (store_layout.recall_pages if store is not None else 0)
         records = frames + (store.blocks if store is not None else 0)  # every page's record, stored ones too
@@ -79,11 +80,16 @@ class PagePool:
                               self.device) if g.kv_int8 else None
         # Sliding layers keep a ring per sequence (ring.py) for at most ring_sequences (default: pages) sequences.
         self.rings = SlidingRings(g, ring_sequences or num_pages, dtype, self.device) if g.ring_layers else None
-        # Model layer -> its row of k / v / summaries (-1: in the rings), and its [rows, head_dim] views (no copy).
-        self.paged_index = [-1 if layer in g.ring_layers else g.paged_index(layer) for layer in range(g.layers)]
-        self.k_rows = [self.k[i].view(-1, g.head_dim) if i >= 0 else self.rings.k_rows[self.rings.index[layer]]
+        # Hybrid models' state layers keep a slot per running sequence (state.py); the same count as the rings.
+        self.states = SequenceStates(g.states, ring_sequences or 8, TORCH_DTYPES[g.states.dtype],
+                                     self.device) if g.states else None
+        # Model layer -> its row of k / v / summaries (-1: in the rings or a state layer), and its [rows, head_dim]
+        # views (no copy; None for a state layer, which has no K/V).
+        self.paged_index = [-1 if layer in g.ring_layers or layer in g.state_layers else g.paged_index(layer)
+                            for layer in range(g.layers)]
+        self.k_rows = [self._rows(self.k, self.rings and self.rings.k_rows, layer, i)
                        for layer, i in enumerate(self.paged_index)]
-        self.v_rows = [self.v[i].view(-1, g.head_dim) if i >= 0 else self.rings.v_rows[self.rings.index[layer]]
+        self.v_rows = [self._rows(self.v, self.rings and self.rings.v_rows, layer, i)
                        for layer, i in enumerate(self.paged_index)]
         # layer -> (k, v scales [rows]) of an int8 layer, else None: what attention dequantizes the rows with
         self.scale_rows = [self.int8.scale_rows[i] if self.int8 and i >= 0 else None for i in self.paged_index]
@@ -95,6 +101,14 @@ class PagePool:
         self.tables = PageTables(num_pages, g.page_size, None if self.rings is not None else prefix_salt)
         self.sealer = PageSealer(self.eta)  # a public hook: eval seals each row's pages with that row's eta
         self.store = None if store is None else StoreTier(self, store, store_layout)
+
+    def _rows(self, paged: torch.Tensor, ring_rows, layer: int, index: int) -> torch.Tensor | None:
+        """A layer's [rows, head_dim] view of its K or V: its pages, its rings, or None (a state layer)."""
+        if index >= 0:
+            return paged[index].view(-1, self.geometry.head_dim)
+        if layer in self.geometry.state_layers:
+            return None
+        return ring_rows[self.rings.index[layer]]
 
     # ---- questions ----------------------------------------------------------------------------------------
     @property
@@ -168,7 +182,9 @@ class PagePool:
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the pool allocated (once, at construction)."""
         rings = [self.rings.k, self.rings.v] if self.rings is not None else []
-        return [self.k, self.v, *self.summaries.values(), *rings, *(self.int8.tensors() if self.int8 else [])]
+        states = self.states.tensors() if self.states is not None else []
+        return [self.k, self.v, *self.summaries.values(), *rings, *states,
+                *(self.int8.tensors() if self.int8 else [])]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -186,7 +202,8 @@ class PagePool:
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether allocate(seq, num_tokens) would succeed now without a prefix hit (>= 1 page per sequence)."""
         rings_free = self.rings is None or self.rings.num_free > 0
-        return rings_free and self.pages_needed(max(num_tokens, 1)) <= self.num_takeable
+        states_free = self.states is None or self.states.num_free > 0
+        return rings_free and states_free and self.pages_needed(max(num_tokens, 1)) <= self.num_takeable
 
     def allocate(self, seq_id: Hashable, num_tokens: int, tokens: Sequence[int] | None = None,
                  scored: bool = True) -> list[int] | None:
@@ -204,6 +221,10 @@ class PagePool:
         if need > self.num_takeable - self.ledger.cached_among(hits):
             return None
         if self.rings is not None and not self.rings.take(seq_id):
+            return None
+        if self.states is not None and not self.states.take(seq_id):
+            if self.rings is not None:
+                self.rings.release(seq_id)
             return None
         for page in hits:
             self.ledger.take(page)
@@ -260,6 +281,8 @@ class PagePool:
             self.int8.staging.release(pages)
         if self.rings is not None:
             self.rings.release(seq_id)
+        if self.states is not None:
+            self.states.release(seq_id)
         if not pages:
             return 0
         held = len(pages)

@@ -168,7 +168,8 @@ def row_write(pool, layer: int) -> Body:
 
 def _not_scored(layer: int) -> Callable:
     def refuse(*_):
-        raise ValueError(f"layer {layer} is dense or sliding-window: the step's table has no scorer for it")
+        raise ValueError(f"layer {layer} is dense, sliding-window or a state layer: the step's table has no such op "
+                         "for it")
     return refuse
 
 
@@ -216,6 +217,10 @@ def step_ops_table(pool, config, width: int, heads: int, scale: float, scored: l
     two_level = config.scorer == "oval" and uses_groups(width, config.group_pages, config.top_groups)
     chosen: dict[str, list[Body]] = {op: [] for op in ("write", "scores", "attend")}
     for layer, row in enumerate(pool.paged_index):
+        if pool.k_rows[layer] is None:  # a hybrid model's state layer: no K/V, nothing to write, score or attend
+            for op in chosen:
+                chosen[op].append(("", _not_scored(layer)))
+            continue
         attention = slot_attention(kernels, pool.k_rows[layer], pool.v_rows[layer], pool.scale_rows[layer], hkv,
                                    group, scale, softcap, dtype)
         chosen["write"].append(_traced_write(pool, layer) if traced else row_write(pool, layer))

@@ -13,6 +13,7 @@ from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
 from oval_edge.geometry import (KVGeometry, decode_graph_bytes, kv_dims, prefill_workspace_bytes, ring_layout,
                                 stage_pages_for)
 from oval_edge.pool_sizing import size_pool
+from oval_edge.state_layout import state_layout
 from oval_edge.kernels.cpu import describe_kernels
 from oval_edge.kv.store.layout import StoreLayout
 from oval_edge.kv.store.mirror import DenseMirror
@@ -141,8 +142,11 @@ def pool_geometry(model_config, oval: OvalConfig, config: EngineConfig, device: 
     """The pool's shape for this model, config and device (the planner predicts the same one)."""
     act = None if activations is None else str(activations).removeprefix("torch.")
     oval = oval.for_context(model_config.max_position_embeddings)  # as Engine and the planner resolve it
-    return KVGeometry.for_oval(*kv_dims(model_config), oval, oval.pool_dtype(device.type, act), config.summary_kinds,
-                               ring_layout(model_config))
+    dtype = oval.pool_dtype(device.type, act)
+    # a hybrid's conv states in the activations' dtype (the K/V's may be narrower), recurrent ones in fp32
+    states = state_layout(model_config, act or dtype)
+    return KVGeometry.for_oval(*kv_dims(model_config), oval, dtype, config.summary_kinds, ring_layout(model_config),
+                               states)
 
 
 def uses_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
@@ -175,6 +179,10 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
     if salt is not None and geometry.ring_layers:
         log.info("prefix cache: off (%d sliding-window layers keep only their window; a cached page's keys are "
                  "gone from their rings)", len(geometry.ring_layers))
+        salt = None
+    if salt is not None and geometry.states is not None:
+        log.info("prefix cache: off (%d state layers keep one state per sequence, not per page: a cached page "
+                 "chain cannot restore it)", len(geometry.state_layers))
         salt = None
     if config.num_pages is None and geometry.paged_layers == 0:
         # Every layer on a window (Mistral v0.1, Phi-3-mini-4k): pages hold no bytes, only positions; enough of them
@@ -213,7 +221,7 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         # Enough for max_batch sequences at full context, but never more than the memory there is.
         wanted = loaded.weight_bytes + workspace + reserve
         wanted += config.max_batch * (-(-max_model_len // oval.page_size) * geometry.bytes_per_page
-                                      + geometry.ring_bytes_per_sequence)
+                                      + geometry.sequence_bytes)
         held = loaded.weight_bytes + reserve  # already inside `available` accounting below
         budget = min(wanted, held + int(0.8 * available_bytes(loaded.device)))
     sizing = size_pool(budget, loaded.weight_bytes, geometry, workspace, reserve, ring_sequences=config.max_batch)

@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .families.gemma import GEMMA_TYPES, gemma_fields, text_part, with_defaults
+from .families.hybrid import HYBRID_TYPES, hybrid_fields, hybrid_text_part
 from .origin.source import check_architecture
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")  # the MLP's gate activation (Gemma: GeGLU with tanh-gelu)
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# full and sliding attention; Qwen3.5's Gated DeltaNet and LFM2's short conv keep a fixed state instead of K/V
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
+STATE_LAYER_TYPES = ("linear_attention", "conv")
 UNIFORM_SLIDING = ("mistral", "phi3")  # families whose sliding_window, when it binds, applies to every layer
 
 
@@ -57,6 +60,16 @@ class DecoderConfig:
     sliding_window: int = 0
     local_rope_theta: float = 0.0
     partial_rotary_factor: float = 1.0  # Phi-4-mini: 0.75, only the first head_dim * factor dims of a head rotate
+    # Hybrids (families/hybrid.py). Qwen3.5: a sigmoid gate on the attention output (its rows in q_proj), the
+    # linear-attention layers' sizes; LFM2: the short conv's taps and bias. 0: no such layers.
+    attn_output_gate: bool = False
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    conv_L_cache: int = 0
+    conv_bias: bool = False
     where: str = ""  # the file or folder it came from, for error messages
 
     def __post_init__(self) -> None:
@@ -80,6 +93,16 @@ class DecoderConfig:
         if self.layer_types and (len(self.layer_types) != self.num_hidden_layers or bad_kinds):
             raise ValueError(f"model {self.where}: layer_types={list(self.layer_types)} must name one of "
                              f"{', '.join(LAYER_TYPES)} per layer ({self.num_hidden_layers} layers)")
+        if "linear_attention" in self.layer_types:
+            sizes = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                     self.linear_value_head_dim)
+            if min(sizes) < 1 or self.linear_num_value_heads % self.linear_num_key_heads \
+                    or self.linear_conv_kernel_dim < 2:
+                raise ValueError(f"model {self.where}: linear-attention layers need key/value heads and dims >= 1 "
+                                 f"(got {sizes}), value heads a multiple of key heads and a conv kernel >= 2 (got "
+                                 f"{self.linear_conv_kernel_dim})")
+        if "conv" in self.layer_types and self.conv_L_cache < 2:
+            raise ValueError(f"model {self.where}: short-conv layers need conv_L_cache >= 2, got {self.conv_L_cache}")
         if "sliding_attention" in self.layer_types and self.sliding_window < 1:
             raise ValueError(f"model {self.where}: sliding layers need sliding_window >= 1, got {self.sliding_window}")
         if self.rope_layers and (len(self.rope_layers) != self.num_hidden_layers
@@ -96,6 +119,14 @@ class DecoderConfig:
                              "leave an even number of dims >= 2")
         if rope_type == "longrope":
             _check_longrope(self)
+
+    def layer_kind(self, layer: int) -> str:
+        """What layer `layer` is: one of LAYER_TYPES (full_attention when the model names no kinds)."""
+        return self.layer_types[layer] if self.layer_types else "full_attention"
+
+    def is_state_layer(self, layer: int) -> bool:
+        """Whether layer `layer` keeps a fixed per-sequence state (oval_edge/state_layout.py) instead of K/V."""
+        return self.layer_kind(layer) in STATE_LAYER_TYPES
 
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer` attends only to its last `sliding_window` positions (its K/V live in a ring)."""
@@ -130,12 +161,14 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "DecoderConfig":
         """From transformers-named keys: a config.json, or the dict transformers parses out of a GGUF header."""
-        d = text_part(d)
+        d = hybrid_text_part(text_part(d))
         check_architecture(d.get("model_type"), where)
         try:
             if d["model_type"] in GEMMA_TYPES:
                 d = with_defaults(d)
             family = gemma_fields(d) if d["model_type"] in GEMMA_TYPES else {}
+            if d["model_type"] in HYBRID_TYPES:
+                d, family = hybrid_fields(d)
             window = d.get("sliding_window")
             sliding = "sliding_attention" in (d.get("layer_types") or [])
             if not family and window and (d.get("use_sliding_window", True) or sliding) \
@@ -172,7 +205,7 @@ class DecoderConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 hidden_act=d.get("hidden_activation") or d.get("hidden_act", "silu"),
                 bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
-                qk_norm=kind in ("qwen3", "gemma3_text"),
+                qk_norm=kind in ("qwen3", "gemma3_text") or bool(family.pop("qk_norm", False)),
                 rope_layers=rope_layers, partial_rotary_factor=partial, where=where, **family,
             )
         except KeyError as exc:

@@ -69,12 +69,45 @@ class RotaryEmbedding(nn.Module):
 
 class DecoderAttention(nn.Module):
     def __init__(self, qkv_proj: nn.Module, o_proj: nn.Module, q_norm: RMSNorm | None = None,
-                 k_norm: RMSNorm | None = None, use_rope: bool = True):
+                 k_norm: RMSNorm | None = None, use_rope: bool = True, output_gate: bool = False):
         super().__init__()
-        self.qkv_proj = qkv_proj  # hidden -> (Hq + 2 Hkv) * D, rows q | k | v
+        self.qkv_proj = qkv_proj  # hidden -> (Hq + 2 Hkv) * D, rows q | k | v (| gate [Hq * D] with output_gate)
+        self.output_gate = output_gate  # Qwen3.5: the attention's output times sigmoid(gate) before o_proj
         self.o_proj = o_proj
         self.q_norm, self.k_norm = q_norm, k_norm  # Qwen3: RMSNorm over each head's D before RoPE, else None
         self.use_rope = use_rope  # False in a NoPE layer (SmolLM3): q and k are not rotated (transformers' name)
+
+
+class LinearAttention(nn.Module):
+    """Qwen3.5's Gated DeltaNet weights (transformers' Qwen3_5GatedDeltaNet), its four input projections fused.
+
+    in_proj: hidden -> rows q | k | v (the conv's channels C = 2 Hk dk + Hv dv) | z [Hv dv]; gate_proj: hidden ->
+    b [Hv] | a [Hv] (kept as read: they set each head's write strength and decay); conv_weight [C, K] the depthwise causal conv; decay_rate [Hv] fp32 = -exp(A_log) (the log decay per step is
+    decay_rate * softplus(a + dt_bias)); norm_weight [dv] the gated RMSNorm's (plain w); out_proj: Hv dv -> hidden.
+    The per-sequence state lives in the pool (oval_edge/kv/state.py)."""
+
+    def __init__(self, in_proj: nn.Module, gate_proj: nn.Module, conv_weight: torch.Tensor, dt_bias: torch.Tensor,
+                 a_log: torch.Tensor, norm_weight: torch.Tensor, out_proj: nn.Module, k_heads: int, v_heads: int,
+                 key_dim: int, value_dim: int, eps: float):
+        super().__init__()
+        self.in_proj, self.gate_proj, self.out_proj = in_proj, gate_proj, out_proj
+        self.conv_weight = nn.Parameter(conv_weight, requires_grad=False)
+        self.dt_bias = nn.Parameter(dt_bias.float(), requires_grad=False)
+        self.decay_rate = nn.Parameter(-a_log.float().exp(), requires_grad=False)
+        self.norm_weight = nn.Parameter(norm_weight, requires_grad=False)
+        self.k_heads, self.v_heads, self.key_dim, self.value_dim, self.eps = k_heads, v_heads, key_dim, value_dim, eps
+
+
+class ShortConv(nn.Module):
+    """LFM2's gated short conv (transformers' Lfm2ShortConv): in_proj hidden -> rows B | C | x [3 hidden];
+    y = C * conv(B * x) with conv_weight [hidden, K] (+ conv_bias [hidden]) causal and depthwise; out_proj."""
+
+    def __init__(self, in_proj: nn.Module, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                 out_proj: nn.Module):
+        super().__init__()
+        self.in_proj, self.out_proj = in_proj, out_proj
+        self.conv_weight = nn.Parameter(conv_weight, requires_grad=False)
+        self.conv_bias = None if conv_bias is None else nn.Parameter(conv_bias, requires_grad=False)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -98,14 +131,21 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Llama: input_layernorm before attention, post_attention_layernorm before the MLP. Gemma (sandwich norms, the
+    """Llama: input_layernorm before attention (or a hybrid's state mixer), post_attention_layernorm before the MLP.
+    Gemma (sandwich norms, the
     two extra norms given): input_layernorm before attention, post_attention_layernorm on its output,
     pre_feedforward_layernorm before the MLP, post_feedforward_layernorm on its output (transformers' names)."""
 
-    def __init__(self, attention: DecoderAttention, mlp: DecoderMLP, input_norm: RMSNorm, post_norm: RMSNorm,
+    def __init__(self, attention: nn.Module, mlp: DecoderMLP, input_norm: RMSNorm, post_norm: RMSNorm,
                  pre_ffn_norm: RMSNorm | None = None, post_ffn_norm: RMSNorm | None = None):
         super().__init__()
-        self.self_attn = attention
+        # the token mixer under transformers' name: self_attn, or a hybrid's linear_attn (Qwen3.5) / conv (LFM2)
+        if isinstance(attention, LinearAttention):
+            self.linear_attn = attention
+        elif isinstance(attention, ShortConv):
+            self.conv = attention
+        else:
+            self.self_attn = attention
         self.mlp = mlp
         self.input_layernorm = input_norm
         self.post_attention_layernorm = post_norm

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from .config import DecoderConfig
-from .decoder import DecoderAttention, DecoderLayer, DecoderMLP, DecoderModel, DecoderStack, RMSNorm
+from .decoder import (DecoderAttention, DecoderLayer, DecoderMLP, DecoderModel, DecoderStack, LinearAttention,
+                      RMSNorm, ShortConv)
+from .families.hybrid import HYBRID_TYPES, RenamedWeights
 from .embeddings import (Int8Embedding, Int8Head, StoredEmbedding, StoredHead, int8_head_applies, int8_table_applies,
                          int8_table_from_rows)
 from .heap import release_heap
@@ -26,7 +28,13 @@ from .quantize import linear4bit, pack_for_cpu
 BNB_QUANTS = ("nf4", "fp4")
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
-_REQUIRED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+_REQUIRED = {"attention": ("self_attn.o_proj.weight", "mlp.down_proj.weight"),
+             "linear_attention": ("linear_attn.conv1d.weight", "linear_attn.A_log", "linear_attn.dt_bias",
+                                  "linear_attn.norm.weight", "linear_attn.out_proj.weight", "mlp.down_proj.weight"),
+             "conv": ("conv.conv1d.weight", "conv.in_proj.weight", "conv.out_proj.weight", "mlp.down_proj.weight")}
+# Qwen3.5's fused DeltaNet input projections (decoder.LinearAttention): rows q | k | v | z, and b | a
+_LINEAR_PARTS = ["in_proj_qkv", "in_proj_z"]
+_GATE_PARTS = ["in_proj_b", "in_proj_a"]
 _LAYER_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 _SANDWICH_NORMS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")  # Gemma
 # The q/k/v and gate/up projections, stored apart (Llama, Qwen, SmolLM) or already fused in the checkpoint (Phi-3:
@@ -39,6 +47,8 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
                   storage: torch.dtype) -> DecoderModel:
     """weights: runtime.model.weight_stream.GGUFWeights / SafetensorsWeights. dtype: activations and norms; storage:
     what the 16-bit tensors are kept (and, for 4-bit, quantized) from."""
+    if config.model_type in HYBRID_TYPES:  # LFM2's names as Llama's; a multimodal checkpoint's text decoder only
+        weights = RenamedWeights(weights, config.model_type)
     names = set(weights.names())
     where = weights.path
     per_layer: dict[int, set[str]] = {}
@@ -66,8 +76,12 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
 
     shapes = _projection_shapes(config)
 
-    def projection(parts: list[str], prefix: str) -> nn.Module:
+    def projection(parts: list[str], prefix: str, exact: bool = False) -> nn.Module:
+        """One (fused) projection of the stored `parts`; a part "name:half" is the query or gate rows of a gated
+        attention's q_proj (_gate_rows). exact: kept as read (16/32 bits) unless the file stores it quantized."""
         expected = (sum(shapes[p][0] for p in parts), shapes[parts[0]][1])
+        if any(":" in p for p in parts):
+            return _split_projection(parts, prefix)
         biases = [f"{prefix}{p}.bias" for p in parts]
         if any(b in names for b in biases) and not all(b in names for b in biases):
             raise ValueError(f"model {where}: {prefix}{parts} have biases on some projections only")
@@ -85,26 +99,81 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
         if quant == "gguf":
             return module
         bias = torch.cat([read(b) for b in biases]) if has_bias else None
-        return _projection(weight, bias, quant, dtype, storage, device)
+        return _projection(weight, bias, "none" if exact else quant, dtype, storage, device)
 
-    layers = []
-    for index in range(config.num_hidden_layers):
-        attention_parts = _stored_parts(_ATTENTION_PARTS, "self_attn.", per_layer[index])
-        mlp_parts = _stored_parts(_MLP_PARTS, "mlp.", per_layer[index])
-        missing = [r for r in _REQUIRED if r not in per_layer[index]]
-        missing += [] if attention_parts else ["self_attn.q_proj/k_proj/v_proj (or qkv_proj)"]
-        missing += [] if mlp_parts else ["mlp.gate_proj/up_proj (or gate_up_proj)"]
-        if missing:
-            raise ValueError(f"model {where}: layer {index} lacks {', '.join(missing)}")
-        prefix = f"model.layers.{index}."
+    def _split_projection(parts: list[str], prefix: str) -> nn.Module:
+        """A fused projection whose parts include row halves of a stored tensor ("q_proj:query" / "q_proj:gate"):
+        16-bit rows are sliced before quantizing; a GGUF's blocks are sliced by row (rows are independent)."""
+        pieces = []
+        for part in parts:
+            stored, _, half = part.partition(":")
+            rows = _gate_rows(shapes[part][0], config.head_dim, half) if half else None
+            if quant == "gguf":
+                codes, scales, mins, bits, origin = _grouped_part(weights, f"{prefix}{stored}.weight")
+                pieces.append((codes, scales, mins, bits, origin) if rows is None else
+                              (codes[rows], scales[rows], None if mins is None else mins[rows], bits, origin))
+            else:
+                weight = read(f"{prefix}{stored}.weight")
+                pieces.append(weight if rows is None else weight[rows])
+        if quant == "gguf":
+            return grouped_projection(pieces, None, device)
+        return _projection(torch.cat(pieces), None, quant, dtype, storage, device)
+
+    def state_mixer(kind: str, prefix: str) -> nn.Module:
+        """A hybrid's state layer: Qwen3.5's Gated DeltaNet or LFM2's short conv (decoder.py)."""
+        def conv_weight(name: str) -> torch.Tensor:  # [C, 1, K] as stored by nn.Conv1d -> [C, K]
+            weight = read(name, torch.float32)
+            return weight.reshape(weight.shape[0], weight.shape[-1]).to(device=device, dtype=dtype)
+
+        if kind == "conv":
+            bias = f"{prefix}conv1d.bias"
+            return ShortConv(projection(["in_proj"], prefix), conv_weight(f"{prefix}conv1d.weight"),
+                             read(bias, torch.float32).to(device=device, dtype=dtype) if bias in names else None,
+                             projection(["out_proj"], prefix))
+        vector = lambda name: read(prefix + name, torch.float32).to(device)  # noqa: E731
+        # b | a set each head's write strength and decay (through a sigmoid and an exp of a softplus): 2 Hv rows,
+        # kept as read rather than rounded to 4 bits (a few hundred KB for a 4B model)
+        return LinearAttention(projection(_LINEAR_PARTS, prefix), projection(_GATE_PARTS, prefix, exact=True),
+                               conv_weight(f"{prefix}conv1d.weight"),
+                               vector("dt_bias"), vector("A_log"), vector("norm.weight").to(dtype),
+                               projection(["out_proj"], prefix), config.linear_num_key_heads,
+                               config.linear_num_value_heads, config.linear_key_head_dim,
+                               config.linear_value_head_dim, config.rms_norm_eps)
+
+    def attention_layer(index: int, prefix: str, parts: list[str]) -> DecoderAttention:
+        stored = per_layer[index]
         head_norms = [f"self_attn.{n}.weight" for n in ("q_norm", "k_norm")] if config.qk_norm else []
-        if any(n not in per_layer[index] for n in head_norms):
+        if any(n not in stored for n in head_norms):
             raise ValueError(f"model {where}: layer {index} lacks {' or '.join(head_norms)} ({config.model_type} "
                              "normalizes each query and key head)")
         q_norm, k_norm = (norm(prefix + n) for n in head_norms) if head_norms else (None, None)
-        attention = DecoderAttention(projection(attention_parts, prefix + "self_attn."),
-                                     projection(["o_proj"], prefix + "self_attn."), q_norm, k_norm,
-                                     config.uses_rope(index))
+        if config.attn_output_gate:  # Qwen3.5: q_proj's rows interleave each head's query and gate: fused q|k|v|gate
+            if parts != ["q_proj", "k_proj", "v_proj"]:
+                raise ValueError(f"model {where}: layer {index}: a gated attention needs q_proj, k_proj and v_proj")
+            parts = ["q_proj:query", "k_proj", "v_proj", "q_proj:gate"]
+        return DecoderAttention(projection(parts, prefix + "self_attn."), projection(["o_proj"], prefix + "self_attn."),
+                                q_norm, k_norm, config.uses_rope(index), config.attn_output_gate)
+
+    layers = []
+    for index in range(config.num_hidden_layers):
+        kind = config.layer_kind(index)
+        kind = kind if config.is_state_layer(index) else "attention"
+        attention_parts = _stored_parts(_ATTENTION_PARTS, "self_attn.", per_layer[index])
+        mlp_parts = _stored_parts(_MLP_PARTS, "mlp.", per_layer[index])
+        missing = [r for r in _REQUIRED[kind] if r not in per_layer[index]]
+        missing += [] if attention_parts or kind != "attention" else ["self_attn.q_proj/k_proj/v_proj (or qkv_proj)"]
+        missing += [] if mlp_parts else ["mlp.gate_proj/up_proj (or gate_up_proj)"]
+        if kind == "linear_attention":
+            missing += [f"linear_attn.{p}.weight" for p in _LINEAR_PARTS + _GATE_PARTS
+                        if f"linear_attn.{p}.weight" not in per_layer[index]]
+        if missing:
+            what = f" (a {kind.replace('_', ' ')} layer)" if kind != "attention" else ""
+            raise ValueError(f"model {where}: layer {index} lacks {', '.join(missing)}{what}")
+        prefix = f"model.layers.{index}."
+        if kind != "attention":
+            attention = state_mixer(kind, prefix + ("conv." if kind == "conv" else "linear_attn."))
+        else:
+            attention = attention_layer(index, prefix, attention_parts)
         mlp = DecoderMLP(projection(mlp_parts, prefix + "mlp."),
                          projection(["down_proj"], prefix + "mlp."), config.hidden_act)
         layer_norms = _LAYER_NORMS + (_SANDWICH_NORMS if config.sandwich_norms else ())
@@ -136,12 +205,32 @@ def _stored_parts(choices: tuple[list[str], ...], module: str, stored: set[str])
 
 
 def _projection_shapes(config: DecoderConfig) -> dict[str, tuple[int, int]]:
-    """[out, in] of each projection the configuration implies, stored apart or fused."""
+    """[out, in] of each projection the configuration implies, stored apart or fused (a hybrid's state layers'
+    too: Qwen3.5's DeltaNet projections, LFM2's conv in/out projections)."""
     hq, hkv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     hidden, inner = config.hidden_size, config.intermediate_size
-    return {"q_proj": (hq, hidden), "k_proj": (hkv, hidden), "v_proj": (hkv, hidden),
-            "qkv_proj": (hq + 2 * hkv, hidden), "o_proj": (hidden, hq), "gate_proj": (inner, hidden),
-            "up_proj": (inner, hidden), "gate_up_proj": (2 * inner, hidden), "down_proj": (hidden, inner)}
+    shapes = {"q_proj": (hq, hidden), "k_proj": (hkv, hidden), "v_proj": (hkv, hidden),
+              "qkv_proj": (hq + 2 * hkv, hidden), "o_proj": (hidden, hq), "gate_proj": (inner, hidden),
+              "up_proj": (inner, hidden), "gate_up_proj": (2 * inner, hidden), "down_proj": (hidden, inner),
+              "in_proj": (3 * hidden, hidden), "out_proj": (hidden, hidden)}
+    if config.attn_output_gate:
+        shapes.update({"q_proj:query": (hq, hidden), "q_proj:gate": (hq, hidden)})
+    if config.linear_num_value_heads:
+        keys, values = config.linear_num_key_heads * config.linear_key_head_dim, \
+            config.linear_num_value_heads * config.linear_value_head_dim
+        heads = config.linear_num_value_heads
+        shapes.update({"in_proj_qkv": (2 * keys + values, hidden), "in_proj_z": (values, hidden),
+                       "in_proj_b": (heads, hidden), "in_proj_a": (heads, hidden), "out_proj": (hidden, values)})
+    return shapes
+
+
+def _gate_rows(rows: int, head_dim: int, half: str) -> torch.Tensor:
+    """The rows of a gated attention's q_proj [heads * 2 D, in] that are each head's query ("query") or its gate
+    ("gate"): head h's query is rows [2 h D, 2 h D + D), its gate the next D (transformers' Qwen3_5Attention views
+    the output as [heads, 2 D] and splits it in halves). rows: the half's row count, heads * D."""
+    heads = rows // head_dim
+    start = torch.arange(heads)[:, None] * 2 * head_dim + (head_dim if half == "gate" else 0)
+    return (start + torch.arange(head_dim)).reshape(-1)
 
 
 def _embedding_and_head(weights, read, untied: bool, quant: str, device: torch.device, dtype: torch.dtype):

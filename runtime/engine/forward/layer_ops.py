@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from oval_edge.runtime.model.projections import bind_norm, bind_projection
 
+from .state_layer_ops import StateMixerOps, bind_state_mixer
+
 MLP_ROW_BLOCK = 128  # prefill rows per MLP call: 128 x 2 x 1536 fp32 = 1.5 MB for SmolLM2 instead of 6 MB
 
 
@@ -88,7 +90,8 @@ class HeadNorms:
 class LayerOps:
     """One decoder layer bound for the runtime's forward (module doc). Per layer:
     hidden += [attn_out_norm](o_proj(attention(input_norm(hidden)))); hidden += [mlp_out_norm](mlp(post_norm(hidden)))
-    where the bracketed norms exist only with sandwich norms (Gemma; post_norm is then its pre_feedforward norm)."""
+    where the bracketed norms exist only with sandwich norms (Gemma; post_norm is then its pre_feedforward norm). A
+    hybrid's state layer has `state` (its mixer over the pool's per-sequence state) in attention's place."""
 
     input_norm: Callable
     post_norm: Callable  # the norm before the MLP
@@ -107,13 +110,23 @@ class LayerOps:
     mlp_out_norm: Callable | None = None
     rotary: int = 0  # which of the step's rotary tables this layer uses (1: Gemma 3's sliding layers' own base)
     sliding: bool = False  # attends to its last `sliding_window` positions, kept in the pool's ring
+    output_gate: bool = False  # Qwen3.5: the fused projection's tail [n, Hq * D] gates the attention's output
+    state: StateMixerOps | None = None  # a hybrid's state layer (no attention: q/k/v/o are None)
 
     @classmethod
     def bind(cls, layer: torch.nn.Module, heads: int, kv_heads: int, rotary: int = 0,
              sliding: bool = False) -> "LayerOps":
-        attn, mlp = layer.self_attn, layer.mlp
-        fused = getattr(attn, "qkv_proj", None)
+        mlp = layer.mlp
         gate_up = getattr(mlp, "gate_up_proj", None)
+        mixer = getattr(layer, "linear_attn", None) or getattr(layer, "conv", None)
+        if mixer is not None:  # Qwen3.5's Gated DeltaNet, LFM2's short conv: norm, mixer, residual, then the MLP
+            return cls(input_norm=bind_one_op_norm(layer.input_layernorm),
+                       post_norm=bind_one_op_norm(layer.post_attention_layernorm), qkv=None, q=None, k=None, v=None,
+                       o_proj=None, gate_up=bind_projection(gate_up) if gate_up is not None else None,
+                       mlp_module=mlp, down=bind_projection(mlp.down_proj), act=mlp.act_fn,
+                       state=bind_state_mixer(mixer))
+        attn = layer.self_attn
+        fused = getattr(attn, "qkv_proj", None)
         sandwich = getattr(layer, "pre_feedforward_layernorm", None) is not None
         if sandwich:
             pre_mlp = bind_one_op_norm(layer.pre_feedforward_layernorm)
@@ -132,6 +145,7 @@ class LayerOps:
             gate_up=bind_projection(gate_up) if gate_up is not None else None,
             mlp_module=mlp, down=bind_projection(mlp.down_proj), act=mlp.act_fn,
             qk_norm=HeadNorms.bind(attn, heads, kv_heads), rope=bool(getattr(attn, "use_rope", True)),
+            output_gate=bool(getattr(attn, "output_gate", False)),
         )
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,11 @@ class PagedLlama:
         self.qkv_split = (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.hooks = PrefillHooks()
         sliding = [bool(getattr(cfg, "is_sliding", lambda i: False)(i)) for i in range(len(self.layers))]
+        states = [bool(getattr(cfg, "is_state_layer", lambda i: False)(i)) for i in range(len(self.layers))]
+        if any(states) and pool.states is None:
+            raise ValueError("this model has state layers (linear attention / short conv) but the pool keeps no "
+                             "state for them; build the pool's geometry with KVGeometry.for_oval(..., "
+                             "states=state_layout(config))")
         if context is None:
             context = min(pool.capacity_tokens, cfg.max_position_embeddings)
         self.context = context
@@ -132,14 +137,17 @@ class PagedLlama:
         tables = self.rotary_tables(hidden, positions)
         starts = [0, *itertools.accumulate(g.ids.shape[0] for g in groups)]  # host ints: shapes, no sync
         if len(groups) == 1:
-            attention = groups[0].attend
+            attention, mix = groups[0].attend, getattr(groups[0], "mix", None)
         else:
             spans = list(zip(groups, starts[:-1], starts[1:]))
 
             def attention(index, x, q, k, v):  # each group attends over its own slice of the step's tokens
                 return torch.cat([g.attend(index, x[a:b], q[a:b], k[a:b], v[a:b]) for g, a, b in spans])
 
-        hidden = self.run_layers(hidden, tables, attention)
+            def mix(index, state, x):  # a hybrid's state layer: each group over its own rows' states
+                return torch.cat([g.mix(index, state, x[a:b]) for g, a, b in spans])
+
+        hidden = self.run_layers(hidden, tables, attention, mix)
         picked = torch.cat([g.output_rows + start for g, start in zip(groups, starts)]) if len(groups) > 1 \
             else groups[0].output_rows
         logits = self.logits(hidden[picked])
@@ -159,24 +167,38 @@ class PagedLlama:
         """[(cos, signed sin) [N, 1, D]] per rotary table the layers use (one; Gemma 3: global and local)."""
         return [self.rotary(hidden, positions, module) for module in self.rotary_modules]
 
-    def run_layers(self, hidden: torch.Tensor, tables: list, attention) -> torch.Tensor:
+    def run_layers(self, hidden: torch.Tensor, tables: list, attention, mix=None) -> torch.Tensor:
         """The decoder layers over hidden [N, hidden] with the step's rotary tables (rotary_tables);
         attention(layer, x, q, k, v) -> out [N, Hq, D] writes the layer's new K/V and attends (x is the normed
         input, for the window hook). An attention with a `rope_write(layer, ops, qkv, cos, sin)` method (the static
         step's) may take a fused projection's output [N, (Hq + 2 Hkv) * D] whole: it returns q [N, Hq, D] rotated
-        with the layer's K/V already stored, and is then called with k = v = None; or None, and the forward rotates."""
+        with the layer's K/V already stored, and is then called with k = v = None; or None, and the forward rotates.
+        mix(layer, state_ops, x) -> [N, hidden]: a hybrid's state layer over its rows' states (default: the
+        attention's `mix` method)."""
         n = hidden.shape[0]
         rope_write = getattr(attention, "rope_write", None)
+        mix = mix if mix is not None else getattr(attention, "mix", None)
+        hq, hkv, d = self.num_heads, self.kv_heads, self.head_dim
         for index, ops in enumerate(self.ops):
             x = ops.input_norm(hidden)
+            if ops.state is not None:  # Gated DeltaNet / short conv: no K/V, the rows' states in the pool
+                hidden = hidden + mix(index, ops.state, x)
+                hidden = hidden + ops.mlp(ops.post_norm(hidden))
+                continue
             cos, sin = tables[ops.rotary]
-            if rope_write is not None and ops.qkv is not None:
-                fused = ops.qkv(x)  # [n, (Hq + 2 Hkv) * D]
-                q = rope_write(index, ops, fused, cos, sin)
+            gate = None
+            if ops.qkv is not None:
+                fused = ops.qkv(x)  # [n, (Hq + 2 Hkv) * D] (+ the output gate's [n, Hq * D])
+                if ops.output_gate:
+                    fused, gate = fused[:, : (hq + 2 * hkv) * d], fused[:, (hq + 2 * hkv) * d :]
+                q = rope_write(index, ops, fused, cos, sin) if rope_write is not None else None
                 q, k, v = (q, None, None) if q is not None else self.split_qkv(ops, fused, n, cos, sin)
             else:
                 q, k, v = self.qkv(ops, x, n, cos, sin)
-            out = ops.o_proj(attention(index, x, q, k, v).reshape(n, self.num_heads * self.head_dim))
+            out = attention(index, x, q, k, v).reshape(n, hq * d)
+            if gate is not None:  # Qwen3.5: sigmoid(gate) per output channel, before o_proj
+                out = out * torch.sigmoid(gate)
+            out = ops.o_proj(out)
             hidden = hidden + (ops.attn_out_norm(out) if ops.attn_out_norm is not None else out)
             out = ops.mlp(ops.post_norm(hidden))
             hidden = hidden + (ops.mlp_out_norm(out) if ops.mlp_out_norm is not None else out)

@@ -71,6 +71,12 @@ class StaticAttention:
         write_kv(pool, index, slots, torch.matmul(heads[:, hq : hq + hkv], turn), heads[:, hq + hkv :])
         return torch.matmul(heads[:, :hq], turn)
 
+    def mix(self, index: int, state, x: torch.Tensor) -> torch.Tensor:
+        """A hybrid's state layer (state_layer_ops.py) over the step's rows x [B, hidden], each at its state slot
+        (padded rows repeat row 0: the same input at the same slot writes the same state)."""
+        conv, recurrent = self.pool.states.layer(index)
+        return state.step(x, conv, recurrent, self.step.state_slot)
+
     def __call__(self, index: int, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
                  v: torch.Tensor | None) -> torch.Tensor:
         """q [B, Hq, D], k, v [B, Hkv, D] (None: rope_write stored them) -> out [B, Hq, D]."""

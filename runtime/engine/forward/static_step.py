@@ -37,8 +37,9 @@ from .step_policy import StepPolicy
 from .step_rows import StepStats
 
 # `runner` below is a paged_llama.PagedLlama (not imported here: PagedLlama.static_decoder builds these steps).
-# [B] each, then page_table [B, W]; ring_base: each row's first ring page (sliding layers, oval_edge/kv/ring.py)
-ROW_FIELDS = ("ids", "positions", "lengths", "sealed", "real", "write_base", "ring_base")
+# [B] each, then page_table [B, W]; ring_base: each row's first ring page (sliding layers, oval_edge/kv/ring.py);
+# state_slot: each row's slot of a hybrid's layer states (oval_edge/kv/state.py)
+ROW_FIELDS = ("ids", "positions", "lengths", "sealed", "real", "write_base", "ring_base", "state_slot")
 
 
 class StaticStep:
@@ -56,13 +57,14 @@ class StaticStep:
         self.host = torch.zeros(size, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.packed = self.host if dev.type == "cpu" else torch.zeros(size, dtype=torch.long, device=dev)
         fields = self.packed[: batch * len(ROW_FIELDS)].view(len(ROW_FIELDS), batch)
-        self.ids, self.positions, self.lengths, self.sealed, self.real, self.write_base, self.ring_base = \
-            fields.unbind(0)
+        (self.ids, self.positions, self.lengths, self.sealed, self.real, self.write_base, self.ring_base,
+         self.state_slot) = fields.unbind(0)
         self.page_table = self.packed[batch * len(ROW_FIELDS):].view(batch, width)
         g = pool.geometry
         self.head_offsets = torch.arange(g.kv_heads, device=dev) * g.page_size  # [Hkv]: head h's rows in a page
         self.sliding = [ops.sliding for ops in runner.ops]  # ring layers: neither dense over pages nor scored
-        self.dense = [not self.sliding[i] and (self.attention == "dense" or i < config.dense_layers)
+        self.states = [ops.state is not None for ops in runner.ops]  # a hybrid's state layers: no K/V at all
+        self.dense = [not (self.sliding[i] or self.states[i]) and (self.attention == "dense" or i < config.dense_layers)
                       for i in range(len(runner.layers))]
         self.dense_layers = sum(self.dense)
         self.sliding_layers = sum(self.sliding)
@@ -83,7 +85,7 @@ class StaticStep:
         # besides the pool (the int4 record's rotation, byte tables) is built now, before any capture, never in a step
         rotations = rotations if rotations is not None else Rotations()
         self.triton = gpu_kernels(dev) if dev.type != "cpu" else None
-        scored = [not (self.dense[i] or self.sliding[i]) for i in range(len(runner.layers))]
+        scored = [not (self.dense[i] or self.sliding[i] or self.states[i]) for i in range(len(runner.layers))]
         self.ops = step_ops_table(pool, config, width, runner.num_heads, runner.scale, scored, runner.softcap,
                                   dtype=runner.decoder.norm.weight.dtype, traced=compile_backend is not None,
                                   rotations=rotations)
@@ -111,8 +113,9 @@ class StaticStep:
                 raise ValueError(f"sequence {sid!r} at position {position} does not fit this step's {width}-page "
                                  "tables or its own pages (it was admitted beyond the engine's token limit?)")
             ring = pool.rings.base(sid) if pool.rings is not None else 0
+            slot = pool.states.slot(sid) if pool.states is not None else 0
             for values, value in zip(rows, (token, position, position + 1, pool.sealed_pages(sid), int(row < n),
-                                            table[position // P] * hkv * P + position % P, ring)):
+                                            table[position // P] * hkv * P + position % P, ring, slot)):
                 values.append(value)
             tables.extend(table)
             tables.extend([0] * (width - len(table)))
@@ -233,7 +236,7 @@ class StaticDecoder:
         """The step's statistics vector [3] -> StepStats: the step's one read back, after it."""
         attended, window_sum, window_count = stats.tolist()
         rows = len(step.lengths_list)
-        sparse_layers = len(step.dense) - step.dense_layers - step.sliding_layers
+        sparse_layers = len(step.dense) - step.dense_layers - step.sliding_layers - sum(step.states)
         shorts = all(length <= step.slots for length in step.lengths_list)
         g = self.runner.pool.geometry
         gathered = rows * self.runner.kv_heads * (step.dense_layers * step.width * g.page_size + sparse_layers

@@ -60,6 +60,19 @@ class PrefillRows:
         runner.pool.write(index, self.step, k, v)
         return prefill_attention(runner.pool, index, self.step, q, k, v, runner.scale, runner.softcap)
 
+    def mix(self, index: int, state, x: torch.Tensor) -> torch.Tensor:
+        """A hybrid's state layer over each row's chunk x [n_b, hidden] in turn, from and into the row's state slot
+        (a chunk continues where the row's previous chunk left its state)."""
+        states = self.runner.pool.states
+        conv, recurrent = states.layer(index)
+        outs, offset = [], 0
+        for sid, n in zip(self.step.seq_ids, self.step.new_tokens):
+            slot = states.slot(sid)
+            outs.append(state.prefill(x[offset : offset + n], conv[slot],
+                                      None if recurrent is None else recurrent[slot]))
+            offset += n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
 
 class StaticDecodeRows:
     """The loaded bucket of a static step (static_step.StaticStep.load): B rows, padded ones included, through the
@@ -75,6 +88,9 @@ class StaticDecodeRows:
 
     def attend(self, index: int, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.attention(index, x, q, k, v)
+
+    def mix(self, index: int, state, x: torch.Tensor) -> torch.Tensor:
+        return self.attention.mix(index, state, x)
 
     def stats_vector(self) -> torch.Tensor:
         return self.attention.stats()

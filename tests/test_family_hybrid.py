@@ -1,0 +1,211 @@
+"""Hybrid families (#55): Qwen3.5 (Gated DeltaNet + gated full attention) and LFM2 (short conv + attention).
+
+Tiny random checkpoints built with transformers' own config classes; the runtime's logits against transformers'
+(fp32, quant none) at prefill and over 64 greedy decode steps; the state layers' per-sequence state in the pool
+(allocated once, a slot per running sequence, zeroed when taken); the static step's shapes and host reads; OVAL
+with a budget covering the context equal to dense.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oval_edge import OvalConfig
+from oval_edge.runtime import Engine, EngineConfig
+from oval_edge.runtime.model.config import DecoderConfig
+from oval_edge.state_layout import state_layout
+
+from test_decoder_loading import save_folder
+from test_families import PROMPT, STEPS, _hf_all_logits, decode_greedy
+from test_static_step import traced_step
+
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=4, vocab_size=49152, max_position_embeddings=4096)
+WIDE = OvalConfig(page_size=16, top_k=16, kv_dtype="float32")  # budget 336 >= 80 + 64 tokens: OVAL is exact
+
+
+def hybrid_config(kind: str):
+    import transformers
+
+    if kind == "lfm2":
+        return transformers.Lfm2Config(**SHAPE, norm_eps=1e-5, layer_types=["conv", "full_attention", "conv",
+                                                                             "full_attention"])
+    return transformers.Qwen3_5TextConfig(**SHAPE, rms_norm_eps=1e-6, head_dim=64, linear_num_key_heads=2,
+                                          linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                                          tie_word_embeddings=False)
+
+
+def perturbed_folder(path, config) -> str:
+    """A tiny checkpoint whose norms, decays and conv taps are random too (transformers initialises the norms to
+    0 or 1 and the conv to one scale: an offset or a tap read wrong could hide there)."""
+    import transformers
+
+    folder = save_folder(path, config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1 or "conv" in name:
+                param.add_(0.2 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "lfm2"])
+def hybrid(request, tmp_path_factory):
+    config = hybrid_config(request.param)
+    return request.param, config, perturbed_folder(tmp_path_factory.mktemp(request.param), config)
+
+
+def engine_for(folder: str, oval: OvalConfig = WIDE, quant: str = "none", **settings) -> Engine:
+    config = dict(num_pages=64, oval_from=0, max_batch=4) | settings
+    return Engine.load(folder, quant=quant, device="cpu", oval=oval, config=EngineConfig(**config))
+
+
+def test_config_reads_the_layer_kinds_and_state_shapes(hybrid):
+    kind, config, _ = hybrid
+    ours = DecoderConfig.from_dict(config.to_dict(), "tiny")
+    layout = state_layout(ours)
+    if kind == "lfm2":
+        assert ours.layer_types == ("conv", "full_attention", "conv", "full_attention") and ours.qk_norm
+        # transformers' Lfm2MLP: 2/3 of 256 = 170, times 1.0, rounded up to a multiple of 256
+        assert ours.intermediate_size == 256
+        assert [(s.layer, s.conv_channels, s.conv_width, s.heads) for s in layout.layers] == [(0, 128, 2, 0),
+                                                                                              (2, 128, 2, 0)]
+        assert layout.bytes_per_sequence == 2 * 128 * 2 * 4
+    else:
+        assert ours.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+        assert ours.attn_output_gate and ours.qk_norm and ours.rotary_dim == 16 and ours.norm_offset == 1.0
+        channels = 2 * 2 * 32 + 4 * 32
+        assert [(s.conv_channels, s.conv_width, s.heads, s.key_dim) for s in layout.layers] == [(channels, 3, 4, 32)] * 3
+        assert layout.bytes_per_sequence == 3 * (channels * 3 * 4 + 4 * 32 * 32 * 4)
+
+
+@pytest.mark.parametrize("attention", ["oval", "dense"])
+def test_logits_equal_transformers_at_prefill_and_over_greedy_decode(hybrid, attention):
+    kind, _, folder = hybrid
+    engine = engine_for(folder, attention=attention)
+    tokens, ours = decode_greedy(engine, PROMPT, STEPS)
+    full = _hf_all_logits(folder, PROMPT + tokens)  # every position in one forward
+    assert tokens == full[len(PROMPT) - 1 : -1].argmax(-1).tolist(), kind
+    assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4, kind
+    engine.pool.check_invariants()
+
+
+def test_oval_with_a_budget_over_the_context_equals_dense(hybrid):
+    _, _, folder = hybrid
+    tokens, oval = decode_greedy(engine_for(folder), PROMPT, 24)
+    dense_tokens, dense = decode_greedy(engine_for(folder, attention="dense"), PROMPT, 24)
+    assert tokens == dense_tokens and (oval - dense).abs().max().item() < 1e-5
+
+
+def test_chunked_prefill_and_a_batch_carry_each_sequence_state(hybrid):
+    """A prompt prefilled in three chunks (the state carried between them) gives the logits of one pass; two
+    sequences decoded in one batch (each at its own state slot) give what each gives alone."""
+    _, _, folder = hybrid
+    engine = engine_for(folder)
+    pool = engine.pool
+    step = _prefill_step(pool, "one", len(PROMPT))
+    whole, _ = engine.runner.forward(step, torch.tensor(PROMPT), decode=False)
+    pool.commit(step)
+    pool.free("one")
+    assert pool.allocate("chunks", 200) is not None
+    for start, stop in ((0, 7), (7, 45), (45, len(PROMPT))):
+        step = pool.prepare(["chunks"], [stop - start])
+        logits, _ = engine.runner.forward(step, torch.tensor(PROMPT[start:stop]), decode=False)
+        pool.commit(step)
+    assert (logits - whole).abs().max().item() < 1e-4
+    other = PROMPT[::-1][:33]
+    step = _prefill_step(pool, "other", len(other))
+    engine.runner.forward(step, torch.tensor(other), decode=False)
+    pool.commit(step)
+    together, _, lengths = engine.static.decode(["chunks", "other"], [11, 12])
+    alone = engine_for(folder)
+    for sid, prompt, token, row in (("chunks", PROMPT, 11, 0), ("other", other, 12, 1)):
+        step = _prefill_step(alone.pool, sid, len(prompt))
+        alone.runner.forward(step, torch.tensor(prompt), decode=False)
+        alone.pool.commit(step)
+        single, _, _ = alone.static.decode([sid], [token])
+        assert (single[0] - together[row]).abs().max().item() < 1e-4
+
+
+def _prefill_step(pool, seq_id: str, length: int):
+    assert pool.allocate(seq_id, 200) is not None
+    return pool.prepare([seq_id], [length])
+
+
+def test_state_slots_are_allocated_once_taken_per_sequence_and_zeroed(hybrid):
+    _, _, folder = hybrid
+    engine = engine_for(folder, max_batch=2)
+    pool = engine.pool
+    pointers = pool.storage_pointers()
+    assert pool.states is not None and pool.states.slots == 2
+    assert pool.allocate("a", 20) is not None and pool.allocate("b", 20) is not None
+    assert not pool.can_allocate(20) and pool.allocate("c", 20) is None  # every slot held: waits like no page
+    pool.check_invariants()
+    step = pool.prepare(["a"], [5])
+    engine.runner.forward(step, torch.tensor(PROMPT[:5]), decode=False)
+    pool.commit(step)
+    slot = pool.states.slot("a")
+    assert any(t[slot].abs().sum() > 0 for t in pool.states.tensors())
+    pool.free("a")
+    assert pool.allocate("c", 20) is not None and pool.states.slot("c") == slot
+    assert all(t[slot].abs().sum() == 0 for t in pool.states.tensors())  # a fresh sequence starts from zero
+    pool.check_invariants()
+    assert pool.storage_pointers() == pointers
+
+
+def test_static_step_same_ops_at_every_length_and_no_host_sync(hybrid, monkeypatch):
+    _, _, folder = hybrid
+    engine = engine_for(folder, num_pages=128)
+    for sid, length in (("a", 40), ("b", 300)):
+        step = _prefill_step_long(engine.pool, sid, length)
+        engine.runner.forward(step, torch.tensor((PROMPT * 4)[:length]), decode=False)
+        engine.pool.commit(step)
+    traces = [traced_step(engine, ["a"], [7], monkeypatch), traced_step(engine, ["b"], [8], monkeypatch)]
+    assert traces[0].count > 0 and traces[0].calls == traces[1].calls
+    assert all(t.host_reads == [] and t.device_copies == [] for t in traces)
+
+
+def _prefill_step_long(pool, seq_id: str, length: int):
+    assert pool.allocate(seq_id, 1000) is not None
+    return pool.prepare([seq_id], [length])
+
+
+def test_compiled_step_traces_whole_and_matches_eager(hybrid):
+    """torch.compile(fullgraph=True) of the hybrid's static step: no graph break (the state updates are in-place
+    index ops on the pool's tensors), one graph over 40 steps, the eager step's numbers."""
+    from oval_edge.runtime.engine.forward.static_step import StaticDecoder
+
+    _, _, folder = hybrid
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager, compiled = engine_for(folder, max_batch=1), engine_for(folder, max_batch=1)
+    compiled.static = StaticDecoder(compiled.runner, 1, compiled.token_limit(), compile_backend="aot_eager")
+    for engine in (eager, compiled):
+        step = _prefill_step(engine.pool, "r", len(PROMPT))
+        engine.runner.forward(step, torch.tensor(PROMPT), decode=False)
+        engine.pool.commit(step)
+    token = 5
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(40):
+            want, _, lengths = eager.static.decode(["r"], [token])
+            eager.pool.advance(["r"], lengths)
+            got, _, lengths = compiled.static.decode(["r"], [token])
+            compiled.pool.advance(["r"], lengths)
+            assert (got - want).abs().max().item() <= 1e-4
+            token = int(want[0].argmax())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("quant", ["int4", "nf4"])
+def test_4bit_path_runs_the_hybrid(hybrid, quant):
+    """int4 (what a 16-bit folder is served with) and bitsandbytes nf4: the fused DeltaNet / conv projections in 4
+    bits; the prefill logits point where the fp32 model's do (a random tiny model with perturbed decays and taps:
+    0.97 measured for int4)."""
+    _, _, folder = hybrid
+    _, exact = decode_greedy(engine_for(folder), PROMPT, 1)
+    _, four = decode_greedy(engine_for(folder, quant=quant), PROMPT, 2)
+    assert torch.isfinite(four).all()
+    assert torch.nn.functional.cosine_similarity(four[0], exact[0], dim=0) > 0.9
