@@ -92,7 +92,7 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     pad = chunks * chunk - n
     q, k = (F.pad(_per_value_head(t, heads), (0, 0, 0, 0, 0, pad)) for t in _normalised(q, k))  # [m*L, Hv, dk]
     v = F.pad(v.float(), (0, 0, 0, 0, 0, pad))
-    g, beta = (F.pad(t.float(), (0, 0, 0, pad), value=-1.0) for t in (g, beta))
+    g, beta = (F.pad(t.float(), (0, 0, 0, pad)) for t in (g, beta))
     # -> [Hv, m, L, d] and [Hv, m, L], contiguous: every matmul below then reads whole rows.
     q, k, v = (t.view(chunks, chunk, heads, -1).permute(2, 0, 1, 3).contiguous() for t in (q, k, v))
     g, beta = (t.view(chunks, chunk, heads).permute(2, 0, 1).contiguous() for t in (g, beta))
