@@ -90,7 +90,7 @@ def test_conv_step_over_steps_equals_transformers_update(module, taps, with_bias
     theirs = torch.zeros(3, channels, taps)
     activation = "silu" if silu else None
     for row in range(3):
-        causal_conv(x[row, :prompt], states[slots[row]], weight, bias, silu=silu)
+        causal_conv(x[row, :prompt], states[int(slots[row])], weight, bias, silu=silu)  # a view: written in place
         module.causal_conv1d_update(x[row, :prompt].t()[None], theirs[row:row + 1], weight, bias, activation)
     for t in range(prompt, prompt + steps):
         got = causal_conv_step(x[:, t], states, slots, weight, bias, silu=silu)
@@ -128,6 +128,7 @@ def test_delta_prefill_in_chunks_equals_one_call_and_both_transformers_rules(key
     want, want_state = reference_delta(qwen.torch_recurrent_gated_delta_rule, q, k, v, g, beta, start)
     chunked, chunked_state = reference_delta(qwen.torch_chunk_gated_delta_rule, q, k, v, g, beta, start)
     torch.testing.assert_close(chunked, want, **TOL)  # the two references agree with each other first
+    torch.testing.assert_close(chunked_state, want_state, **TOL)
 
     state = start.clone()
     whole = gated_delta_prefill(q, k, v, g, beta, state)
