@@ -258,6 +258,8 @@ def test_shape_errors_say_what_to_change():
     q, k, v, g, beta, state = delta_inputs(4, 2, 4)
     with pytest.raises(ValueError, match="fp32"):
         gated_delta_prefill(q, k, v, g, beta, state.bfloat16())
+    with pytest.raises(ValueError, match=r"states \[S, Hv, dk, dv\] .* got \[4, 16, 8\]"):
+        gated_delta_step(q, k, v, g, beta, state, torch.tensor([0, 0, 0, 0]))  # one sequence's state, not the pool
     with pytest.raises(ValueError, match=r"state row \[12, 3\]"):
         causal_conv(torch.zeros(2, 12), torch.zeros(12, 4), torch.zeros(12, 4))
 

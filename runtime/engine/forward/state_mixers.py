@@ -83,8 +83,7 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     """
     if chunk < 1:
         raise ValueError(f"gated_delta_prefill: chunk must be >= 1 tokens, got {chunk}")
-    n, heads, key_dim, value_dim = _check_delta(q, k, v, g, beta, state.unsqueeze(0), "gated_delta_prefill",
-                                                "state [Hv, dk, dv]")
+    n, heads, key_dim, value_dim = _check_delta(q, k, v, g, beta, state, "gated_delta_prefill", pooled=False)
     out_dtype = v.dtype
     # Pad to whole chunks with k = v = 0, beta = 0, g = 0: a padded token writes nothing and decays nothing, so the
     # state after the last chunk is the state after the last real token.
@@ -144,7 +143,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Both reads come from the decayed old state, so the state is read once for them and written once:
     k^T S' = exp(g) k^T S and q^T S'' = exp(g) q^T S + (q . k) delta, where S'' = exp(g) S + k delta^T.
     """
-    _, heads, _, _ = _check_delta(q, k, v, g, beta, states, "gated_delta_step", "states [S, Hv, dk, dv]")
+    _, heads, _, _ = _check_delta(q, k, v, g, beta, states, "gated_delta_step", pooled=True)
     out_dtype = v.dtype
     q, k = (_per_value_head(t, heads) for t in _normalised(q, k))  # [B, Hv, dk]
     decay = g.float().exp().unsqueeze(-1)  # [B, Hv, 1]
@@ -206,8 +205,12 @@ def _check_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, name
                          f"the last K-1 inputs of each channel)")
 
 
-def _check_delta(q, k, v, g, beta, states, name: str, state_shape: str) -> tuple[int, int, int, int]:
-    """-> (rows, Hv, dk, dv) after checking every shape against q's and v's (plain ints, trace-safe)."""
+def _check_delta(q, k, v, g, beta, state, name: str, pooled: bool) -> tuple[int, int, int, int]:
+    """-> (rows, Hv, dk, dv) after checking every shape against q's and v's (plain ints, trace-safe). `state` is
+    the pool's [S, Hv, dk, dv] (pooled) or one sequence's [Hv, dk, dv]."""
+    if q.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"{name}: expected q, k [n, Hk, dk] and v [n, Hv, dv]; got q {list(q.shape)}, v "
+                         f"{list(v.shape)} (one row per token, heads split out)")
     rows, key_heads, key_dim = q.shape
     _, heads, value_dim = v.shape
     if k.shape != q.shape or v.shape[0] != rows or g.shape != (rows, heads) or beta.shape != (rows, heads):
@@ -217,7 +220,8 @@ def _check_delta(q, k, v, g, beta, states, name: str, state_shape: str) -> tuple
     if heads % key_heads:
         raise ValueError(f"{name}: {heads} value heads is not a multiple of {key_heads} key heads (each key head "
                          "serves Hv/Hk consecutive value heads)")
-    if tuple(states.shape[1:]) != (heads, key_dim, value_dim) or states.dtype != torch.float32:
-        raise ValueError(f"{name}: expected {state_shape} = [{heads}, {key_dim}, {value_dim}] fp32, got "
-                         f"{list(states.shape)} {states.dtype} (the recurrent state is kept in fp32)")
+    state_shape = "states [S, Hv, dk, dv]" if pooled else "state [Hv, dk, dv]"
+    if state.dim() != (4 if pooled else 3) or tuple(state.shape[-3:]) != (heads, key_dim, value_dim) or state.dtype != torch.float32:
+        raise ValueError(f"{name}: expected {state_shape} with [Hv, dk, dv] = [{heads}, {key_dim}, {value_dim}] in "
+                         f"fp32, got {list(state.shape)} {state.dtype} (the recurrent state is kept in fp32)")
     return rows, heads, key_dim, value_dim
