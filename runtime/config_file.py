@@ -11,7 +11,8 @@
               row is shorter run the dense step: `oval-edge profile` measures it; 0 = OVAL at every length),
               decode_step, and device ("auto", "cpu", "cuda", "cuda:N"), host, port; the page store's kv_store (a
               path on the NVMe drive, relative to the config file's folder), kv_store_size (bytes or "16GiB"),
-              pool_tokens, recall_pages, kv_store_checksums
+              pool_tokens, recall_pages, kv_store_checksums; state_snapshots (a hybrid model's state copies for
+              prefix caching)
     [plan]    what the planner predicted (numbers and strings; informational, serve does not act on it)
 
 `oval_config(sections)` gives the OvalConfig with the budget merged in, `engine_kwargs(sections)` the
@@ -96,7 +97,7 @@ ENGINE_KEYS = {
     "cuda_graphs": _bool, "prefix_cache": _bool,
     # The page store on disk (oval_edge/kv/store/): its path (on the NVMe), size, and the in-memory pool's cap.
     "pool_tokens": _int(1, 1 << 30), "kv_store": _str, "kv_store_size": _size, "recall_pages": _int(1, 1 << 20),
-    "kv_store_checksums": _bool,
+    "kv_store_checksums": _bool, "state_snapshots": _int(0, 1 << 16),
 }
 # runtime/server/options.py reads max_context (cap on prompt + max_tokens) and falls back to max_model_len.
 ENGINE_ALIASES = {"max_context": "max_model_len"}

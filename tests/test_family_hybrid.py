@@ -14,6 +14,7 @@ import torch
 from oval_edge import OvalConfig
 from oval_edge.runtime import Engine, EngineConfig
 from oval_edge.runtime.model.config import DecoderConfig
+from oval_edge.pool_sizing import size_pool
 from oval_edge.state_layout import state_layout
 
 from test_decoder_loading import save_folder
@@ -209,3 +210,60 @@ def test_4bit_path_runs_the_hybrid(hybrid, quant):
     _, four = decode_greedy(engine_for(folder, quant=quant), PROMPT, 2)
     assert torch.isfinite(four).all()
     assert torch.nn.functional.cosine_similarity(four[0], exact[0], dim=0) > 0.9
+
+
+def test_startup_report_metrics_and_step_stats_show_the_states(hybrid):
+    """The startup report, /metrics and the decode step's read figures count the state layers' bytes."""
+    from oval_edge.runtime.server.metrics import ServerMetrics
+    from test_server_kv_store import _parser
+    from oval_edge.runtime.server.options import engine_spec
+    from oval_edge.runtime.server.serve import startup_report
+    from oval_edge.units import format_bytes
+
+    _, _, folder = hybrid
+    engine = engine_for(folder, max_batch=2)
+    per_sequence = engine.pool.geometry.state_bytes_per_sequence
+    held = 2 + 4  # max_batch running slots + 2 x max_batch prefix-cache snapshots
+    assert engine.pool.states.nbytes() == held * per_sequence
+    sizing = size_pool(1 << 30, 1 << 20, engine.pool.geometry, ring_sequences=2, state_snapshots=4)
+    assert sizing.state_bytes == held * per_sequence and "layer states" in sizing.explain()
+    step = _prefill_step(engine.pool, "r", 20)
+    engine.runner.forward(step, torch.tensor(PROMPT[:20]), decode=False)
+    engine.pool.commit(step)
+    _, stats, _ = engine.static.decode(["r"], [3])
+    assert stats.state_bytes == per_sequence
+    engine.stats.record_decode(1, 0.01, stats, engine.pool.geometry)
+    text = ServerMetrics(lambda: ("ready", engine)).render()[0].decode()
+    assert f"oval_edge_state_bytes {float(held * per_sequence)}" in text
+    assert f"oval_edge_state_bytes_read_last_step {float(per_sequence)}" in text
+    assert "oval_edge_state_slots_used 1.0" in text
+    report = startup_report(engine, engine_spec(_parser().parse_args([])), "http://127.0.0.1:1", False)
+    (line,) = [ln for ln in report.splitlines() if ln.startswith("  states    ")]
+    assert f"x (2 running + 4 prefix-cache snapshots) = {format_bytes(held * per_sequence)}" in line
+
+
+def test_prefix_cache_restores_the_state_where_the_cached_prompt_ends(hybrid):
+    """A second request whose prompt starts with the first's conversation maps the cached pages only up to a page
+    whose state was kept, starts from that snapshot and decodes what a full prefill decodes; snapshots are allocated
+    once with the pool."""
+    from oval_edge.runtime.engine.request import SamplingParams
+
+    _, _, folder = hybrid
+    greedy = dict(temperature=0.0, ignore_eos=True, logprobs=3)
+    cached = engine_for(folder, num_pages=64, prefill_chunk=48)
+    assert cached.pool.states.snapshots == 8
+    pointers = cached.pool.storage_pointers()
+    first = PROMPT[:70]  # chunks end at 48 and at 64 (the prompt's last full page: its state is kept), then 70
+    out = cached.generate(first, SamplingParams(max_tokens=30, **greedy))  # decode ends steps at 80 and 96
+    turn = first + list(out.output_ids) + [400, 401, 402, 403, 404]
+    again = cached.generate(first + [405, 406], SamplingParams(max_tokens=4, **greedy))
+    assert again.cached_tokens == 64  # the prompt's own last full page
+    second = cached.generate(turn, SamplingParams(max_tokens=6, **greedy))
+    assert second.cached_tokens == 96  # the answer's last page boundary, reached in decode
+    fresh = engine_for(folder, num_pages=64, prefill_chunk=48, prefix_cache=False)
+    for got, prompt in ((again, first + [405, 406]), (second, turn)):
+        want = fresh.generate(prompt, SamplingParams(max_tokens=len(got.output_ids), **greedy))
+        assert got.output_ids == want.output_ids
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got.samples, want.samples)) < 1e-4
+    cached.pool.check_invariants()
+    assert cached.pool.storage_pointers() == pointers

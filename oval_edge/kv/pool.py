@@ -53,9 +53,11 @@ class PagePool:
         stage_pages: int | None = None,
         store: PageStore | None = None,
         store_layout: StoreLayout = StoreLayout(),
+        state_snapshots: int = 0,
     ) -> None:
         """store: the page store (store/page_file.py) for pages beyond the num_pages frames; store_layout: its recall
-        frames, the pages each sequence keeps resident and the mirrored dense layers (store/layout.py)."""
+        frames, the pages each sequence keeps resident and the mirrored dense layers (store/layout.py). state_snapshots:
+        a hybrid model's state copies kept for prefix caching (state.py; 0 without a prefix cache)."""
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages} must be >= 1")
         self.geometry = geometry
@@ -81,8 +83,8 @@ class PagePool:
         # Sliding layers keep a ring per sequence (ring.py) for at most ring_sequences (default: pages) sequences.
         self.rings = SlidingRings(g, ring_sequences or num_pages, dtype, self.device) if g.ring_layers else None
         # Hybrid models' state layers keep a slot per running sequence (state.py); the same count as the rings.
-        self.states = SequenceStates(g.states, ring_sequences or 8, TORCH_DTYPES[g.states.dtype],
-                                     self.device) if g.states else None
+        self.states = SequenceStates(g.states, ring_sequences or 8, TORCH_DTYPES[g.states.dtype], self.device,
+                                     state_snapshots if prefix_salt is not None else 0) if g.states else None
         # Model layer -> its row of k / v / summaries (-1: in the rings or a state layer), and its [rows, head_dim]
         # views (no copy; None for a state layer, which has no K/V).
         self.paged_index = [-1 if layer in g.ring_layers or layer in g.state_layers else g.paged_index(layer)
@@ -217,6 +219,8 @@ class PagePool:
         if self.tables.owns(seq_id):
             raise ValueError(f"sequence {seq_id!r} already owns pages; free it first or use grow()")
         hits, names = self.tables.prefix_hits(tokens)
+        if self.states is not None:  # a hybrid maps cached pages only up to a page whose state was kept (state.py)
+            hits = hits[: next((j for j in range(len(hits), 0, -1) if self.states.has_snapshot(names[j - 1])), 0)]
         need = self.pages_needed(max(num_tokens, 1)) - len(hits)
         if need > self.num_takeable - self.ledger.cached_among(hits):
             return None
@@ -226,6 +230,8 @@ class PagePool:
             if self.rings is not None:
                 self.rings.release(seq_id)
             return None
+        if self.states is not None and hits:
+            self.states.restore(seq_id, names[len(hits) - 1])
         for page in hits:
             self.ledger.take(page)
         missing = [p for p in hits if p in self.unsummarized] if scored else []
@@ -354,7 +360,11 @@ class PagePool:
         for sid, length in zip(seq_ids, lengths):
             if not self.tables.owns(sid):  # cancelled while the step ran
                 continue
+            written = length - self.tables.lengths[sid]
             before, sealed_now = self.tables.advance(sid, length)
+            if self.states is not None and self.states.snapshots and sealed_now and length % self.page_size == 0 \
+                    and self.tables.parent.get(sid) is not None:  # the step ended on a named page boundary
+                self.states.snapshot(sid, self.tables.parent[sid], "decode" if written == 1 else "prefill")
             if sid in self.tables.unscored:
                 if self.int8 is not None:  # no summaries now; a later seal reads the dequantized keys
                     self.int8.staging.release(sealed_now)

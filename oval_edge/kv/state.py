@@ -9,10 +9,18 @@ owns one slot of fixed-size tensors that the layer reads and updates in place at
 `slots` is how many sequences may run at once (the engine's max_batch): a sequence that finds no free slot waits
 like one that finds no free page. A slot is zeroed when a sequence takes it (a fresh sequence's state is zero;
 a preempted one recomputes from its prompt).
+
+Prefix caching: a cached page chain gives back K/V, not the state at its end, so `snapshots` more slots (allocated
+with the rest) keep copies of states taken where a step ended on a page boundary, named by that page's prefix-cache
+name (the hash of every token before it). Each running sequence keeps at most two: its latest boundary in prefill
+(the scheduler ends a chunk at the prompt's last full page, so that is the prompt's) and its latest in decode;
+when it ends they stay, evicted least recently used first. A request whose prompt maps cached pages maps only as
+far as the last page with a snapshot, and starts from a copy of it (restore).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Hashable
 
 import torch
@@ -21,18 +29,24 @@ from oval_edge.state_layout import StateLayout
 
 
 class SequenceStates:
-    def __init__(self, layout: StateLayout, slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        if slots < 1:
-            raise ValueError(f"state slots={slots} must be >= 1 (how many sequences run at once)")
-        self.layout, self.slots = layout, slots
+    def __init__(self, layout: StateLayout, slots: int, dtype: torch.dtype, device: torch.device,
+                 snapshots: int = 0) -> None:
+        if slots < 1 or snapshots < 0:
+            raise ValueError(f"state slots={slots} must be >= 1 (how many sequences run at once) and "
+                             f"snapshots={snapshots} >= 0")
+        self.layout, self.slots, self.snapshots = layout, slots, snapshots
         self.index = {s.layer: i for i, s in enumerate(layout.layers)}  # model layer -> its conv / recurrent entry
+        total = slots + snapshots  # running slots 0 .. slots - 1, then the snapshots
         # The only allocations the states ever make.
-        self.conv = [torch.zeros((slots, s.conv_channels, s.conv_width), dtype=dtype, device=device)
+        self.conv = [torch.zeros((total, s.conv_channels, s.conv_width), dtype=dtype, device=device)
                      for s in layout.layers]
-        self.recurrent = [torch.zeros((slots, s.heads, s.key_dim, s.value_dim), dtype=torch.float32, device=device)
+        self.recurrent = [torch.zeros((total, s.heads, s.key_dim, s.value_dim), dtype=torch.float32, device=device)
                           if s.kind == "linear_attention" else None for s in layout.layers]
         self._free: list[int] = list(range(slots - 1, -1, -1))
         self._owner: dict[Hashable, int] = {}
+        self._cached: OrderedDict[bytes, int] = OrderedDict()  # page name -> snapshot slot, least recent first
+        self._free_snapshots: list[int] = list(range(total - 1, slots - 1, -1))
+        self._kept: dict[Hashable, dict[str, bytes]] = {}  # a running sequence's snapshots: kind -> name
 
     @property
     def num_free(self) -> int:
@@ -57,6 +71,46 @@ class SequenceStates:
         slot = self._owner.pop(seq_id, None)
         if slot is not None:
             self._free.append(slot)
+        self._kept.pop(seq_id, None)  # its snapshots stay cached, evictable now
+
+    # ---- snapshots (prefix caching) -----------------------------------------------------------------------
+    def has_snapshot(self, name: bytes) -> bool:
+        return name in self._cached
+
+    def snapshot(self, seq_id: Hashable, name: bytes, kind: str) -> bool:
+        """Copy the sequence's state (it just ended a step on the page boundary `name` names) into a snapshot slot:
+        the one its previous snapshot of this kind ("prefill" / "decode") used, else a free one, else the least
+        recently used one no running sequence keeps. False when none can be had (nothing is copied)."""
+        kept = self._kept.setdefault(seq_id, {})
+        if name in self._cached:
+            self._cached.move_to_end(name)
+            kept[kind] = name
+            return True
+        previous = kept.get(kind)
+        # names another sequence (or this one's other kind) keeps: never overwritten or evicted
+        held = {n for sid, names in self._kept.items() for k, n in names.items() if (sid, k) != (seq_id, kind)}
+        if previous is not None and previous not in held and previous in self._cached:
+            target = self._cached.pop(previous)
+        elif self._free_snapshots:
+            target = self._free_snapshots.pop()
+        else:
+            victim = next((n for n in self._cached if n not in held and n != previous), None)
+            if victim is None:
+                return False
+            target = self._cached.pop(victim)
+        source = self._owner[seq_id]
+        for tensor in self.tensors():
+            tensor[target].copy_(tensor[source])
+        self._cached[name] = target
+        kept[kind] = name
+        return True
+
+    def restore(self, seq_id: Hashable, name: bytes) -> None:
+        """Start the sequence (holding a slot) from the snapshot `name`."""
+        source, target = self._cached[name], self._owner[seq_id]
+        self._cached.move_to_end(name)
+        for tensor in self.tensors():
+            tensor[target].copy_(tensor[source])
 
     def holders(self) -> set:
         """The sequences holding a slot."""
@@ -75,3 +129,9 @@ class SequenceStates:
         assert len(set(owned)) == len(owned), "a state slot held by two sequences"
         assert not set(owned) & set(self._free), "a state slot both held and free"
         assert len(owned) + len(self._free) == self.slots, "state slots were lost or duplicated"
+        cached = list(self._cached.values())
+        assert len(set(cached)) == len(cached) and not set(cached) & set(self._free_snapshots), \
+            "a snapshot slot holds two names or is both free and used"
+        assert len(cached) + len(self._free_snapshots) == self.snapshots, "snapshot slots were lost"
+        assert all(n in self._cached for names in self._kept.values() for n in names.values()), \
+            "a running sequence keeps a snapshot that is gone"

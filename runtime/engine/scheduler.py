@@ -98,6 +98,11 @@ class Scheduler:
             if request.status != PREFILL:
                 continue
             chunk = min(len(request.prefill_ids) - request.prefilled, prefill_chunk, budget)
+            states = self.pool.states
+            if states is not None and states.snapshots:  # end a chunk on the prompt's last full page: its state is
+                last = len(request.prefill_ids) // self.pool.page_size * self.pool.page_size  # kept (kv/state.py)
+                if request.prefilled < last < request.prefilled + chunk:
+                    chunk = last - request.prefilled
             if not self._resident(request, request.prefilled + chunk, plan):
                 break  # no frame for the chunk now (page store): it waits for a later step
             plan.prefill.append((request, chunk))

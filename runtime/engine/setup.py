@@ -63,6 +63,10 @@ class EngineConfig:
     recall_pages  frames per layer that stored pages are recalled into (default max_batch x KV heads x top_k: what
                   one step's selection can name)
     kv_store_checksums  crc32 every stored page and check it on every read (debug)
+    state_snapshots  a hybrid model's (Qwen3.5, LFM2) copies of layer states kept for prefix caching, taken where a
+                  prompt's last full page ends and at the latest page boundary of each answer (oval_edge/kv/state.py);
+                  each costs one sequence's state bytes from the budget. Default None: 2 x max_batch; 0 turns prefix
+                  caching off for such a model
     """
 
     max_batch: int = 4
@@ -82,6 +86,7 @@ class EngineConfig:
     kv_store_size: int | None = None
     recall_pages: int | None = None
     kv_store_checksums: bool = False
+    state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_batch", 1, 1024), ("max_queue", 0, 1_000_000), ("prefill_chunk", 16, 65536)):
@@ -108,6 +113,10 @@ class EngineConfig:
             raise ValueError(f"num_pages={self.num_pages!r} must be a positive integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2")
+        snapshots = self.state_snapshots
+        if snapshots is not None and (isinstance(snapshots, bool) or not isinstance(snapshots, int) or snapshots < 0):
+            raise ValueError(f"state_snapshots={snapshots!r} must be an integer >= 0 (0: no prefix caching for a "
+                             "hybrid model) or unset for 2 x max_batch")
         for name in ("pool_tokens", "recall_pages"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -180,10 +189,17 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         log.info("prefix cache: off (%d sliding-window layers keep only their window; a cached page's keys are "
                  "gone from their rings)", len(geometry.ring_layers))
         salt = None
-    if salt is not None and geometry.states is not None:
-        log.info("prefix cache: off (%d state layers keep one state per sequence, not per page: a cached page "
-                 "chain cannot restore it)", len(geometry.state_layers))
-        salt = None
+    snapshots = 0
+    if geometry.states is not None and salt is not None:
+        snapshots = 2 * config.max_batch if config.state_snapshots is None else config.state_snapshots
+        if snapshots == 0:
+            log.info("prefix cache: off (state_snapshots=0: the %d state layers' state at a cached page cannot be "
+                     "restored)", len(geometry.state_layers))
+            salt = None
+        else:
+            log.info("prefix cache: on, %d state snapshots (%s each) restore the %d state layers where a cached "
+                     "prompt page ends", snapshots, format_bytes(geometry.state_bytes_per_sequence),
+                     len(geometry.state_layers))
     if config.num_pages is None and geometry.paged_layers == 0:
         # Every layer on a window (Mistral v0.1, Phi-3-mini-4k): pages hold no bytes, only positions; enough of them
         # for max_batch sequences at full length, and the rings are the whole KV cache.
@@ -196,7 +212,8 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
     if config.num_pages is not None:
         pages = check_resident(geometry, oval, config, store, config.num_pages)
         pool = PagePool(geometry, pages, loaded.device, eta=oval.eta, prefix_salt=salt,
-                        ring_sequences=config.max_batch, stage_pages=stage, store=store, **tier)
+                        ring_sequences=config.max_batch, stage_pages=stage, store=store,
+                        state_snapshots=snapshots, **tier)
         log.info("KV pool: %d pages fixed by num_pages (%s)", pages, format_bytes(pool.nbytes()))
         return pool
     act_bytes = torch.finfo(loaded.dtype).bits // 8
@@ -221,10 +238,11 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         # Enough for max_batch sequences at full context, but never more than the memory there is.
         wanted = loaded.weight_bytes + workspace + reserve
         wanted += config.max_batch * (-(-max_model_len // oval.page_size) * geometry.bytes_per_page
-                                      + geometry.sequence_bytes)
+                                      + geometry.sequence_bytes) + snapshots * geometry.state_bytes_per_sequence
         held = loaded.weight_bytes + reserve  # already inside `available` accounting below
         budget = min(wanted, held + int(0.8 * available_bytes(loaded.device)))
-    sizing = size_pool(budget, loaded.weight_bytes, geometry, workspace, reserve, ring_sequences=config.max_batch)
+    sizing = size_pool(budget, loaded.weight_bytes, geometry, workspace, reserve, ring_sequences=config.max_batch,
+                       state_snapshots=snapshots)
     log.info("KV pool: %s", sizing.explain())
     pages = sizing.pages
     mirror_per_frame = DenseMirror.bytes_for(geometry, tier["store_layout"].mirrored_layers, 1) if store else 0
@@ -236,7 +254,8 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         log.info("KV pool: capped at %d pages by pool_tokens=%d", pages, config.pool_tokens)
     pages = check_resident(geometry, oval, config, store, pages)
     return PagePool(geometry, pages, loaded.device, eta=oval.eta, sizing=sizing, prefix_salt=salt,
-                    ring_sequences=config.max_batch, stage_pages=stage, store=store, **tier)
+                    ring_sequences=config.max_batch, stage_pages=stage, store=store,
+                        state_snapshots=snapshots, **tier)
 
 
 def build_store(config: EngineConfig, geometry: KVGeometry, oval: OvalConfig,

@@ -27,6 +27,7 @@ class EngineStats:
     # Last decode step: bytes of K/V gathered (all layers, all rows) and tokens attended per layer and row.
     kv_bytes_last_step: int = 0
     summary_bytes_last_step: int = 0  # page records (summaries) the last decode step's scoring read, all layers
+    state_bytes_last_step: int = 0  # a hybrid's layer states the last decode step read, all rows
     attended_per_row_layer: float = 0.0
     window_mean: float = 0.0
     sparse_layer_steps: int = 0
@@ -38,6 +39,7 @@ class EngineStats:
         # kv_tokens_read counts gathered slots x KV heads; each slot moves a K and a V row (int8: codes + scale).
         self.kv_bytes_last_step = step.kv_tokens_read * 2 * geometry.kv_row_bytes
         self.summary_bytes_last_step = step.summary_bytes
+        self.state_bytes_last_step = step.state_bytes
         per = max(1, rows * geometry.layers * geometry.kv_heads)
         self.attended_per_row_layer = step.attended_tokens / per
         self.sparse_layer_steps += step.sparse_layers

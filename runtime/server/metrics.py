@@ -47,6 +47,8 @@ class _EngineCollector:
         rings = pool.rings
         if rings is not None:
             yield _gauge("kv_rings_used", "rings held by requests", rings.sequences - rings.num_free)
+        if pool.states is not None:
+            yield _gauge("state_slots_used", "state slots held by requests", pool.states.slots - pool.states.num_free)
         yield _gauge("requests_running", "requests in prefill or decode", stats.running)
         yield _gauge("requests_waiting", "requests queued for pages or a batch slot", stats.waiting)
         yield _counter("requests_refused", "requests the engine refused (too long, or the queue was full)",
@@ -69,6 +71,8 @@ class _EngineCollector:
                      stats.kv_bytes_last_step)
         yield _gauge("summary_bytes_read_last_step", "bytes of page records (summaries) the last decode step's "
                      "scoring read, all layers", stats.summary_bytes_last_step)
+        yield _gauge("state_bytes_read_last_step", "bytes of a hybrid model's layer states (conv and recurrent) the "
+                     "last decode step read, all rows", stats.state_bytes_last_step)
         yield _counter("sparse_layer_steps", "layer-steps decoded with OVAL page selection", stats.sparse_layer_steps)
         yield from _reuse_metrics(getattr(engine, "reuse", None))
         yield from _prefix_metrics(pool)
@@ -91,6 +95,17 @@ def _engine_facts(engine):
         yield _gauge("kv_rings_total", "per-sequence rings of the sliding layers (allocated once)", rings.sequences)
         yield _gauge("kv_ring_pages_per_sequence", "pages one ring holds per sliding layer", g.ring_pages)
         yield _gauge("kv_ring_bytes", "bytes of all rings", rings.nbytes())
+    states = pool.states
+    yield _gauge("state_layers", "a hybrid's layers that keep a fixed state per sequence (linear attention, short "
+                 "conv) instead of K/V", len(g.state_layers))
+    if states is not None:
+        yield _gauge("state_slots_total", "per-sequence state slots (allocated once, one per running sequence)",
+                     states.slots)
+        yield _gauge("state_bytes_per_sequence", "conv and recurrent state bytes of one sequence, all state layers",
+                     g.state_bytes_per_sequence)
+        yield _gauge("state_snapshots_total", "state copies kept for prefix caching (allocated once)",
+                     states.snapshots)
+        yield _gauge("state_bytes", "bytes of all state slots and snapshots", states.nbytes())
     yield _gauge("token_limit", "longest prompt + max_tokens one request may have", engine.token_limit())
     if pool.sizing is not None:
         yield _gauge("memory_budget_bytes", "the budget the pool was sized from", pool.sizing.budget_bytes)

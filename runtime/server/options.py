@@ -41,6 +41,7 @@ class EngineSpec:
     recall_pages: int | None = None  # recall frames per layer (None: the engine's default)
     kv_store_checksums: bool = False
     oval_from: int | None = None  # dense decode below this many tokens (None: the device's default)
+    state_snapshots: int | None = None  # a hybrid's state copies for prefix caching (None: 2 x max_batch)
 
     def engine_config(self):
         from oval_edge.runtime.engine.setup import EngineConfig
@@ -51,7 +52,7 @@ class EngineSpec:
                             cuda_graphs=self.cuda_graphs, prefix_cache=self.prefix_cache,
                             max_step_tokens=self.max_step_tokens, pool_tokens=self.pool_tokens,
                             kv_store=self.kv_store, kv_store_size=self.kv_store_size, recall_pages=self.recall_pages,
-                            kv_store_checksums=self.kv_store_checksums)
+                            kv_store_checksums=self.kv_store_checksums, state_snapshots=self.state_snapshots)
 
     def load(self):
         """Load the model and build the engine (seconds to minutes; call it off the event loop)."""
@@ -107,6 +108,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                        help="share full KV pages between requests whose prompts start alike (default: on); "
                             "--no-prefix-cache prefills every prompt in full")
+    group.add_argument("--state-snapshots", type=int, metavar="N", default=None,
+                       help="hybrid models (Qwen3.5, LFM2): layer-state copies kept so a cached prompt prefix can be "
+                            "resumed, one sequence's state bytes each from the budget (default: 2 x max batch; 0 "
+                            "turns prefix caching off for them)")
     group.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=None,
                        help="keep the quantized weights under $OVAL_EDGE_CACHE/weights and memory-map them at the next "
                             "start (default: on, unless $OVAL_EDGE_WEIGHT_CACHE=0); --no-weight-cache quantizes from "
@@ -208,6 +213,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         max_context=_pick(args.max_context, server_t, "max_context", server_t.get("max_model_len")),
         attention=_pick(args.attention, server_t, "attention", "oval"),
         oval_from=_pick(getattr(args, "oval_from", None), server_t, "oval_from", None),
+        state_snapshots=_pick(getattr(args, "state_snapshots", None), server_t, "state_snapshots", None),
         server=dict(server_t),
         decode_step=_pick(getattr(args, "decode_step", None), server_t, "decode_step", "static"),
         cuda_graphs=_pick(getattr(args, "cuda_graphs", None), server_t, "cuda_graphs", True),

@@ -154,6 +154,7 @@ def describe_store(pool) -> str:
 
 def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = None, webui: bool = False) -> str:
     from oval_edge.kernels.cpu import describe_kernels
+    from oval_edge.units import format_bytes
 
     from oval_edge.runtime.model.loader import describe
     from oval_edge.runtime.model.projections import describe_4bit_path
@@ -170,6 +171,10 @@ def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = N
         f"  KV dtype  {pool.geometry.kv_label}: {pool.geometry.kv_bytes_per_token} bytes per token"
         + (f", {pool.int8.staging.slots} staging pages for sealing" if pool.int8 is not None else ""),
         *([f"  KV store  {describe_store(pool)}"] if pool.store is not None else []),
+        *([f"  states    {pool.geometry.states.describe()} x ({pool.states.slots} running + "
+           f"{pool.states.snapshots} prefix-cache snapshots) = "
+           f"{format_bytes(pool.states.nbytes())} (taken before the pages; OVAL scores the "
+           f"{pool.geometry.paged_layers} attention layers)"] if pool.states is not None else []),
         f"  engine    {describe_spec(spec)}",
         f"  kernels   {describe_kernels(engine.loaded.device)}",
         *([f"  matmuls   {four_bit}"] if four_bit is not None else []),

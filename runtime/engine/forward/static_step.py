@@ -251,4 +251,5 @@ class StaticDecoder:
         return StepStats(kv_tokens_read=attended if step.reads_valid_only else gathered, attended_tokens=attended,
                          sparse_layers=0 if shorts else sparse_layers,
                          summary_bytes=per_head * sparse_layers * self.runner.kv_heads,
+                         state_bytes=rows * g.state_bytes_per_sequence,
                          window_mean=window_sum / window_count if window_count else float(config.window_min))

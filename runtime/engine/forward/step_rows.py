@@ -33,6 +33,7 @@ class StepStats:
     attended_tokens: int = 0  # valid slots among them
     sparse_layers: int = 0
     summary_bytes: int = 0  # page records (summaries) scoring read, all layers, all rows
+    state_bytes: int = 0  # a hybrid's layer states read (and written back), all state layers, all rows
     windows: list[torch.Tensor] = field(default_factory=list)  # adaptive window lengths of sparse rows
     window_mean: float = 0.0
 
