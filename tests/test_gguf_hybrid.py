@@ -3,7 +3,8 @@ transformers holds the model (runtime/model/families/hybrid_gguf.py through GGUF
 
 Tiny random Qwen3_5ForCausalLM / Lfm2ForCausalLM (every parameter drawn at random, so the 1 + w norms, A_log and
 the value-head order all matter; Qwen3.5 with 2 key and 4 value heads, so llama.cpp's tiled value-head order
-differs from transformers') are written in F32 and with Q8_0 projections; read back, every tensor has
+differs from transformers'; sizes, eps, rope and conv taps away from the config classes' defaults, so a key the
+conversion drops shows as a difference) are written in F32 and with Q8_0 projections; read back, every tensor has
 transformers' name and shape (and, in F32, its values), the converted config rebuilds the same transformers
 config, and the GGUF-read state dict gives the original logits.
 """
@@ -31,17 +32,17 @@ def tiny_model(family: str):
     if family == "qwen35":
         config = transformers.Qwen3_5TextConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+            num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=3, linear_key_head_dim=32,
             linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
             layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=4096,
-            rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.25),
-            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.5),
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
         model = transformers.Qwen3_5ForCausalLM(config)
     else:  # conv_bias on: the conv's and its projections' biases go through the file too
         config = transformers.Lfm2Config(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv"], conv_bias=True,
-            max_position_embeddings=4096, norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+            conv_L_cache=4, max_position_embeddings=4096, norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
         model = transformers.Lfm2ForCausalLM(config)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
