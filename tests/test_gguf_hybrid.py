@@ -139,7 +139,7 @@ def test_the_gguf_state_dict_gives_the_original_logits(family, written):
     weights = _weights(path, model)
     missing, unexpected = rebuilt.load_state_dict({name: weights.read(name, torch.float32)
                                                    for name in weights.names()}, strict=False)
-    assert unexpected == [] and set(missing) <= {"lm_head.weight"} and (missing == []) != model.config.tie_word_embeddings
+    assert unexpected == [] and missing == (["lm_head.weight"] if model.config.tie_word_embeddings else [])
     with torch.no_grad():
         want = model(torch.tensor([PROMPT])).logits
         got = rebuilt(torch.tensor([PROMPT])).logits
@@ -151,3 +151,33 @@ def test_a_layer_pattern_qwen35_cannot_hold_is_refused(tmp_path):
     model.config.layer_types = ["linear_attention", "full_attention", "full_attention", "linear_attention"]
     with pytest.raises(ValueError, match="full_attention_interval"):
         write_gguf(model, str(tmp_path / "bad.gguf"), "qwen35")
+
+
+def test_a_qwen35_gguf_with_its_multi_token_prediction_head_reads_the_decoder_only(tmp_path):
+    """llama.cpp's converter keeps Qwen3.5's MTP head (config.json's mtp_num_hidden_layers) as extra blocks counted
+    in block_count, named in nextn_predict_layers: the reader neither lists their tensors nor counts them."""
+    from gguf import GGUFReader
+
+    from oval_edge.runtime.model.gguf_metadata import header_scalar
+    from oval_edge.tools.gguf_write.writer import write_gguf_tensors
+
+    model = tiny_model("qwen35")
+    config = model.config
+    config.mtp_num_hidden_layers = 1
+    state = model.state_dict()
+    hidden = config.hidden_size
+    head = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden), "mtp.norm.weight": torch.randn(hidden),
+            "mtp.pre_fc_norm_embedding.weight": torch.randn(hidden),
+            "mtp.pre_fc_norm_hidden.weight": torch.randn(hidden)}
+    head.update({f"mtp.layers.0.{name.split('.', 3)[3]}": tensor.clone() for name, tensor in state.items()
+                 if name.startswith("model.layers.1.")})  # a full-attention block, as Qwen3.5's MTP layer is
+    path = write_gguf_tensors(config, [*state.items(), *head.items()], str(tmp_path / "mtp.gguf"), "qwen35")
+    reader = GGUFReader(path)
+    assert header_scalar(reader.fields, "qwen35.block_count") == 5
+    assert header_scalar(reader.fields, "qwen35.nextn_predict_layers") == 1
+    stored = {t.name for t in reader.tensors}
+    assert {"blk.4.attn_q.weight", "blk.4.nextn.eh_proj.weight", "blk.4.nextn.shared_head_norm.weight"} <= stored
+
+    assert sorted(_weights(path, model).names()) == sorted(state)
+    values = gguf_config_values(ModelSource(str(tmp_path), "mtp.gguf", "tiny"))
+    assert values["num_hidden_layers"] == 4 and values["layer_types"] == config.layer_types

@@ -169,7 +169,8 @@ def _own_header_values(path: str) -> dict | None:
     else:
         return None
     tokens = fields.get("tokenizer.ggml.tokens")
-    values.update(vocab_size=len(tokens.data) if tokens is not None else None, tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
+    values.update(vocab_size=len(tokens.data) if tokens is not None else None,
+                  tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
                   bos_token_id=header_scalar(fields, "tokenizer.ggml.bos_token_id"),
                   eos_token_id=header_scalar(fields, "tokenizer.ggml.eos_token_id"))
     return {name: value for name, value in values.items() if value is not None}

@@ -7,6 +7,7 @@ round trip checks the reader against the converter's behaviour, not against itse
 
 from __future__ import annotations
 
+import re
 from typing import Iterator
 
 import numpy as np
@@ -21,7 +22,12 @@ _ALWAYS_F32 = ("ssm_conv1d.weight", "shortconv.conv.weight")  # the converter ke
 
 def add_header(writer, config, architecture: str) -> None:
     """The header keys the converter writes for a Qwen3_5TextConfig / Lfm2Config besides the sizes every family has
-    (the writer's: block count, context, width, heads, vocabulary)."""
+    (the writer's: context, width, heads, vocabulary). A Qwen3.5 config with mtp_num_hidden_layers (its
+    config.json's multi-token-prediction blocks) counts them in block_count, as _Qwen35MtpMixin does."""
+    mtp = _mtp_layers(config, architecture)
+    writer.add_block_count(config.num_hidden_layers + mtp)
+    if mtp:
+        writer.add_nextn_predict_layers(mtp)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     if architecture == "lfm2":  # head_count_kv per layer, 0 for the convolutions
         writer.add_head_count_kv([0 if kind == "conv" else config.num_key_value_heads for kind in config.layer_types])
@@ -51,6 +57,8 @@ def converted(config, architecture: str, name: str, tensor: torch.Tensor) -> Ite
     import gguf
 
     tensor = tensor.detach().float()
+    if architecture == "qwen35" and name.startswith("mtp."):
+        name = _mtp_renamed(config, name)
     if architecture == "qwen35":
         tensor = _tiled_value_heads(config, name, tensor)
         if name.endswith(".A_log"):
@@ -62,8 +70,9 @@ def converted(config, architecture: str, name: str, tensor: torch.Tensor) -> Ite
     if name.endswith(("conv1d.weight", "conv.conv.weight")):
         tensor = tensor.squeeze(1)  # [channels, 1, taps] -> [channels, taps]
     kind = gguf.MODEL_ARCH.QWEN35 if architecture == "qwen35" else gguf.MODEL_ARCH.LFM2
-    gguf_name = gguf.get_tensor_name_map(kind, config.num_hidden_layers).get_name(name, try_suffixes=(".weight",
-                                                                                                        ".bias"))
+    blocks = config.num_hidden_layers + _mtp_layers(config, architecture)
+    gguf_name = gguf.get_tensor_name_map(kind, blocks).get_name(name, try_suffixes=(".weight", ".bias")) \
+        or _nextn_name(name)
     if gguf_name is None:
         raise ValueError(f"{name}: llama.cpp's {architecture} tensor map has no name for it")
     data = np.ascontiguousarray(tensor.numpy())
@@ -100,6 +109,38 @@ def _tiled_value_heads(config, name: str, tensor: torch.Tensor) -> torch.Tensor:
     if name.endswith("out_proj.weight"):
         return tile(tensor, 1, value_dim)
     return tensor
+
+
+def _mtp_layers(config, architecture: str) -> int:
+    return int(getattr(config, "mtp_num_hidden_layers", 0) or 0) if architecture == "qwen35" else 0
+
+
+# _Qwen35MtpMixin: the multi-token-prediction head's own tensors, as block L's (L = num_hidden_layers)
+_MTP_PARTS = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+              "norm": "shared_head.norm"}
+
+
+def _mtp_renamed(config, name: str) -> str:
+    """mtp.layers.N.X -> model.layers.{L + N}.X; mtp.fc / its norms -> model.layers.L.eh_proj / enorm / hnorm /
+    shared_head.norm (then converted like the decoder's tensors: the norms get their 1 + w)."""
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[1] == "layers" and parts[2].isdecimal():
+        return f"model.layers.{config.num_hidden_layers + int(parts[2])}.{parts[3]}"
+    if len(parts) == 3 and parts[1] in _MTP_PARTS:
+        return f"model.layers.{config.num_hidden_layers}.{_MTP_PARTS[parts[1]]}.{parts[2]}"
+    raise ValueError(f"{name}: not a Qwen3.5 multi-token-prediction tensor llama.cpp's converter knows")
+
+
+def _nextn_name(name: str) -> str | None:
+    """GGUF name of an MTP head tensor (blk.L.nextn.*), which this gguf package's qwen35 tensor map lacks."""
+    import gguf
+
+    kinds = {"eh_proj": gguf.MODEL_TENSOR.NEXTN_EH_PROJ, "enorm": gguf.MODEL_TENSOR.NEXTN_ENORM,
+             "hnorm": gguf.MODEL_TENSOR.NEXTN_HNORM, "shared_head.norm": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM}
+    match = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", name)
+    if match is None or match.group(2) not in kinds:
+        return None
+    return gguf.TENSOR_NAMES[kinds[match.group(2)]].format(bid=int(match.group(1))) + ".weight"
 
 
 def _full_attention_interval(layer_types) -> int:

@@ -57,7 +57,6 @@ def write_gguf_tensors(config, tensors: Iterable[tuple[str, torch.Tensor]], path
     writer = gguf.GGUFWriter(path, architecture)
     if model_name:
         writer.add_name(model_name)
-    writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_head_count(config.num_attention_heads)
@@ -98,6 +97,7 @@ def _add_header(writer, config, architecture: str) -> None:
     Phi-3's rope)."""
     import gguf
 
+    writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count_kv(config.num_key_value_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -16,6 +16,8 @@ What the converter does, and what is undone:
   rows, A_log and dt_bias (one per head), and out_proj's columns (head_v_dim each) are put back in grouped order.
 - LFM2's MLP width: the header's feed_forward_length is llama.cpp's rounding of intermediate_size; the config gets
   the width the tensors have, with block_auto_adjust_ff_dim off, so transformers builds exactly that width.
+- Qwen3.5's multi-token-prediction head, where the converter kept it, is block_count's last nextn_predict_layers
+  blocks (blk.L.*, blk.L.nextn.*): not run, so neither listed nor counted in num_hidden_layers.
 - Qwen3.5 layer kinds: llama.cpp keeps only full_attention_interval (every n-th layer is full attention); LFM2's
   attention layers are those whose head_count_kv entry is not 0.
 The attention's q_proj (Qwen3.5: query and output-gate rows interleaved per head) is stored as it is.
@@ -60,8 +62,8 @@ _LFM2_LAYER = {**_weights(_LFM2_MODULES), **{f"{ours}.bias": f"{theirs}.bias" fo
                                               _LFM2_MODULES.items() if ours.startswith("shortconv.")}}  # conv_bias
 _QWEN35_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                   "output.weight": "lm_head.weight"}
-_LFM2_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "token_embd_norm.weight": "model.embedding_norm.weight",
-                "output.weight": "lm_head.weight"}
+_LFM2_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+                "token_embd_norm.weight": "model.embedding_norm.weight"}  # LFM2's final norm
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)$")
 
 
@@ -154,7 +156,7 @@ def config_values(architecture: str, scalar, array, tensor_shapes: dict[str, tup
                              "converter writes; re-convert the model with a current convert_hf_to_gguf.py")
         return value
 
-    layers = int(need("block_count"))
+    layers = int(need("block_count")) - int(scalar("nextn_predict_layers") or 0)  # Qwen3.5's MTP blocks: not run
     values = dict(num_hidden_layers=layers, hidden_size=int(need("embedding_length")),
                   num_attention_heads=int(need("attention.head_count")),
                   max_position_embeddings=int(need("context_length")))
