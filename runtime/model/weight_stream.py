@@ -51,7 +51,9 @@ _CHUNK_BYTES = 4 << 20  # fp32 bytes dequantized at once: bounds the load peak w
 
 class GGUFWeights:
     """Tensors of a GGUF file. llama.cpp stores Llama's q/k rows interleaved for its rotary layout; they are put
-    back in transformers' rotate_half order here, as transformers' own GGUF loader does (Qwen2 is stored as is)."""
+    back in transformers' rotate_half order here, as transformers' own GGUF loader does (Qwen2 is stored as is).
+    Qwen3.5 / LFM2 (architecture `qwen35`, `qwen3_5_text`, `qwen3_5` or `lfm2`) come back as transformers' state
+    dict: names, shapes and values (families/hybrid_gguf.py undoes the converter's changes)."""
 
     def __init__(self, path: str, architecture: str, heads: int, kv_heads: int):
         from gguf import GGUFReader
@@ -228,7 +230,7 @@ def _hf_name(gguf_name: str, path: str, layer_names: dict) -> str:
     match = _GGUF_LAYER_NAME.match(gguf_name)
     if match is None or match.group(2) not in layer_names:
         raise ValueError(f"model {path}: tensor {gguf_name!r} is not part of a supported decoder; oval-edge runs "
-                         "Llama, SmolLM2, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3 and Gemma 3 GGUF files")
+                         "Llama, SmolLM2, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 3, Qwen3.5 and LFM2 GGUF files")
     return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
 
 
