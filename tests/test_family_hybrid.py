@@ -267,3 +267,34 @@ def test_prefix_cache_restores_the_state_where_the_cached_prompt_ends(hybrid):
         assert max(abs(a.logprob - b.logprob) for a, b in zip(got.samples, want.samples)) < 1e-4
     cached.pool.check_invariants()
     assert cached.pool.storage_pointers() == pointers
+
+
+@pytest.mark.parametrize("architecture", ["qwen35", "lfm2"])
+def test_gguf_as_llama_cpp_writes_it_serves_the_logits_of_transformers(tmp_path, architecture):
+    """A GGUF written under llama.cpp's names and transforms (tools/gguf_write/hybrid.py; read back by
+    families/hybrid_gguf.py), loaded by the engine with quant none: prefill and 64 greedy steps within 1e-4 of
+    transformers, tokens equal; F32 and Q8_0 projections (Q8_0 against transformers on the dequantized weights)."""
+    from oval_edge.runtime.model.weight_stream import GGUFWeights
+    from oval_edge.tools.gguf_write.writer import write_gguf
+    from test_gguf_hybrid import tiny_model
+
+    model = tiny_model(architecture)
+    for projection_type in ("F32", "Q8_0"):
+        path = write_gguf(model, str(tmp_path / f"{architecture}-{projection_type}.gguf"), architecture,
+                          projection_type)
+        reference = model
+        if projection_type != "F32":  # transformers on the weights the file holds
+            stored = GGUFWeights(path, architecture, model.config.num_attention_heads,
+                                 model.config.num_key_value_heads)
+            reference = type(model)(model.config).eval()
+            missing, unexpected = reference.load_state_dict({n: stored.read(n, torch.float32) for n in stored.names()},
+                                                            strict=False)
+            assert not unexpected and set(missing) <= {"lm_head.weight"}
+            if model.config.tie_word_embeddings:
+                reference.tie_weights()
+        tokens, ours = decode_greedy(Engine.load(path, quant="none", device="cpu", oval=WIDE,
+                                                 config=EngineConfig(num_pages=64, oval_from=0)), PROMPT, STEPS)
+        with torch.no_grad():
+            full = reference(torch.tensor([PROMPT + tokens])).logits[0]
+        assert tokens == full[len(PROMPT) - 1 : -1].argmax(-1).tolist(), projection_type
+        assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4, projection_type
