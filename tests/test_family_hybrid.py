@@ -298,3 +298,25 @@ def test_gguf_as_llama_cpp_writes_it_serves_the_logits_of_transformers(tmp_path,
             full = reference(torch.tensor([PROMPT + tokens])).logits[0]
         assert tokens == full[len(PROMPT) - 1 : -1].argmax(-1).tolist(), projection_type
         assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4, projection_type
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_preempted_requests_recompute_their_state_and_lose_nothing(hybrid, prefix_cache):
+    """A pool too small for every request preempts the newest (its pages and its state slot freed); it comes back,
+    recomputes (from a state snapshot where its cached pages allow) and ends with the tokens of a roomy run."""
+    from oval_edge.runtime.engine.request import SamplingParams
+
+    _, _, folder = hybrid
+    prompts = [[100 + (seed * 37 + i * 11) % 3000 for i in range(n)] for seed, n in enumerate((20, 30, 17, 25, 40))]
+    long = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0)
+    roomy = engine_for(folder, num_pages=128, prefix_cache=False)
+    expected = [roomy.generate(p, long).output_ids for p in prompts]
+    engine = engine_for(folder, num_pages=14, prefix_cache=prefix_cache, prefill_chunk=16)
+    requests = [engine.submit(p, long) for p in prompts]
+    while engine.has_work():
+        engine.step()
+        engine.pool.check_invariants()
+    assert [r.error for r in requests] == [None] * len(prompts)
+    assert engine.stats.preemptions > 0
+    assert [r.output_ids for r in requests] == expected
+    assert engine.pool.num_used == 0 and engine.pool.states.num_free == engine.pool.states.slots
