@@ -271,3 +271,32 @@ def _batch_merges(t: torch.Tensor) -> bool:
     sizes, strides = t.shape[:-2], t.stride()[:-2]
     return all(size == 1 or stride == strides[i + 1] * sizes[i + 1]
                for i, (size, stride) in enumerate(zip(sizes[:-1], strides[:-1])))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("triton", [False, True])
+def test_a_hybrid_step_on_cuda_stays_on_the_device(tmp_path, kind, triton):
+    """Qwen3.5 / LFM2 (state layers updating each row's state slot in place, a gated full-attention layer) on the
+    fake CUDA device, NF4 weights, rows of 900 and 90 tokens in a bucket of 2: no op mixes devices, nothing crosses
+    between host and device, the host never waits."""
+    import transformers
+
+    from oval_edge.runtime.model.origin.source import resolve_model
+    from oval_edge.runtime.model.tokenizer import load_tokenizer
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=4, vocab_size=49152, max_position_embeddings=2048)
+    if kind == "lfm2":
+        config = transformers.Lfm2Config(**shape, layer_types=["conv", "full_attention", "conv", "full_attention"])
+    else:
+        config = transformers.Qwen3_5TextConfig(**shape, head_dim=64, linear_num_key_heads=2,
+                                                linear_num_value_heads=4, linear_key_head_dim=64,
+                                                linear_value_head_dim=64)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval().save_pretrained(tmp_path)
+    load_tokenizer(resolve_model("default")).save_pretrained(tmp_path)
+    trace = trace_static_step(str(tmp_path), triton=triton, rows=(("a", 900), ("b", 90)), context=2048)
+    logits, stats = trace.outputs
+    assert logits.device.type == "cuda" and tuple(logits.shape) == (2, 49152)
+    assert trace.problems() == []
+    assert trace.engine.pool.states is not None and any(op.state is not None for op in trace.engine.runner.ops)
