@@ -320,3 +320,12 @@ def test_preempted_requests_recompute_their_state_and_lose_nothing(hybrid, prefi
     assert engine.stats.preemptions > 0
     assert [r.output_ids for r in requests] == expected
     assert engine.pool.num_used == 0 and engine.pool.states.num_free == engine.pool.states.slots
+
+
+def test_eval_refuses_a_hybrid_with_what_runs_it(hybrid):
+    from oval_edge.runtime.model.config import DecoderConfig
+    from oval_edge.tools.eval.runtime import geometry_for
+
+    kind, config, _ = hybrid
+    with pytest.raises(ValueError, match="eval does not yet take a hybrid model.*serve and bench run it"):
+        geometry_for(DecoderConfig.from_dict(config.to_dict(), "tiny"), 16, 4)

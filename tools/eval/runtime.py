@@ -25,6 +25,7 @@ from oval_edge.runtime.engine.forward.step_policy import StepPolicy, WindowModul
 from oval_edge.runtime.engine.forward.step_rows import StaticDecodeRows, StepStats
 from oval_edge.sparse.attention import flat_slots, gather_kv, gather_rows
 from oval_edge.sparse.scoring import group_queries
+from oval_edge.state_layout import state_layout
 
 from oval_edge.sparse.reuse import ReuseInput, SelectionReuse
 
@@ -36,6 +37,9 @@ def geometry_for(model_config, page_size: int, rank: int, kinds=("oval", "quest"
     """A pool geometry for the eval's pools (both summaries by default: rows of either scorer share it); record:
     how the oval records are stored (page_record.py); kv_dtype: the K/V storage (int8: summaries stay fp32);
     group_pages: coarse records for two-level rows (grouped.py)."""
+    if state_layout(model_config) is not None:  # its rows would each need the prefix's state copied too
+        raise ValueError(f"eval does not yet take a hybrid model ({model_config.model_type}: state layers of "
+                         "linear attention or short conv); serve and bench run it")
     config = OvalConfig(page_size=page_size, rank=rank, record=record, kv_dtype=kv_dtype, group_pages=group_pages)
     return KVGeometry.for_oval(*kv_dims(model_config), config, "float32" if kv_dtype == "int8" else kv_dtype, kinds)
 
