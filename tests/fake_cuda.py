@@ -238,12 +238,12 @@ def stub_triton_launches(monkeypatch, audits: list, devices: list) -> None:
 
     from oval_edge.kernels import triton_check
 
-    for module_name in ("triton_scoring", "triton_attention", "triton_int8_head", "triton_grouped"):
+    for module_name in ("triton_scoring", "triton_attention", "triton_int8_head", "triton_grouped", "triton_delta"):
         module = importlib.import_module(f"oval_edge.kernels.{module_name}")
         for name, value in list(vars(module).items()):
             if isinstance(value, KernelInterface):
                 monkeypatch.setattr(module, name, LaunchRecorder(name, audits, devices))
-    for name in ("self_check", "int8_head_check", "grouped_linear_check"):
+    for name in ("self_check", "int8_head_check", "grouped_linear_check", "delta_step_check"):
         monkeypatch.setattr(triton_check, name, lambda *a, **k: None)
 
 
@@ -251,7 +251,7 @@ def clear_triton_loaders() -> None:
     """Forget which Triton kernels loaded (gpu.py caches it per device type)."""
     from oval_edge.kernels import gpu
 
-    for loader in (gpu._load, gpu.load_int8_head, gpu.load_grouped_linear):
+    for loader in (gpu._load, gpu.load_int8_head, gpu.load_grouped_linear, gpu.load_delta_step):
         loader.cache_clear()
 
 

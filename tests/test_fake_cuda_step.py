@@ -300,3 +300,6 @@ def test_a_hybrid_step_on_cuda_stays_on_the_device(tmp_path, kind, triton):
     assert logits.device.type == "cuda" and tuple(logits.shape) == (2, 49152)
     assert trace.problems() == []
     assert trace.engine.pool.states is not None and any(op.state is not None for op in trace.engine.runner.ops)
+    if triton and kind == "qwen3_5":  # the DeltaNet step through triton_delta: 3 layers, one launch each
+        launched = [name for name, _ in trace.triton_devices]
+        assert launched.count("_delta_step_kernel") == 3, launched

@@ -132,3 +132,18 @@ def test_gated_delta_step_reads_no_tensor_value_on_the_host(monkeypatch):
     assert whole.host_reads == [] and whole.device_copies == [] and torch.equal(actual, expected)
     assert entry.host_reads == [] and entry.device_copies == []
     assert recorder.launches == [((3, 4, 2), {"KEY_DIM": 16, "BLOCK_V": 16})]
+
+
+def test_the_loaders_self_check_passes_the_kernel_and_fails_a_wrong_one():
+    """gpu.delta_step_kernel's check (triton_check.delta_step_check, an fp64 reference written from the definition)
+    passes this kernel in the interpreter and names a kernel that forgets the decay."""
+    from oval_edge.kernels import triton_check
+
+    assert triton_check.delta_step_check(triton_delta, torch.device("cpu")) is None
+
+    class NoDecay:
+        @staticmethod
+        def gated_delta_step(q, k, v, g, beta, states, slots):
+            return triton_delta.gated_delta_step(q, k, v, torch.zeros_like(g), beta, states, slots)
+
+    assert "gated_delta_step" in triton_check.delta_step_check(NoDecay, torch.device("cpu"))

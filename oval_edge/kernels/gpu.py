@@ -216,6 +216,21 @@ def grouped_linear_kernel(device: torch.device):
     return _module_or_none(load_grouped_linear(device.type, _interpreting()))
 
 
+def delta_step_kernel(device: torch.device):
+    """The gated delta rule's decode step in Triton (triton_delta.py) for tensors on `device` when it is on
+    (OVAL_EDGE_TRITON) and passes delta_step_check there, else None (why is logged once). Under TRITON_INTERPRET=1
+    CPU tensors take it too (the tests). Call it when the layers are bound, before any CUDA graph capture."""
+    if _off_reason(device) is not None:
+        return None
+    return _module_or_none(load_delta_step(device.type, _interpreting()))
+
+
+@functools.cache
+def load_delta_step(device_type: str, interpret: bool):
+    """Import and check the kernel once per device type: the module, or why not."""
+    return _checked_module("triton_delta", "delta_step_check", "delta rule step", torch.device(device_type))
+
+
 def _module_or_none(loaded):
     """A loader's outcome (a module, or why not) -> the module or None."""
     return None if isinstance(loaded, str) else loaded

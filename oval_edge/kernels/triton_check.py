@@ -192,3 +192,40 @@ def grouped_linear_check(module, device: torch.device) -> str | None:
                 if got is None or got.dtype != dtype or float((got.double() - want).abs().max()) > limit:
                     return f"grouped_linear {bits}-bit group {group} {dtype} rows={rows}"
     return None
+
+
+def delta_step_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         states: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One gated delta step from its definition in fp64 (triton_delta.py's docstring; written out so the check
+    imports nothing of the runtime): (out [B, Hv, dv], the states after it). Rows have distinct slots here."""
+    heads = v.shape[1] // q.shape[1]
+    q, k = (torch.nn.functional.normalize(t.double(), dim=-1, eps=0.0).repeat_interleave(heads, 1) for t in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    decay = g.double().exp()[..., None, None]  # [B, Hv, 1, 1]
+    s = states.double()[slots] * decay  # [B, Hv, dk, dv]
+    delta = beta.double()[..., None] * (v.double() - torch.einsum("bhk,bhkv->bhv", k, s))
+    s = s + k[..., None] * delta[..., None, :]
+    after = states.double().clone()
+    after[slots] = s
+    return torch.einsum("bhk,bhkv->bhv", q, s), after
+
+
+def delta_step_check(module, device: torch.device) -> str | None:
+    """None when the gated delta step kernel (triton_delta.py) agrees with its reference (output and the states it
+    wrote in place) for Hv = Hk and Hv = 2 Hk in fp32 and a 16-bit dtype; else what disagreed."""
+    gen = torch.Generator().manual_seed(0)
+    for key_heads, value_heads, dtype in ((2, 2, torch.float32), (2, 4, torch.float16)):
+        rows, dk, dv = 3, 32, 32
+        rand = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+        q, k, v, beta = rand(rows, key_heads, dk), rand(rows, key_heads, dk), rand(rows, value_heads, dv), \
+            rand(rows, value_heads).sigmoid()
+        g = -torch.rand(rows, value_heads, generator=gen).to(device=device, dtype=dtype)
+        states = torch.randn(5, value_heads, dk, dv, generator=gen).to(device)
+        slots = torch.tensor([3, 0, 1], device=device)
+        want, after = delta_step_reference(q, k, v, g, beta, states, slots)
+        got = module.gated_delta_step(q, k, v, g, beta, states, slots)
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-3
+        if got is None or not torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance) \
+                or not torch.allclose(states.double(), after, atol=1e-4, rtol=1e-4):
+            return f"gated_delta_step {dtype} Hk={key_heads} Hv={value_heads}"
+    return None

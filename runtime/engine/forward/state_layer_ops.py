@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from oval_edge.kernels.gpu import delta_step_kernel
 from oval_edge.runtime.model.projections import bind_projection
 
 from .state_mixers import causal_conv, causal_conv_step, gated_delta_prefill, gated_delta_step, gated_rms_norm
@@ -58,6 +59,7 @@ class DeltaNetOps:
     key_dim: int
     value_dim: int
     eps: float
+    kernel: object | None = None  # on CUDA, triton_delta (the step's state read and written once in place)
 
     def _split(self, x: torch.Tensor):
         """x [n, hidden] -> (q|k|v [n, C], z [n, Hv, dv], beta [n, Hv], g [n, Hv] fp32)."""
@@ -88,7 +90,13 @@ class DeltaNetOps:
              slots: torch.Tensor) -> torch.Tensor:
         mixed, z, beta, g = self._split(x)
         q, k, v = self._heads(causal_conv_step(mixed, conv, slots, self.conv_weight, None, silu=True))
-        return self._out(gated_delta_step(q, k, v, g, beta, recurrent, slots), z)
+        core = None
+        if self.kernel is not None:  # None for shapes or dtypes it does not take (fixed per step: shapes only)
+            core = self.kernel.gated_delta_step(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.contiguous(),
+                                                recurrent, slots)
+        if core is None:
+            core = gated_delta_step(q, k, v, g, beta, recurrent, slots)
+        return self._out(core, z)
 
 
 StateMixerOps = ShortConvOps | DeltaNetOps
@@ -97,9 +105,11 @@ StateMixerOps = ShortConvOps | DeltaNetOps
 def bind_state_mixer(mixer: torch.nn.Module) -> StateMixerOps:
     """A decoder.LinearAttention or decoder.ShortConv bound for the forward (projections to their kernels)."""
     if hasattr(mixer, "decay_rate"):
+        device = mixer.decay_rate.device  # the Triton step on CUDA only: a CPU runs the torch step (its figures)
         return DeltaNetOps(bind_projection(mixer.in_proj), bind_projection(mixer.gate_proj),
                            bind_projection(mixer.out_proj), mixer.conv_weight,
                            mixer.dt_bias, mixer.decay_rate, mixer.norm_weight, mixer.k_heads, mixer.v_heads,
-                           mixer.key_dim, mixer.value_dim, mixer.eps)
+                           mixer.key_dim, mixer.value_dim, mixer.eps,
+                           delta_step_kernel(device) if device.type == "cuda" else None)
     return ShortConvOps(bind_projection(mixer.in_proj), bind_projection(mixer.out_proj), mixer.conv_weight,
                         mixer.conv_bias)
