@@ -67,7 +67,7 @@ def test_the_static_step_binds_each_sparse_layer_once(tiny_folder, kernels):  # 
         config, scale = engine.runner.config, engine.runner.scale
         assert f"scores: C {'' if flat else 'two-level ('}{kernels.scoring_body}" in step.ops.describe()
         q = torch.randn(1, 2, 2, 32)
-        with pytest.raises(ValueError, match="is dense or sliding-window"):  # layer 0 is dense: no scorer
+        with pytest.raises(ValueError, match="is dense, sliding-window or a state layer"):  # layer 0 is dense: no scorer
             step.ops.scores[0](q, step.page_table, step.sealed)
         prefill(engine, "s", 700)
         step.load(["s"], [5])

@@ -75,7 +75,7 @@ def test_each_op_is_resolved_when_the_table_is_built(kernels, monkeypatch):
                         (BoundSelect, "bind")):
         monkeypatch.setattr(owner, name, _chosen_per_call)
     _run_step(ops, pool)
-    with pytest.raises(ValueError, match="layer 0 is dense or sliding-window"):
+    with pytest.raises(ValueError, match="layer 0 is dense, sliding-window or a state layer"):
         ops.scores[0](torch.zeros(1, HKV, 2, DIM), torch.zeros(1, WIDTH, dtype=torch.long), torch.zeros(1))
 
 
