@@ -144,6 +144,20 @@ def test_aggregate_takes_medians_and_skips_failed_runs():
     assert effective_gb_s(100, 5, None, 2.0) == pytest.approx(105 * 2.0 / 1e9)  # a row from before summaries
 
 
+def test_a_hybrids_state_bytes_are_medianed_read_and_streamed():
+    # A hybrid's layer states (DeltaNet/conv) are read every step beside K/V and summaries: they count in GB/s,
+    # in the bytes-read ratio and in the table (a column of their own).
+    runs = [dict(_run("oval", 512, i, 20.0, summary=400), state_bytes_per_step=state)
+            for i, state in enumerate((2000, 3000, 2500))]
+    (row,) = aggregate(runs, bandwidth_gb_s=1.0)
+    assert row["state_bytes_per_step"] == 2500
+    assert row["effective_gb_s"] == pytest.approx((10_000 + 1000 + 400 + 2500) * 20.0 / 1e9)
+    dense = aggregate([dict(_run("dense", 512, 0, 10.0, kv=1000, summary=0), state_bytes_per_step=2500)])
+    (vs,) = ratios([row] + dense)
+    assert vs["read_bytes_ratio"] == pytest.approx((1000 + 400 + 2500) / (1000 + 2500))
+    assert "state MiB/step" in format_table([row] + dense, [vs], {"device": "cpu"})
+
+
 def test_table_has_kv_and_summary_columns_and_labels_a_synthetic_model():
     name = "SmolLM2-135M shape, random weights (seed 0), 32k positions (synthetic: speed only)"
     rows = label_rows(aggregate([_run("oval", 32768, 0, 30.0, kv=3 * 2**20, summary=2**20),

@@ -9,7 +9,8 @@ from oval_edge.tools.timing import median
 REFERENCE = "oval"
 # Per-run numbers whose median becomes the row's figure.
 MEDIAN_FIELDS = ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_mb", "run_peak_rss_mb", "rss_after_load_mb",
-                 "peak_device_mb", "run_peak_device_mb", "kv_bytes_per_step", "summary_bytes_per_step", "weight_bytes", "prefill_s", "decode_s",
+                 "peak_device_mb", "run_peak_device_mb", "kv_bytes_per_step", "summary_bytes_per_step",
+                 "state_bytes_per_step", "weight_bytes", "prefill_s", "decode_s",
                  "reuse_hit_rate", "ops_per_decode_step", "gpu_kernels_per_decode_step")
 # Per-run facts that do not vary between runs: taken from the first successful run.
 FIRST_FIELDS = ("label", "prompt_tokens", "gen_tokens", "decode_steps", "kv_bytes_source", "kv_dtype", "device",
@@ -23,12 +24,12 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def effective_gb_s(weight_bytes: float | None, kv_bytes: float | None, summary_bytes: float | None,
-                   decode_tok_s: float | None) -> float | None:
-    """Bytes a decode step must stream (all weights once + the K/V it reads + the page summaries it scores) x steps
-    per second, in GB/s (1e9)."""
+                   decode_tok_s: float | None, state_bytes: float | None = None) -> float | None:
+    """Bytes a decode step must stream (all weights once + the K/V it reads + the page summaries it scores + a
+    hybrid's layer states) x steps per second, in GB/s (1e9)."""
     if weight_bytes is None or decode_tok_s is None:
         return None
-    return (weight_bytes + (kv_bytes or 0) + (summary_bytes or 0)) * decode_tok_s / 1e9
+    return (weight_bytes + (kv_bytes or 0) + (summary_bytes or 0) + (state_bytes or 0)) * decode_tok_s / 1e9
 
 
 def aggregate(runs: list[dict], bandwidth_gb_s: float | None = None) -> list[dict]:
@@ -47,7 +48,8 @@ def aggregate(runs: list[dict], bandwidth_gb_s: float | None = None) -> list[dic
             row[name] = median(r.get(name) for r in ok)
         row["decode_tok_s_runs"] = [r.get("decode_tok_s") for r in ok]
         row["effective_gb_s"] = effective_gb_s(row["weight_bytes"], row["kv_bytes_per_step"],
-                                               row["summary_bytes_per_step"], row["decode_tok_s"])
+                                               row["summary_bytes_per_step"], row["decode_tok_s"],
+                                               row["state_bytes_per_step"])
         row["bandwidth_fraction"] = ratio(row["effective_gb_s"], bandwidth_gb_s)
         errors = [r["error"] for r in group if "error" in r]
         if errors:
@@ -64,9 +66,11 @@ def label_rows(rows: list[dict], model_name: str, synthetic: bool) -> list[dict]
 
 
 def read_bytes(row: dict) -> float | None:
-    """K/V + summary bytes one decode step reads (None when the K/V figure is missing)."""
+    """K/V + summary + layer-state bytes one decode step reads (None when the K/V figure is missing)."""
     kv = row.get("kv_bytes_per_step")
-    return None if kv is None else kv + (row.get("summary_bytes_per_step") or 0)
+    if kv is None:
+        return None
+    return kv + (row.get("summary_bytes_per_step") or 0) + (row.get("state_bytes_per_step") or 0)
 
 
 def ratios(rows: list[dict], reference: str = REFERENCE) -> list[dict]:
@@ -124,7 +128,7 @@ def format_table(rows: list[dict], ratio_rows: list[dict], meta: dict) -> str:
     show_bw = on_gpu or meta.get("bandwidth_gb_s") is not None
     by_vs = {(r["vs"], r["context"]): r for r in ratio_rows}
     head = ["context", "engine", "prompt", "prefill tok/s", "decode tok/s", "peak RSS MB", "run RSS MB",
-            "K/V MiB/step", "summary MiB/step", "ops/step"]
+            "K/V MiB/step", "summary MiB/step", "state MiB/step", "ops/step"]
     if on_gpu:
         head.append("peak GPU MB")
     if show_bw:
@@ -137,7 +141,7 @@ def format_table(rows: list[dict], ratio_rows: list[dict], meta: dict) -> str:
         cells = [str(row["context"]), engine, _num(row.get("prompt_tokens"), "{}"),
                  _num(row["prefill_tok_s"]), _num(row["decode_tok_s"], "{:.2f}"), _num(row["peak_rss_mb"], "{:.0f}"),
                  _num(row["run_peak_rss_mb"], "{:.0f}"), _mib(row, "kv_bytes_per_step"),
-                 _mib(row, "summary_bytes_per_step"), _num(row.get("ops_per_decode_step"), "{:.0f}")]
+                 _mib(row, "summary_bytes_per_step"), _mib(row, "state_bytes_per_step"), _num(row.get("ops_per_decode_step"), "{:.0f}")]
         if on_gpu:
             cells.append(_num(row["peak_device_mb"], "{:.0f}"))
         if show_bw:

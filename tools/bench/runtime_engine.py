@@ -92,6 +92,8 @@ def run_runtime(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:
         "kv_bytes_per_step": engine.stats.kv_bytes_last_step,
         "kv_bytes_source": "measured: K/V gathered at the last decode step, all layers (engine stats)",
         "summary_bytes_per_step": engine.stats.summary_bytes_last_step,
+        # A hybrid's layer states (DeltaNet/conv) every row reads each step: constant in the context length.
+        "state_bytes_per_step": engine.stats.state_bytes_last_step,
         "kv_dtype": "int8" if geometry.kv_int8 else geometry.dtype,
         "weight_bytes": engine.loaded.weight_bytes,
         "pool_pages": pages,
