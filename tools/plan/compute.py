@@ -158,11 +158,17 @@ def pool_at(shape: ModelShape, request: PlanRequest, page_size: int, target: str
     work = max(serve_work, parts["total"])
     try:  # serve's own sizing: sliding layers' rings (max_batch sequences) come out before the full pages
         sizing = size_pool(budget, weights.total, geometry, workspace_bytes=work, reserve_bytes=overhead,
-                           ring_sequences=request.batch)
+                           ring_sequences=request.batch, state_snapshots=state_snapshots(geometry, request))
         pages, explain = sizing.pages, sizing.explain()
     except ValueError as exc:  # not one page fits: the message carries the minimum for one page
         pages, explain = 0, str(exc)
     return PoolAt(pages, work, serve_work, parts, explain)
+
+
+def state_snapshots(geometry, request: PlanRequest) -> int:
+    """The hybrid's state copies serve keeps for prefix caching (runtime/engine/setup.py's default: 2 x max_batch;
+    none without state layers)."""
+    return 2 * request.batch if geometry.states is not None else 0
 
 
 def context_fits(shape: ModelShape, request: PlanRequest, page_size: int, target: str, weights: WeightBreakdown,
@@ -192,10 +198,12 @@ def _page_plan(shape: ModelShape, request: PlanRequest, page_size: int, target: 
     pool_now = pool_at(shape, request, page_size, target, weights, budget, overhead, request.context)
     pages, work, serve_work, transient = pool_now.pages, pool_now.workspace, pool_now.serve_workspace, \
         pool_now.parts["total"]
-    rings = request.batch * geometry.ring_bytes_per_sequence
+    # per running sequence: its rings and a hybrid's layer states, plus the state snapshots of prefix caching
+    rings = (request.batch + state_snapshots(geometry, request)) * geometry.state_bytes_per_sequence \
+        + request.batch * geometry.ring_bytes_per_sequence
     needed = request.batch * math.ceil(request.context / page_size)
     reads = decode_reads(shape, oval, geometry, request.context, request.batch)
-    step_bytes = weights.read_per_decode_step + reads["kv_bytes"] + reads["summary_bytes"]
+    step_bytes = weights.read_per_decode_step + reads["kv_bytes"] + reads["summary_bytes"] + reads["state_bytes"]
     tok_s = request.batch * bandwidth * 1e9 / step_bytes if bandwidth else None
     paths = STEP_COSTS.predict(kind, request.quant, shape.layers, min(oval.dense_layers, shape.layers), step_bytes,
                                bandwidth, request.batch)

@@ -10,6 +10,9 @@ Families (as transformers builds them; only the weights and the KV cache matter 
                                    every other layer sliding (layer i sliding when (i + 1) % 2 != 0)
   gemma3 / gemma3_text             as gemma2 plus q/k norms; layer i sliding unless (i + 1) % pattern == 0 (pattern
                                    6 by default: 5 of every 6 layers on `sliding_window`)
+  qwen3_5_text (Qwen3.5), lfm2     hybrids: `linear_attention` / `conv` layers keep a fixed state per sequence
+                                   (state_layout.py) and their own projections; q/k norms on the attention layers
+                                   (Qwen3.5's q_proj twice as wide: the output gate)
 Gemma ties its embeddings and takes head_dim from the config (256 for Gemma-3-4B, not hidden / heads = 320).
 A `layer_types` list ("sliding_attention" / "full_attention"), where a config has one, wins over the rules.
 
@@ -20,10 +23,11 @@ the vision tower (oval-edge serves text only), and says so in the shape's notes.
 
 from __future__ import annotations
 
+from oval_edge.runtime.model.families.hybrid import HYBRID_TYPES, hybrid_fields
 from oval_edge.runtime.model.origin.source import SUPPORTED_ARCHITECTURES as PLANNED_ARCHITECTURES  # the loader's list
 
 GEMMA = ("gemma2", "gemma3", "gemma3_text")
-QK_NORM = ("qwen3", "gemma3", "gemma3_text")
+QK_NORM = ("qwen3", "gemma3", "gemma3_text", "qwen3_5_text", "lfm2")
 
 # transformers' config-class defaults for keys the published configs leave out (Gemma-3-4B's text_config names
 # only hidden/intermediate size, layers, rope scaling and the window). Checked against transformers' classes by
@@ -36,6 +40,8 @@ CONFIG_DEFAULTS = {
                     "tie_word_embeddings": True},
 }
 SLIDING_KINDS = {"sliding_attention": "sliding", "full_attention": "full"}
+# A hybrid's (Qwen3.5, LFM2) layers that keep a fixed state per sequence instead of K/V (oval_edge/state_layout.py)
+STATE_KINDS = {"linear_attention": "state", "conv": "state", "full_attention": "full"}
 
 
 def text_part(config: dict, path: str) -> tuple[dict, list[str]]:
@@ -63,6 +69,15 @@ def text_part(config: dict, path: str) -> tuple[dict, list[str]]:
     return defaults | config, notes
 
 
+def hybrid_config(config: dict) -> dict:
+    """A Qwen3.5 / LFM2 text config as the loader reads it (runtime/model/families/hybrid.py: transformers' defaults,
+    LFM2's MLP width, layer_types filled in), so plan counts what the loader builds."""
+    merged, fields = hybrid_fields(config)
+    return merged | {"layer_types": list(fields["layer_types"])} | {
+        k: v for k, v in fields.items() if k.startswith(("linear_", "conv_"))} | {
+        "attn_output_gate": bool(fields.get("attn_output_gate"))}
+
+
 def norms_per_layer(arch: str) -> int:
     """RMSNorm weight vectors of `hidden` per decoder layer."""
     return 4 if arch in GEMMA else 2
@@ -74,6 +89,10 @@ def layer_kinds(arch: str, layers: int, window: int | None, config: dict | None 
     context binds (else every layer is full)."""
     config = config or {}
     types = config.get("layer_types")
+    if arch in HYBRID_TYPES:  # hybrid_config filled layer_types; no sliding layers in these families
+        if not isinstance(types, list) or len(types) != layers or any(t not in STATE_KINDS for t in types):
+            raise ValueError(f"layer_types must list {layers} of {', '.join(STATE_KINDS)}, got {types!r}")
+        return tuple(STATE_KINDS[t] for t in types)
     if types is not None:
         if not isinstance(types, list) or len(types) != layers or any(t not in SLIDING_KINDS for t in types):
             raise ValueError(f"layer_types must list {layers} of {', '.join(SLIDING_KINDS)}, got {types!r}")

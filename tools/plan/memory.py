@@ -6,6 +6,7 @@ T = context (tokens of the longest sequence), B = batch, Hq/Hkv/D = heads / kv h
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from oval_edge.config import OvalConfig
@@ -15,6 +16,8 @@ from oval_edge.geometry import (
 
 from .model import ModelShape
 from .weights import ACTIVATION_BYTES, WeightBreakdown
+
+ACTIVATION_DTYPES = {"cpu": "float32", "cuda": "bfloat16"}  # ACTIVATION_BYTES' dtypes: a hybrid's conv states
 
 MiB = 2**20
 # Resident bytes of a loaded server besides its weights: interpreter, torch, bitsandbytes, the tokenizer (with
@@ -52,18 +55,21 @@ def geometry_for(shape: ModelShape, oval: OvalConfig, target: str) -> KVGeometry
         raise ValueError(f"{shape.path}: every layer is a sliding-window layer; plan needs at least one full layer")
     ring = tuple(i for i, kind in enumerate(shape.kinds) if kind == "sliding")
     oval = oval.for_context(shape.max_context)  # as the engine: no coarse records where two levels never apply
+    states = None  # a hybrid's conv states in the activations' dtype (the engine's), recurrent ones fp32
+    if shape.states is not None:
+        states = dataclasses.replace(shape.states, dtype=ACTIVATION_DTYPES[target])
     return KVGeometry.for_oval(shape.layers, shape.kv_heads, shape.head_dim, oval, oval.pool_dtype(target),
-                               ring=(ring, shape.sliding_window if ring else 0))
+                               ring=(ring, shape.sliding_window if ring else 0), states=states)
 
 
 def tokens_read_per_layer(shape: ModelShape, oval: OvalConfig, context: int) -> list[int]:
     """Token positions one sequence's decode step reads in each layer: the whole context in the first
     `dense_layers` layers (and in every layer while the sequence fits the token budget), else the slots; a
-    sliding layer reads its window."""
+    sliding layer reads its window; a hybrid's state layer reads no K/V (its state: decode_reads' state_bytes)."""
     sparse = min(context, oval.token_budget)  # sink + top-k pages + window (= selection.slots_per_step)
     window = min(context, shape.sliding_window)
-    return [window if kind == "sliding" else context if layer < oval.dense_layers else sparse
-            for layer, kind in enumerate(shape.kinds)]
+    return [0 if kind == "state" else window if kind == "sliding" else context if layer < oval.dense_layers
+            else sparse for layer, kind in enumerate(shape.kinds)]
 
 
 def decode_reads(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, context: int, batch: int) -> dict:
@@ -78,7 +84,8 @@ def decode_reads(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, cont
                                                                                  oval.top_groups)
     return {"tokens_per_layer_dense": per_layer[0] if per_layer else 0, "tokens_per_layer_sparse": min(context, oval.token_budget),
             "tokens_per_layer_sliding": min(context, shape.sliding_window) if shape.sliding_layers else 0,
-            "tokens_per_step": sum(per_layer), "kv_bytes": kv, "summary_bytes": summaries}
+            "tokens_per_step": sum(per_layer), "kv_bytes": kv, "summary_bytes": summaries,
+            "state_bytes": batch * geometry.state_bytes_per_sequence}  # every row's state read (and written)
 
 
 def reserved_workspace_bytes(shape: ModelShape, geometry: KVGeometry, target: str, chunk: int, context: int,

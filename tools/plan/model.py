@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 from oval_edge.runtime.model.origin.source import bundled_gguf_path
 
-from .families import PLANNED_ARCHITECTURES, QK_NORM, layer_kinds, norms_per_layer, text_part
+from oval_edge.state_layout import StateLayer, StateLayout, state_layout
+
+from .families import HYBRID_TYPES, PLANNED_ARCHITECTURES, QK_NORM, hybrid_config, layer_kinds, norms_per_layer, \
+    text_part
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,16 @@ class ModelShape:
     file_bytes: int  # size of the checkpoint on disk (GGUF file; 0 when only a config was given)
     norms_per_layer: int = 2  # RMSNorm vectors of `hidden` per layer: 2 (Llama), 4 (Gemma 2/3)
     qk_norm: bool = False  # q_norm and k_norm per layer (Qwen3, Gemma 3): 2 x head_dim weights
-    layer_kinds: tuple[str, ...] = ()  # "full" | "sliding" per layer; () = every layer full
+    layer_kinds: tuple[str, ...] = ()  # "full" | "sliding" | "state" per layer; () = every layer full
     sliding_window: int = 0  # tokens a sliding layer attends to (0: none)
     rotary_dim: int = 0  # dims of each head that rotate (partial_rotary_factor); 0 = head_dim
     notes: tuple[str, ...] = ()  # what reading the config left out or filled in
     # a GGUF's decoder projections as stored: (rows, width, GGML type) per tensor; () for a config.json
     stored_projections: tuple[tuple[int, int, str], ...] = ()
+    # a hybrid's state layers (oval_edge/state_layout.py; dtype: float32 here, geometry_for sets the target's) and
+    # Qwen3.5's attention output gate (q_proj twice as wide)
+    states: StateLayout | None = None
+    attn_output_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_kinds and len(self.layer_kinds) != self.layers:
@@ -66,16 +73,51 @@ class ModelShape:
         return self.kinds.count("sliding")
 
     def projections(self) -> list[tuple[str, int, int]]:
-        """(name, out_features N, in_features K) of the nn.Linear layers inside one decoder layer."""
+        """(name, out_features N, in_features K) of the nn.Linear layers inside one attention decoder layer."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         h, i = self.hidden, self.intermediate
         return [
-            ("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q),
-            ("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i),
+            ("q_proj", q * (2 if self.attn_output_gate else 1), h), ("k_proj", kv, h), ("v_proj", kv, h),
+            ("o_proj", h, q), ("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i),
         ]
+
+    def all_projections(self) -> list[tuple[str, int, int]]:
+        """The quantized projections of every layer: an attention layer's, or a state layer's own (Qwen3.5's fused
+        q|k|v|z in and out projections, LFM2's conv in and out projections; runtime/model/decoder_build.py) and
+        its MLP."""
+        if self.states is None:
+            return self.projections() * self.layers
+        by_layer = {s.layer: s for s in self.states.layers}
+        out = []
+        for layer in range(self.layers):
+            state = by_layer.get(layer)
+            out += self.projections() if state is None else self._state_projections(state)
+        return out
+
+    def _state_projections(self, state: StateLayer) -> list[tuple[str, int, int]]:
+        h, i = self.hidden, self.intermediate
+        mlp = [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
+        if state.kind == "conv":
+            return [("in_proj", 3 * h, h), ("out_proj", h, h)] + mlp
+        values = state.heads * state.value_dim
+        return [("in_proj", state.conv_channels + values, h), ("out_proj", h, values)] + mlp
+
+    def state_exact_parameters(self) -> int:
+        """A state layer's weights the loader keeps as read (not 4-bit): Qwen3.5's b | a projection [2 Hv, hidden],
+        conv taps [C, K], dt_bias and A_log [Hv], gated-norm weight [dv]; LFM2's conv taps [hidden, K]."""
+        total = 0
+        for s in self.states.layers if self.states is not None else ():
+            total += s.conv_channels * (s.conv_width + 1)
+            if s.kind == "linear_attention":
+                total += 2 * s.heads * self.hidden + 2 * s.heads + s.value_dim
+        return total
 
     @property
     def parameters(self) -> int:
+        if self.states is not None:
+            return (sum(n * k for _, n, k in self.all_projections()) + self.state_exact_parameters()
+                    + self.layers * self.norms_per_layer * self.hidden + self.vocab * self.hidden * (
+                        1 if self.tied_embeddings else 2) + self.hidden)
         per_layer = sum(n * k for _, n, k in self.projections()) + self.norms_per_layer * self.hidden
         if self.qk_norm:
             per_layer += 2 * self.head_dim
@@ -89,6 +131,9 @@ class ModelShape:
         kinds = (f", {self.sliding_layers} of {self.layers} layers sliding on {self.sliding_window} tokens"
                  if self.sliding_layers else "")
         rotary = f", {self.rotary_dim} of {self.head_dim} dims rotate" if self.rotary_dim else ""
+        if self.states is not None:
+            kinds += (f", {len(self.states.layers)} of {self.layers} layers keep a state "
+                      f"({self.states.describe()})")
         notes = "".join(f"; {n}" for n in self.notes)
         return (
             f"{self.name} ({self.architecture}, {self.layers} layers, hidden {self.hidden}, {self.heads} q / "
@@ -141,6 +186,8 @@ def shape_from_config(config: dict, path: str, name: str) -> ModelShape:
     """The shape a Hugging Face config.json describes (`path` names it in messages)."""
     config, notes = text_part(config, path)
     arch = config.get("model_type")
+    if arch in HYBRID_TYPES:
+        config = hybrid_config(config)
     if arch not in PLANNED_ARCHITECTURES:
         raise ValueError(f"{path}: model_type {arch!r} is not supported; oval-edge plans "
                          f"{', '.join(PLANNED_ARCHITECTURES)}")
@@ -160,7 +207,7 @@ def shape_from_config(config: dict, path: str, name: str) -> ModelShape:
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"{path}: 'sliding_window' must be a positive integer or null, got {window!r}")
     kinds = layer_kinds(arch, layers, window, config, context)
-    rotary = config.get("partial_rotary_factor")
+    rotary = config.get("partial_rotary_factor") or (config.get("rope_parameters") or {}).get("partial_rotary_factor")
     if rotary is not None and not (isinstance(rotary, (int, float)) and 0 < rotary <= 1):
         raise ValueError(f"{path}: 'partial_rotary_factor' must be in (0, 1], got {rotary!r}")
     return ModelShape(
@@ -171,8 +218,10 @@ def shape_from_config(config: dict, path: str, name: str) -> ModelShape:
         # Qwen2 always has q/k/v biases; Llama/Mistral only when attention_bias is set.
         qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
         source="config.json", file_bytes=0, norms_per_layer=norms_per_layer(arch), qk_norm=arch in QK_NORM,
-        layer_kinds=kinds if "sliding" in kinds else (), sliding_window=window if "sliding" in kinds else 0,
+        layer_kinds=kinds if "sliding" in kinds or "state" in kinds else (),
+        sliding_window=window if "sliding" in kinds else 0,
         rotary_dim=int(int(head_dim) * rotary) if rotary not in (None, 1, 1.0) else 0, notes=tuple(notes),
+        states=state_layout(config), attn_output_gate=bool(config.get("attn_output_gate", False)),
     )
 
 

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from oval_edge.units import format_bytes
 
 from .answer import answer_line, answer_of, best_row, what_fits_line
-from .compute import FORMULA, DevicePlan, PlanChoice, predicted_step_s
+from .compute import FORMULA, DevicePlan, PlanChoice, predicted_step_s, state_snapshots
 from .memory import PagePlan, geometry_for
 from .step_cost import GRAPHED
 
@@ -67,13 +67,18 @@ def format_device_plan(plan: DevicePlan, verbose: bool = False) -> str:
         + ("tied (0 B)" if w.lm_head == 0 else format_bytes(w.lm_head))
         + f", norms {format_bytes(w.norms)}" + (f", biases {format_bytes(w.biases)}" if w.biases else ""),
         f"KV       : {format_bytes(geo.kv_bytes_per_token)} per token ({geo.kv_label}, "
-        f"{'all' if not s.sliding_layers else f'the {s.full_layers} full'} layers) + {r.oval.scorer} "
+        f"{'all' if not s.sliding_layers and s.states is None else f'the {s.full_layers} full'} layers) + "
+        f"{r.oval.scorer} "
         f"summaries (rank {r.oval.rank}) {format_bytes(geo.summary_bytes_per_page)} per page of {geo.page_size}; "
         f"top_k {r.oval.top_k}, sink {r.oval.sink_pages}, window {r.oval.window_max}, "
         f"dense layers {r.oval.dense_layers}"
         + (f"; {s.sliding_layers} sliding layers keep a ring of ceil(({s.sliding_window} - 1) / page) + 1 pages "
            f"of K/V per sequence ({_span([p.ring_bytes for p in plan.rows])} for batch {r.batch}), beside the pool"
-           if s.sliding_layers else ""),
+           if s.sliding_layers else "")
+        + (f"; {len(geo.state_layers)} state layers keep {format_bytes(geo.state_bytes_per_sequence)} per sequence "
+           f"(x batch {r.batch} + {state_snapshots(geo, r)} prefix-cache snapshots = "
+           f"{format_bytes((r.batch + state_snapshots(geo, r)) * geo.state_bytes_per_sequence)}), beside the pool"
+           if geo.states is not None else ""),
         f"process  : runtime overhead {format_bytes(plan.runtime_overhead)}; loading peaks at "
         f"{format_bytes(plan.load_peak_bytes)}",
         f"request  : context {r.context} x batch {r.batch}, prefill chunk {r.prefill_chunk}",

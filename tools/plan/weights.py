@@ -84,7 +84,7 @@ def cpu_layout(shape: ModelShape, cpu_flags: frozenset[str], native: bool | None
     """Which 4-bit layout a CPU run ends up with: packed when bitsandbytes' AVX512-BF16 kernel applies, else unnested
     when the native kernels are on (native None: unless $OVAL_EDGE_NATIVE is "0"; they build wherever a C compiler
     is), else nested."""
-    packable = all(n % CPU_PACK_BLOCK_N == 0 and k % BLOCKSIZE == 0 for _, n, k in shape.projections())
+    packable = all(n % CPU_PACK_BLOCK_N == 0 and k % BLOCKSIZE == 0 for _, n, k in shape.all_projections())
     if "avx512_bf16" in cpu_flags and packable:
         return "cpu-packed"
     if native is None:
@@ -134,7 +134,7 @@ def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozense
     codes = state = dense = 0
     if quant == "none":
         layout = "dense"
-        dense = shape.layers * sum(n * k for _, n, k in shape.projections()) * act
+        dense = sum(n * k for _, n, k in shape.all_projections()) * act
         bias_bytes = act
     elif quant in GROUPED_QUANTS:
         layout = "grouped"
@@ -142,12 +142,14 @@ def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozense
         bias_bytes = act  # the op adds the bias in the activation dtype
     else:
         layout = cpu_layout(shape, cpu_flags) if target == "cpu" else "nested"
-        for _, n, k in shape.projections():
+        for _, n, k in shape.all_projections():
             c, s = linear4bit_bytes(n, k, layout)
-            codes += c * shape.layers
-            state += s * shape.layers
+            codes += c
+            state += s
         bias_bytes = LINEAR4_COMPUTE_BYTES[target]
     biases = shape.layers * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * bias_bytes if shape.qkv_bias else 0
+    # a hybrid's state-layer weights kept as read: b | a, conv taps and the small vectors (fp32 ones counted at 4)
+    dense += shape.state_exact_parameters() * act
     embedding, lm_head = _table_bytes(shape, quant, target, int8_head_kernel)
     return WeightBreakdown(
         quant=quant, layout=layout, target=target, linear_codes=codes, quant_state=state, dense_linear=dense,
@@ -173,7 +175,7 @@ def grouped_projection_bytes(shape: ModelShape, quant: str) -> tuple[int, int]:
     if quant == "gguf":
         totals = [held_bytes(rows, width, *held_layout(kind)) for rows, width, kind in shape.stored_projections]
     else:
-        totals = [held_bytes(n, k, *INT4_LAYOUT) for _, n, k in shape.projections()] * shape.layers
+        totals = [held_bytes(n, k, *INT4_LAYOUT) for _, n, k in shape.all_projections()]
     return sum(c for c, _ in totals), sum(s for _, s in totals)
 
 
