@@ -55,6 +55,14 @@ KNOWN_MODELS = (
     KnownModel("google/gemma-3-4b-it", {
         "model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
         "sliding_window": 1024}),
+    # the text decoder of a Qwen3_5ForConditionalGeneration config (18 Gated DeltaNet + 6 gated attention layers)
+    KnownModel("Qwen/Qwen3.5-0.8B", {
+        "model_type": "qwen3_5_text", "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 24,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 248320,
+        "max_position_embeddings": 262144, "tie_word_embeddings": True, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25}}),
     KnownModel("meta-llama/Llama-3.1-8B-Instruct", _LLAMA3 | {
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
         "tie_word_embeddings": False}),
