@@ -64,13 +64,19 @@ class Job:
 
     def headers(self) -> dict[str, str]:
         """X-Ignored-Fields: the names as JSON string bodies (ASCII, no control characters: a header cannot carry
-        them), the list cut at MAX_IGNORED_HEADER characters."""
+        them; quoted where empty or with spaces at an end, which a header value cannot end with), the list cut at
+        MAX_IGNORED_HEADER characters."""
         if not self.ignored:
             return {}
-        value = ", ".join(json.dumps(name)[1:-1] for name in self.ignored)
+        value = ", ".join(_header_name(name) for name in self.ignored)
         if len(value) > MAX_IGNORED_HEADER:
             value = value[:MAX_IGNORED_HEADER].rsplit(", ", 1)[0] + ", ..."
         return {IGNORED_HEADER: value}
+
+
+def _header_name(name: str) -> str:
+    escaped = json.dumps(name)[1:-1]
+    return escaped if escaped and escaped == escaped.strip() else json.dumps(name)
 
 
 # ---- prompt ids: the tokenizer and chat template run on the app's tokenize worker, never on the event loop (a
