@@ -50,7 +50,7 @@ class OvalConfig:
                   faster), so the bundled 8k model scores flat. Scorer 'quest' and the page store
                   (EngineConfig.kv_store) score flat.
     record        how oval page records are stored: 'float' (the pool's dtype), 'int8' or 'int4' (quantized with
-                  per-page scales, read in place by the kernels; oval_edge/kv/page_record.py). Default 'int4': 0.33x
+                  per-page scales, read in place by the kernels; oval_edge/kv/records/page_record.py). Default 'int4': 0.33x
                   the bytes of a bf16 record at the same rank, the most compact format calibrate keeps within 2% of
                   the float record's attention-output error.
     kv_dtype      dtype of the page pool's K/V: 'auto' = the activations' 16-bit dtype on CUDA, bfloat16 on CPU;

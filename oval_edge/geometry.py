@@ -14,11 +14,11 @@ from .units import format_bytes
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SUMMARY_KINDS = ("oval", "quest")
 # How an oval page record (mean, basis, coordinates) is stored: in the pool's dtype, or quantized with one fp16 scale
-# per page and head for the mean and one per rank (oval_edge/kv/page_record.py). The coarse records of two-level
-# scoring keep an fp32 scale per basis row (kv/group_record.py).
+# per page and head for the mean and one per rank (oval_edge/kv/records/page_record.py). The coarse records of two-level
+# scoring keep an fp32 scale per basis row (kv/records/group_record.py).
 RECORD_FORMATS = ("float", "int8", "int4")
 RECORD_SCALE_BYTES, GROUP_SCALE_BYTES = 2, 4
-# Two-level scoring's coarse record slots (kv/group_slots.py): this many per group_pages pages, and an int64 entry
+# Two-level scoring's coarse record slots (kv/records/group_slots.py): this many per group_pages pages, and an int64 entry
 # per page in the page -> slot map.
 SLOTS_PER_GROUP, GROUP_SLOT_MAP_BYTES = 2, 8
 # kv_int8: each K and V row (one token, one KV head: head_dim values) is stored as int8 codes and one fp32 scale.
@@ -164,7 +164,7 @@ class KVGeometry:
 
     def oval_record_bytes(self) -> int:
         """Bytes of one oval record (one page, one KV head): mean mu [D], basis B^T [r, D], coordinates R^T [r, P],
-        in the pool's dtype, or quantized with 1 + r fp16 scales (kv/page_record.py): int8, a byte a value; int4,
+        in the pool's dtype, or quantized with 1 + r fp16 scales (kv/records/page_record.py): int8, a byte a value; int4,
         the mean int8, basis rows of 5-bit values (D / 2 + D / 8 bytes each), coordinates 4-bit (P / 2 bytes a
         rank) with a fifth bit for the first record_layout.coord_fifth_ranks(r) ranks (P / 8 bytes each)."""
         d, p, r = self.head_dim, self.page_size, self.rank
@@ -205,7 +205,7 @@ class KVGeometry:
     @property
     def summary_bytes_per_page(self) -> int:
         """Summaries stored per page: its records, and when grouped its share of the coarse record slots
-        (kv/group_slots.py: SLOTS_PER_GROUP per group_pages pages, rounded up) and its entry in the slot map."""
+        (kv/records/group_slots.py: SLOTS_PER_GROUP per group_pages pages, rounded up) and its entry in the slot map."""
         fine = self.paged_layers * self.kv_heads * self.summary_bytes_per_head()
         if not self.group_pages:
             return fine

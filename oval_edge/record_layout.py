@@ -1,4 +1,4 @@
-"""Byte layout of the int4 oval page record (oval_edge/kv/page_record.py has the format): how many coordinate rows carry a
+"""Byte layout of the int4 oval page record (oval_edge/kv/records/page_record.py has the format): how many coordinate rows carry a
 fifth bit and how many bytes a basis row and a record's coordinates take. No torch: the planner (geometry.py) sizes
 pools with it, and the kernels' wrappers check tensors against it. score_kernels.c mirrors it (FIFTH_RANKS,
 INT5_ROW_BYTES, INT4_COORD_BYTES)."""

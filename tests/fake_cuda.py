@@ -236,10 +236,10 @@ def stub_triton_launches(monkeypatch, audits: list, devices: list) -> None:
 
     from triton.runtime.jit import KernelInterface
 
-    from oval_edge.kernels import triton_check
+    from oval_edge.kernels.triton_kernels import triton_check
 
     for module_name in ("triton_scoring", "triton_attention", "triton_int8_head", "triton_grouped", "triton_delta"):
-        module = importlib.import_module(f"oval_edge.kernels.{module_name}")
+        module = importlib.import_module(f"oval_edge.kernels.triton_kernels.{module_name}")
         for name, value in list(vars(module).items()):
             if isinstance(value, KernelInterface):
                 monkeypatch.setattr(module, name, LaunchRecorder(name, audits, devices))

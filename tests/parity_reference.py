@@ -1,5 +1,5 @@
 """fp64 references for the parity grid (tests/test_parity_grid.py), written from the definitions, not from the torch
-bodies: the record formats unpacked from the byte layout oval_edge/kv/page_record.py documents, the oval and quest
+bodies: the record formats unpacked from the byte layout oval_edge/kv/records/page_record.py documents, the oval and quest
 scores, the two-level choice of groups, the selection rules (step_kernels.c's header states them) and attention,
 each in float64 over the values as stored. Only the format's constants come from the package: the Hadamard
 rotation H (page_record.rotation, checked orthonormal and symmetric here) and how many ranks carry a fifth bit."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from oval_edge.kv.page_record import rotation
+from oval_edge.kv.records.page_record import rotation
 from oval_edge.record_layout import coord_fifth_ranks
 
 F64 = torch.float64

@@ -12,8 +12,8 @@ from test_grouped_scoring import GROUPED
 from test_static_step import engine_for, prefill, tiny_folder  # noqa: F401
 
 from oval_edge.kernels.cpu_check import random_records
-from oval_edge.kv.group_record import GROUP_NAMES, GROUP_SLOT, group_record, stored_group_record
-from oval_edge.kv.page_record import layer_records
+from oval_edge.kv.records.group_record import GROUP_NAMES, GROUP_SLOT, group_record, stored_group_record
+from oval_edge.kv.records.page_record import layer_records
 from oval_edge.sparse.step_ops import page_scores
 
 

@@ -15,7 +15,7 @@ from oval_edge import OvalConfig
 from oval_edge.cli import main
 from oval_edge.geometry import KVGeometry
 from oval_edge.kv.pool import PagePool
-from oval_edge.kv.summaries import oval_summary
+from oval_edge.kv.records.summaries import oval_summary
 from oval_edge.runtime.config_file import load_config_file, oval_config
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.runtime.engine.forward.step_policy import StepPolicy

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from oval_edge import OvalConfig
 from oval_edge.cli import main
-from oval_edge.kv.summaries import oval_summary, quest_summary
+from oval_edge.kv.records.summaries import oval_summary, quest_summary
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.runtime.engine.forward.static_attention import StaticAttention
 from oval_edge.runtime.model.loader import LoadedModel

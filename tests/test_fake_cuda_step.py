@@ -197,7 +197,7 @@ def test_decode_graph_bytes_counts_the_torch_steps_temporaries(smollm2_folder, t
 def int4_layer(seed: int, dtype: torch.dtype):
     """One layer's int4 records of 40 pages (3 KV heads, D = 64, r = 8, P = 32; random keys' records), a query
     [4, 3, 3, 64] in `dtype` and a page table [4, 17] listing some of the pages."""
-    from oval_edge.kv import page_record
+    from oval_edge.kv.records import page_record
 
     generator = torch.Generator().manual_seed(seed)
     heads, pages, rank, dim, page = 3, 40, 8, 64, 32
@@ -211,7 +211,7 @@ def int4_layer(seed: int, dtype: torch.dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_scorer_scores_int4_records_as_record_scores_does(dtype):
-    from oval_edge.kv.page_record import Rotations
+    from oval_edge.kv.records.page_record import Rotations
     from oval_edge.sparse.packed_scores import PackedScorer
     from oval_edge.sparse.scoring import record_scores
 
@@ -223,7 +223,7 @@ def test_packed_scorer_scores_int4_records_as_record_scores_does(dtype):
 
 
 def test_rotations_are_built_once_per_dim_device_and_dtype():
-    from oval_edge.kv.page_record import Rotations, rotation
+    from oval_edge.kv.records.page_record import Rotations, rotation
 
     rotations = Rotations()
     first = rotations.get(96, "cpu")
@@ -240,7 +240,7 @@ def test_packed_scorer_launches_18_kernels_a_layer_none_hidden():
     """The torch path's scorer per sparse layer: 18 launches, and none hidden inside an op: no lookup indexes with
     int32 codes (aten's `index` converts them to int64 first, one more kernel and buffer than the audit sees) and
     no batched matmul operand whose batch dims cannot be merged into one stride (torch.matmul copies it first)."""
-    from oval_edge.kv.page_record import Rotations
+    from oval_edge.kv.records.page_record import Rotations
     from oval_edge.sparse.packed_scores import PackedScorer
 
     records, q, table = int4_layer(1, torch.bfloat16)

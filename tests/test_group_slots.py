@@ -1,4 +1,4 @@
-"""Coarse record slots of two-level scoring (oval_edge/kv/group_slots.py): about 2 per G pages instead of one a page,
+"""Coarse record slots of two-level scoring (oval_edge/kv/records/group_slots.py): about 2 per G pages instead of one a page,
 kept across prefix-cache hits, given up by pages no sequence holds, released when a page is rewritten, and a group
 the pool has no slot for is scored finely every step rather than dropped."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from oval_edge.geometry import KVGeometry
-from oval_edge.kv.group_record import GROUP_NAMES, GROUP_SLOT, group_record
-from oval_edge.kv.group_slots import GroupSlots
+from oval_edge.kv.records.group_record import GROUP_NAMES, GROUP_SLOT, group_record
+from oval_edge.kv.records.group_slots import GroupSlots
 from oval_edge.kv.pool import PagePool
-from oval_edge.kv.page_record import layer_records
+from oval_edge.kv.records.page_record import layer_records
 from oval_edge.sparse.grouped import grouped_reference
 from oval_edge.sparse.scoring import record_scores
 

@@ -1,4 +1,4 @@
-"""Two-level page scoring (oval_edge/sparse/grouped.py, oval_edge/kv/group_record.py): the coarse record bounds its
+"""Two-level page scoring (oval_edge/sparse/grouped.py, oval_edge/kv/records/group_record.py): the coarse record bounds its
 group's logits, the pool builds it when a group's last page seals (keyed by that page), two-level scores equal the
 flat ones on every page they keep, and the static step runs it with no host sync and the eager forward's logits."""
 
@@ -11,7 +11,7 @@ from test_static_step import engine_for, prefill, static_equals_eager, tiny_fold
 
 from oval_edge import OvalConfig
 from oval_edge.geometry import SLOTS_PER_GROUP, KVGeometry
-from oval_edge.kv.group_record import GROUP_NAMES, GROUP_SLOT, group_record, stored_group_record
+from oval_edge.kv.records.group_record import GROUP_NAMES, GROUP_SLOT, group_record, stored_group_record
 from oval_edge.kernels.cpu_check import random_records
 from oval_edge.kv.pool import PagePool
 from oval_edge.sparse.grouped import coarse_scores, grouped_reference, uses_groups

@@ -1,4 +1,4 @@
-"""The stored oval record (oval_edge/kv/page_record.py): formats, their bytes, and what quantization costs the scores.
+"""The stored oval record (oval_edge/kv/records/page_record.py): formats, their bytes, and what quantization costs the scores.
 
 The kernels read every format in place (tests/test_native_kernels.py, tests/test_triton_kernels.py check them against
 the torch scorer over decoded records); here the pool's own sealed records, quantized, are checked against the float
@@ -14,7 +14,7 @@ from oval_reference import make_pool, prefill, structured_kv
 from oval_edge import record_layout
 from oval_edge.config import OvalConfig
 from oval_edge.geometry import KVGeometry
-from oval_edge.kv import page_record
+from oval_edge.kv.records import page_record
 from oval_edge.sparse.scoring import group_queries, score_pages
 
 LAYERS, KV_HEADS, Q_HEADS, DIM, RANK, PAGE = 2, 3, 9, 64, 4, 32

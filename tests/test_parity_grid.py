@@ -34,12 +34,13 @@ import parity_reference as ref
 import test_triton_kernels  # noqa: F401  (Triton's interpreter for CPU tensors, set up before any kernel runs)
 from oval_edge.config import OvalConfig
 from oval_edge.geometry import KVGeometry
-from oval_edge.kernels import cpu_build, gpu, triton_attention, triton_scoring
+from oval_edge.kernels import cpu_build, gpu
+from oval_edge.kernels.triton_kernels import triton_attention, triton_scoring
 from oval_edge.kernels.cpu import NativeKernels, body_kernels
 from oval_edge.kernels.cpu_check import random_records
-from oval_edge.kv.group_record import GROUP_NAMES, GROUP_SLOT, stored_group_record
+from oval_edge.kv.records.group_record import GROUP_NAMES, GROUP_SLOT, stored_group_record
 from oval_edge.kv.int8 import quantize_rows
-from oval_edge.kv.page_record import LayerRecords, Rotations
+from oval_edge.kv.records.page_record import LayerRecords, Rotations
 from oval_edge.kv.pool import PagePool
 from oval_edge.sparse import step_ops_table as table
 from oval_edge.sparse.packed_scores import PackedScorer

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from oval_edge.geometry import KVGeometry
-from oval_edge.kv.group_record import group_record
+from oval_edge.kv.records.group_record import group_record
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.prefix_cache import page_hashes
 

@@ -11,8 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from oval_edge.kv.group_record import group_record
-from oval_edge.kv.summaries import oval_summary
+from oval_edge.kv.records.group_record import group_record
+from oval_edge.kv.records.summaries import oval_summary
 from oval_edge import spectral
 from oval_edge.spectral import BATCHED_EIGH_MAX, dominant_eigenvectors, orthonormal_basis, orthonormal_columns
 
@@ -112,7 +112,7 @@ def test_a_seal_on_cuda_dispatches_only_batched_solver_calls(cuda, monkeypatch):
 def test_the_startup_report_times_a_seal_without_touching_the_pool(group_pages, eta):
     from oval_edge.geometry import KVGeometry
     from oval_edge.kv.pool import PagePool
-    from oval_edge.kv.summaries import seal_cost
+    from oval_edge.kv.records.summaries import seal_cost
     from oval_edge.runtime.server.serve import describe_seal_cost
 
     geometry = KVGeometry(layers=3, kv_heads=2, head_dim=64, page_size=16, rank=4, group_pages=group_pages)

@@ -20,7 +20,7 @@ from oval_reference import (
     structured_kv,
 )
 
-from oval_edge.kv.summaries import oval_summary
+from oval_edge.kv.records.summaries import oval_summary
 from oval_edge.sparse.scoring import group_queries, score_pages
 
 LAYERS, KV_HEADS, Q_HEADS, DIM, RANK = 2, 3, 9, 64, 4

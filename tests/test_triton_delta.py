@@ -1,4 +1,4 @@
-"""The gated delta rule's decode-step kernel (oval_edge/kernels/triton_delta.py) against the torch step
+"""The gated delta rule's decode-step kernel (oval_edge/kernels/triton_kernels/triton_delta.py) against the torch step
 (runtime/engine/forward/state_mixers.py `gated_delta_step`), in Triton's interpreter on CPU tensors (no GPU here);
 its refusals and its capturability (no host read of a tensor value). Not wired into the runtime yet.
 
@@ -28,7 +28,7 @@ from oval_edge.runtime.engine.forward.state_mixers import gated_delta_step
 # TRITON_INTERPRET is read when @triton.jit runs, i.e. when a kernel module is imported: import (or reload, if this
 # worker imported it without the variable) with it set, and leave the environment as it was for other test files.
 with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
-    from oval_edge.kernels import triton_delta, triton_ops
+    from oval_edge.kernels.triton_kernels import triton_delta, triton_ops
     if not all(isinstance(f, InterpretedFunction) for f in (triton_ops._add, triton_delta._delta_step_kernel)):
         for _module in (triton_ops, triton_delta):  # in this order: the kernel binds triton_ops' reductions
             importlib.reload(_module)
@@ -137,7 +137,7 @@ def test_gated_delta_step_reads_no_tensor_value_on_the_host(monkeypatch):
 def test_the_loaders_self_check_passes_the_kernel_and_fails_a_wrong_one():
     """gpu.delta_step_kernel's check (triton_check.delta_step_check, an fp64 reference written from the definition)
     passes this kernel in the interpreter and names a kernel that forgets the decay."""
-    from oval_edge.kernels import triton_check
+    from oval_edge.kernels.triton_kernels import triton_check
 
     assert triton_check.delta_step_check(triton_delta, torch.device("cpu")) is None
 

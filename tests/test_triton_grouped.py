@@ -1,4 +1,4 @@
-"""The grouped-format projection kernel (oval_edge/kernels/triton_grouped.py) against the torch reference
+"""The grouped-format projection kernel (oval_edge/kernels/triton_kernels/triton_grouped.py) against the torch reference
 (runtime/model/grouped/layout.py's `dequantize`), in Triton's interpreter on CPU tensors (no GPU here); its
 refusals, its loader (oval_edge/kernels/gpu.py) and its capturability (no host read of a tensor value).
 
@@ -30,7 +30,8 @@ _PREVIOUS = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from oval_edge.kernels import gpu, triton_check, triton_grouped, triton_ops  # noqa: E402
+from oval_edge.kernels import gpu  # noqa: E402
+from oval_edge.kernels.triton_kernels import triton_check, triton_grouped, triton_ops  # noqa: E402
 
 if not all(isinstance(f, InterpretedFunction) for f in (triton_ops._add, triton_grouped._grouped_kernel)):
     for _module in (triton_ops, triton_grouped):  # the kernel binds triton_ops' reductions

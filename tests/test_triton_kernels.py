@@ -31,8 +31,9 @@ _PREVIOUS = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from oval_edge.kernels import (  # noqa: E402
-    gpu, triton_attention, triton_check, triton_int8_head, triton_ops, triton_scoring,
+from oval_edge.kernels import gpu  # noqa: E402
+from oval_edge.kernels.triton_kernels import (  # noqa: E402
+    triton_attention, triton_check, triton_int8_head, triton_ops, triton_scoring,
 )
 
 if not all(isinstance(f, InterpretedFunction) for f in (triton_ops._add, triton_scoring._oval_kernel,

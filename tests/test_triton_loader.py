@@ -15,7 +15,7 @@ from test_triton_kernels import gpu, triton_attention, triton_check, triton_scor
 
 from oval_edge.kernels import cpu as native
 from oval_edge.kernels.cpu_check import random_records
-from oval_edge.kv.page_record import layer_records
+from oval_edge.kv.records.page_record import layer_records
 from oval_edge.sparse import attention, scoring, step_ops
 from oval_edge.sparse.attention import attend, gather_rows
 from oval_edge.sparse.scoring import quest_scores

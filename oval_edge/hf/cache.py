@@ -23,7 +23,7 @@ from oval_edge.geometry import KVGeometry, kv_dims
 from oval_edge.pool_sizing import size_pool
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
-from oval_edge.kv.summaries import output_metric_sqrt
+from oval_edge.kv.records.summaries import output_metric_sqrt
 from oval_edge.sparse.selection import Selection
 
 OVAL_ATTENTION_PREFIX = "oval"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from oval_edge.record_layout import int4_coord_bytes, int5_row_bytes
-from oval_edge.kv.page_record import record_page_size as _page_size
+from oval_edge.kv.records.page_record import record_page_size as _page_size
 
 # The C kernels' return codes: shapes above their fixed limits, an index outside the pool, no memory for scratch.
 REFUSED, OUT_OF_RANGE, NO_MEMORY = 1, 2, 3

@@ -14,8 +14,8 @@ import torch
 
 from oval_edge.config import OvalConfig
 from oval_edge.kv.int8 import dequantize_rows, quantize_rows
-from oval_edge.kv.page_record import LayerRecords, encode
-from oval_edge.kv.group_record import GROUP_NAMES, GROUP_SLOT, stored_group_record
+from oval_edge.kv.records.page_record import LayerRecords, encode
+from oval_edge.kv.records.group_record import GROUP_NAMES, GROUP_SLOT, stored_group_record
 from oval_edge.sparse.grouped import grouped_reference
 from oval_edge.sparse.scoring import record_scores
 from oval_edge.sparse.selection import DecodePlan

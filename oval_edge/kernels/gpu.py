@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from oval_edge.kv.page_record import record_page_size
+from oval_edge.kv.records.page_record import record_page_size
 
 TRITON_ENV = "OVAL_EDGE_TRITON"  # "0": never use the Triton kernels (A/B measurements, debugging)
 INTERPRET_ENV = "TRITON_INTERPRET"  # "1": Triton runs kernels in its interpreter, on CPU tensors
@@ -174,8 +174,8 @@ def _load(device_type: str, interpret: bool) -> TritonKernels | str:
     try:
         import triton
 
-        from . import triton_attention, triton_scoring
-        from .triton_check import self_check
+        from .triton_kernels import triton_attention, triton_scoring
+        from .triton_kernels.triton_check import self_check
     except Exception as exc:  # ImportError, or a Triton that fails on import (no driver, a broken install)
         log.warning("Triton kernels unavailable (%s); decoding with torch ops", exc)
         return f"Triton absent: {exc}"
@@ -247,12 +247,12 @@ def _checked_module(name: str, check: str, what: str, device: torch.device):
     module, or a short reason (a warning logged) when Triton is absent, the kernel fails to compile or launch, or
     it disagrees with its reference."""
     try:
-        module = importlib.import_module(f".{name}", __package__)
+        module = importlib.import_module(f".triton_kernels.{name}", __package__)
     except Exception as exc:  # ImportError, or a Triton that fails on import
         log.warning("Triton %s unavailable (%s); using torch ops", what, exc)
         return f"Triton absent: {exc}"
     try:
-        from . import triton_check
+        from .triton_kernels import triton_check
 
         problem = getattr(triton_check, check)(module, device)
     except Exception as exc:  # a compile or launch error is a failed check

@@ -33,9 +33,9 @@ from .store.page_file import PageStore
 from .store.layout import StoreLayout
 from .store.tier import StoreTier
 from .step_index import StepIndex, build_step_index
-from .group_record import completed_groups, seal_groups
-from .group_slots import GroupSlots
-from .summaries import PageSealer, allocate_summaries, stack_output_metric
+from .records.group_record import completed_groups, seal_groups
+from .records.group_slots import GroupSlots
+from .records.summaries import PageSealer, allocate_summaries, stack_output_metric
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,12 +1,12 @@
 """Two-level page scoring: coarse group records first, fine page records only inside the best groups.
 
 Flat scoring reads every sealed page's record at every step, so its cost grows with the context. With
-config.group_pages = G > 0 the pool also keeps one coarse record per G logical pages (oval_edge/kv/group_record.py);
+config.group_pages = G > 0 the pool also keeps one coarse record per G logical pages (oval_edge/kv/records/group_record.py);
 a step then scores
 
     1. every complete group of a row by its coarse bound (logsumexp over the group's query heads, then over the
        KV heads: one choice of groups per row, so the fine table stays one [B, F] table the kernels take); a group
-       the pool had no record slot for (kv/group_slots.py) bounds at +inf: it is always kept,
+       the pool had no record slot for (kv/records/group_slots.py) bounds at +inf: it is always kept,
     2. the fine records of the pages of the row's top_groups groups plus the pages of its unfinished group (sealed
        pages not yet in a complete group), F = (top_groups + 1) * G pages,
 
@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 
 from oval_edge.kernels.cpu import decode_kernels
-from oval_edge.kv.group_record import GROUP_SLOT, float_basis, layer_coarse
-from oval_edge.kv.page_record import layer_records
+from oval_edge.kv.records.group_record import GROUP_SLOT, float_basis, layer_coarse
+from oval_edge.kv.records.page_record import layer_records
 
 LOG2_E, LN_2 = 1.0 / math.log(2.0), math.log(2.0)  # base-2 logits as in scoring.oval_scores (exp2 is cheaper)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from oval_edge.kv.page_record import LayerRecords, Rotations, record_format, record_page_size
+from oval_edge.kv.records.page_record import LayerRecords, Rotations, record_format, record_page_size
 from oval_edge.record_layout import coord_fifth_ranks
 
 # level_pairs' last index: which two bits of the fifth-bit byte a pair takes (0-3), or a 4-bit pair, or ones

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from oval_edge.kernels.cpu import decode_kernels
-from oval_edge.kv import page_record
-from oval_edge.kv.page_record import LayerRecords
+from oval_edge.kv.records import page_record
+from oval_edge.kv.records.page_record import LayerRecords
 
 from .grouped import LN_2, LOG2_E, grouped_scores, uses_groups
 

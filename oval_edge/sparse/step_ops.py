@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from oval_edge.kernels.cpu import decode_kernels
-from oval_edge.kv.page_record import RECORD_NAMES, LayerRecords
+from oval_edge.kv.records.page_record import RECORD_NAMES, LayerRecords
 
 from .attention import as_dtype, attend_rows, torch_attend
 from .scoring import record_scores, score_pages

@@ -29,8 +29,8 @@ import torch
 
 from oval_edge.kernels.cpu import NativeKernels, decode_kernels
 from oval_edge.kernels.gpu import TritonKernels
-from oval_edge.kv.group_record import layer_coarse
-from oval_edge.kv.page_record import LayerRecords, Rotations, layer_records
+from oval_edge.kv.records.group_record import layer_coarse
+from oval_edge.kv.records.page_record import LayerRecords, Rotations, layer_records
 
 from . import step_ops
 from .attention import torch_attend

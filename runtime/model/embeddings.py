@@ -12,7 +12,7 @@ Int8 layout on a CPU (what the kernel reads): output rows in panels of 32, codes
 scales [panels, hidden / 32, 32] fp32; the vocabulary is padded with zero rows to a multiple of 32.
 
 On CUDA (CudaInt8Table) the same codes and scales are stored row-major, codes [vocab, hidden] and scales
-[vocab, hidden / 32], unpadded (oval_edge/kernels/triton_int8_head.py says why that layout reads coalesced). The
+[vocab, hidden / 32], unpadded (oval_edge/kernels/triton_kernels/triton_int8_head.py says why that layout reads coalesced). The
 embedding is always this table there; the head is too only where its Triton kernel imports, passes its check and
 takes the activation dtype (int8_head_applies). Without it (a stock JetPack torch has no Triton) the torch
 fallback would expand PACK_ROWS rows at a time to fp32 and run an fp32 matmul: 17 bytes moved per weight and

@@ -163,7 +163,7 @@ def _prefix_metrics(pool):
 
 
 def _group_metrics(pool):
-    """Two-level scoring's coarse record slots (oval_edge/kv/group_slots.py): zero when scoring is flat."""
+    """Two-level scoring's coarse record slots (oval_edge/kv/records/group_slots.py): zero when scoring is flat."""
     slots = pool.group_slots
     yield _gauge("group_record_slots_used", f"coarse page-group records held, of {slots.count} slots", slots.used)
     yield _counter("group_records_missing", "page groups sealed with no free record slot (their pages are scored "

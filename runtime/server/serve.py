@@ -123,7 +123,7 @@ def report_seal_cost(pool) -> None:
     first command after the server is ready, not before: timing it took 0.5-4.7 s of a warm start's 4-9 s (four
     seals of a chunk of pages; measured on this 2-core VM), and nothing needs the figure to serve. A request that
     arrives meanwhile waits for it, once, as it would behind a long prefill."""
-    from oval_edge.kv.summaries import seal_cost
+    from oval_edge.kv.records.summaries import seal_cost
 
     ms = seal_cost(pool)
     if ms:

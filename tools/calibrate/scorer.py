@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from oval_edge.config import OvalConfig
-from oval_edge.kv import page_record
-from oval_edge.kv.summaries import oval_summary
+from oval_edge.kv.records import page_record
+from oval_edge.kv.records.summaries import oval_summary
 from oval_edge.sparse.scoring import oval_scores
 from oval_edge.sparse.selection import DecodePlan
 

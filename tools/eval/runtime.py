@@ -19,7 +19,7 @@ from oval_edge.config import OvalConfig
 from oval_edge.geometry import KVGeometry, kv_dims
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
-from oval_edge.kv.summaries import seal_pages
+from oval_edge.kv.records.summaries import seal_pages
 from oval_edge.runtime.engine.forward.paged_llama import PagedLlama
 from oval_edge.runtime.engine.forward.step_policy import StepPolicy, WindowModuleInput
 from oval_edge.runtime.engine.forward.step_rows import StaticDecodeRows, StepStats

@@ -18,7 +18,7 @@ from oval_edge.config import OvalConfig
 from oval_edge.geometry import head_dim_of
 from oval_edge.kv.pool import PagePool
 from oval_edge.kv.step_index import StepIndex
-from oval_edge.kv.summaries import output_metric_sqrt
+from oval_edge.kv.records.summaries import output_metric_sqrt
 from oval_edge.sparse.attention import cap_logits
 
 from .layer_ops import HeadNorms, LayerOps, bind_one_op_norm  # noqa: F401  (HeadNorms: re-exported for the tests)

@@ -28,7 +28,7 @@ from oval_edge.geometry import batch_buckets
 from oval_edge.step_memory import narrowest_width, width_buckets
 from oval_edge.kernels.cpu import decode_kernels
 from oval_edge.kernels.gpu import gpu_kernels
-from oval_edge.kv.page_record import Rotations
+from oval_edge.kv.records.page_record import Rotations
 from oval_edge.sparse.grouped import uses_groups
 from oval_edge.sparse.selection import slots_per_step
 from oval_edge.sparse.step_ops_table import step_ops_table

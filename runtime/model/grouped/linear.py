@@ -7,7 +7,7 @@ registered op.
     bf16 (x and the weights rounded, sums in fp32, the result rounded; as bitsandbytes' 4-bit layers multiply) where
     the GEMV's body is the AVX512-BF16 one, since a bf16 matmul runs at twice the fp32 rate there (prefill of the
     bundled model at 512 tokens measured 398 tok/s in fp32 against bitsandbytes' 951), else in fp32;
-  CUDA: the Triton GEMV (oval_edge/kernels/triton_grouped.py) for n <= DECODE_ROWS, else dequantize + matmul;
+  CUDA: the Triton GEMV (oval_edge/kernels/triton_kernels/triton_grouped.py) for n <= DECODE_ROWS, else dequantize + matmul;
   anywhere else, or where a kernel declines: layout.dequantize in row chunks + matmul.
 The op is opaque to torch.compile (a fake gives the shape), so the static decode step traces whole; BoundGrouped
 calls the same implementation without the dispatcher in eager decode steps (~25 us a call saved, ~120 calls a step).

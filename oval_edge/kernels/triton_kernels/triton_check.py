@@ -15,7 +15,7 @@ import os
 import torch
 
 from oval_edge.kv.int8 import dequantize_rows, quantize_rows
-from oval_edge.kv.page_record import LayerRecords, decode, encode, gather
+from oval_edge.kv.records.page_record import LayerRecords, decode, encode, gather
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ import torch
 
 from oval_edge.record_layout import coord_fifth_ranks, int4_coord_bytes, int5_row_bytes
 
-from .huge_pages import pool_tensor
+from ..huge_pages import pool_tensor
 
 RECORD_NAMES = ("mean", "basis", "coords", "scales")
 INT8_LEVELS, INT4_LEVELS, INT5_LEVELS = 127, 7, 15

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from oval_edge.record_layout import coord_fifth_ranks
-from oval_edge.kv.page_record import record_page_size, rotation
+from oval_edge.kv.records.page_record import record_page_size, rotation
 
 from .triton_ops import MAX, SUM
 

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ..spectral import dominant_eigenvectors, orthonormal_basis
+from ...spectral import dominant_eigenvectors, orthonormal_basis
 from . import page_record
 from .group_record import GROUP_SLOT, allocate_group_records, group_record
 

@@ -26,9 +26,9 @@ from typing import Sequence
 
 import torch
 
-from ..spectral import dominant_eigenvectors
-from .huge_pages import pool_tensor
-from .int8 import dequantize_rows, quantize_rows
+from ...spectral import dominant_eigenvectors
+from ..huge_pages import pool_tensor
+from ..int8 import dequantize_rows, quantize_rows
 
 # mean [D] and box [2, r] in the pool's dtype; basis B^T [r, D] int8 codes with a scale per row [r] fp32.
 GROUP_NAMES = ("group_mean", "group_basis", "group_bounds", "group_scales")
