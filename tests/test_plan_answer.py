@@ -127,9 +127,11 @@ def _json(capsys, tmp_path: Path, device: str, model: str, context: str) -> str:
     return path.read_text()
 
 
+# `states` (a hybrid's state layers: kind, channels, heads, dims) and the attention output gate are part of the
+# shape: a catalog entry with the wrong DeltaNet value heads reads as the same dense geometry otherwise
 PLANNED_FIELDS = ("architecture", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab",
                   "max_context", "tied_embeddings", "qkv_bias", "norms_per_layer", "qk_norm", "layer_kinds",
-                  "sliding_window", "rotary_dim")
+                  "sliding_window", "rotary_dim", "states", "attn_output_gate")
 
 
 @pytest.mark.parametrize("known", KNOWN_MODELS, ids=lambda m: m.name)

@@ -27,6 +27,16 @@ REAL = {
     "Llama-3.1-8B-Instruct": ("llama", 32, 4096, 32, 8, 128, 128256, False, 0, 8.03e9),
     "Llama-3.2-1B-Instruct": ("llama", 16, 2048, 32, 8, 64, 128256, True, 0, 1.24e9),
     "Qwen3-8B": ("qwen3", 36, 4096, 32, 8, 128, 151936, False, 0, 8.19e9),
+    # the card's exact count, 1,170,340,608; plan leaves out the 6 attention layers' q/k norms (768 weights)
+    "LFM2-1.2B": ("lfm2", 16, 2048, 32, 8, 64, 65536, True, 0, 1.170340608e9),
+}
+# Qwen3.5's cards ("Model Overview", language model): hidden, layers (3 Gated DeltaNet to 1 gated attention), DeltaNet
+# heads for V / for QK (dim 128), attention heads Q / KV (dim 256), RoPE dim, FFN, and the parameters they state
+# (rounded, vision tower not counted: 0.8B, 2B, 4B)
+QWEN3_5_CARDS = {
+    "Qwen3.5-0.8B": (1024, 24, 16, 16, 8, 2, 64, 3584, 0.8),
+    "Qwen3.5-2B": (2048, 24, 16, 16, 8, 2, 64, 6144, 2),
+    "Qwen3.5-4B": (2560, 32, 32, 16, 16, 4, 64, 9216, 4),
 }
 
 
@@ -38,6 +48,20 @@ def test_real_configs_read_as_their_published_shapes(name):
         (arch, layers, hidden, heads, kv, head_dim)
     assert (shape.vocab, shape.tied_embeddings, shape.sliding_layers) == (vocab, tied, sliding)
     assert abs(shape.parameters - params) < 0.01 * params, shape.parameters  # the model cards' counts
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_5_CARDS))
+def test_qwen3_5_configs_read_as_their_model_cards(name):
+    hidden, layers, v_heads, qk_heads, heads, kv, rope, ffn, stated = QWEN3_5_CARDS[name]
+    shape = read_model_shape(str(CONFIGS / name))
+    assert (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.rotary_dim,
+            shape.intermediate) == (hidden, layers, heads, kv, 256, rope, ffn)
+    # layers 3, 7, 11, ... are the gated attention layers; the others keep a DeltaNet state
+    assert [i for i, k in enumerate(shape.kinds) if k == "full"] == list(range(3, layers, 4))
+    assert {(s.heads, s.key_dim, s.value_dim, s.conv_channels) for s in shape.states.layers} == {
+        (v_heads, 128, 128, 2 * qk_heads * 128 + v_heads * 128)}
+    assert shape.attn_output_gate and shape.tied_embeddings and shape.vocab == 248320
+    assert round(shape.parameters / 1e9, 1 if stated < 1 else 0) == stated, shape.parameters  # untied: 1.0 / 4.8
 
 
 def test_family_features_gemma3_text_part_qwen3_norms_phi3_rotary():

@@ -51,3 +51,38 @@ def test_a_real_model_state_bytes_by_hand():
     shape = shape_from_config(config, "qwen3.5-0.8b-shape", "q")
     assert shape.kinds.count("state") == 18 and shape.full_layers == 6
     assert shape.states.bytes_per_sequence == 18 * (6144 * 3 * 4 + 16 * 128 * 128 * 4)
+
+
+@pytest.mark.parametrize("name, by_hand", [
+    # 24 DeltaNet layers x (conv (2 x 16 x 128 + 32 x 128 channels) x 3 taps x 2 bytes + 32 x 128 x 128 x 4 bytes):
+    # 51,511,296, the figure another engine's cache planner states for Qwen3.5-4B's 24 state layers
+    ("Qwen3.5-4B", 24 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)),
+    ("Qwen3.5-2B", 18 * ((2 * 16 * 128 + 16 * 128) * 3 * 2 + 16 * 128 * 128 * 4)),
+    # LFM2: the 10 short-conv layers keep their last conv_L_cache - 1 = 2 inputs of `hidden` in fp16, nothing else
+    ("LFM2-1.2B", 10 * 2048 * (3 - 1) * 2),
+])
+def test_published_hybrids_state_bytes_by_hand(name, by_hand):
+    """The state a sequence keeps on a GPU (fp16 activations), read from the published config.json as `plan` does."""
+    from pathlib import Path
+
+    shape = read_model_shape(str(Path(__file__).parent / "fixtures" / "configs" / name))
+    geometry = geometry_for(shape, OvalConfig(page_size=16), "cuda")
+    assert geometry.state_bytes_per_sequence == by_hand
+    assert geometry.paged_layers == shape.full_layers == (6 if name != "Qwen3.5-4B" else 8)
+
+
+def test_docs_state_table_is_what_plan_counts():
+    """docs/plan.md's "state per sequence" column is each known hybrid's GPU state as plan formats it."""
+    import re
+    from pathlib import Path
+
+    from oval_edge.tools.plan.catalog import KNOWN_MODELS
+    from oval_edge.units import format_bytes
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "plan.md").read_text(encoding="utf-8")
+    quoted = dict(re.findall(r"^\| (\S+) \| [^|]+ \| \d+ \| ([\d.]+ [KMG]iB) \|$", page, re.M))
+    hybrids = {m.name: m.shape() for m in KNOWN_MODELS if m.shape().states is not None}
+    assert set(quoted) == set(hybrids), "docs/plan.md's state table lists every known hybrid, nothing else"
+    for name, shape in hybrids.items():
+        state = geometry_for(shape, OvalConfig(page_size=16), "cuda").state_bytes_per_sequence
+        assert quoted[name] == format_bytes(state), f"docs/plan.md: {name}'s state is {format_bytes(state)}"
