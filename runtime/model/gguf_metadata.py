@@ -26,6 +26,7 @@ import tempfile
 
 from oval_edge.cache_dir import cache_root
 
+from .families.gemma4_gguf import GEMMA4_GGUF_ARCHS, ROPE_FREQS, config_values as gemma4_config_values
 from .families.hybrid_gguf import HYBRID_GGUF_ARCHS, config_values as hybrid_config_values
 from .origin.source import ModelSource
 
@@ -148,17 +149,21 @@ def header_scalar(fields, key: str):
 
 
 def _own_header_values(path: str) -> dict | None:
-    """Config keys of a GGUF whose architecture is in OWN_HEADER_READER or HYBRID_GGUF_ARCHS, else None
-    (transformers reads it)."""
+    """Config keys of a GGUF whose architecture is in OWN_HEADER_READER, HYBRID_GGUF_ARCHS or GEMMA4_GGUF_ARCHS,
+    else None (transformers reads it)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
     fields = reader.fields
     arch = header_scalar(fields, "general.architecture")
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}  # transformers' order
     if arch in HYBRID_GGUF_ARCHS:  # Qwen3.5 / LFM2: their own keys (families/hybrid_gguf.py)
         values = hybrid_config_values(arch, lambda key: header_scalar(fields, f"{arch}.{key}"),
-                                      lambda key: header_array(fields, f"{arch}.{key}"),
-                                      {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors})
+                                      lambda key: header_array(fields, f"{arch}.{key}"), shapes)
+    elif arch in GEMMA4_GGUF_ARCHS:  # Gemma 4's text decoder (families/gemma4_gguf.py)
+        rope_freqs = next((t.data for t in reader.tensors if t.name == ROPE_FREQS), None)
+        values = gemma4_config_values(lambda key: header_scalar(fields, f"{arch}.{key}"),
+                                      lambda key: header_array(fields, f"{arch}.{key}"), shapes, rope_freqs)
     elif arch in OWN_HEADER_READER:
         keys = dict(num_hidden_layers="block_count", max_position_embeddings="context_length",
                     hidden_size="embedding_length", intermediate_size="feed_forward_length",

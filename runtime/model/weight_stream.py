@@ -14,6 +14,7 @@ import re
 import numpy as np
 import torch
 
+from .families.gemma4_gguf import GEMMA4_GGUF_ARCHS, decoder_tensors as gemma4_tensors
 from .families.hybrid_gguf import HYBRID_GGUF_ARCHS, HybridLayout, hf_name as hybrid_name
 
 # GGUF tensor names (llama.cpp's convert_hf_to_gguf) -> transformers' names for Llama-family decoders.
@@ -53,7 +54,8 @@ class GGUFWeights:
     """Tensors of a GGUF file. llama.cpp stores Llama's q/k rows interleaved for its rotary layout; they are put
     back in transformers' rotate_half order here, as transformers' own GGUF loader does (Qwen2 is stored as is).
     Qwen3.5 / LFM2 (architecture `qwen35`, `qwen3_5_text`, `qwen3_5` or `lfm2`) come back as transformers' state
-    dict: names, shapes and values (families/hybrid_gguf.py undoes the converter's changes)."""
+    dict: names, shapes and values (families/hybrid_gguf.py undoes the converter's changes); so does Gemma 4's text
+    decoder (`gemma4`, `gemma4_text`; families/gemma4_gguf.py: names only, its values are stored as they are)."""
 
     def __init__(self, path: str, architecture: str, heads: int, kv_heads: int):
         from gguf import GGUFReader
@@ -65,6 +67,8 @@ class GGUFWeights:
         self._hybrid = None  # Qwen3.5 / LFM2: llama.cpp's changes to undo (families/hybrid_gguf.py)
         if architecture in HYBRID_GGUF_ARCHS:
             self._hybrid, self._tensors = _hybrid_tensors(self._reader, path, architecture)
+        elif architecture in GEMMA4_GGUF_ARCHS:
+            self._tensors = gemma4_tensors(self._reader, path, _header_scalars(self._reader))
         else:
             layer_names = _GGUF_LAYER_BY_ARCH.get(architecture, _GGUF_LAYER)
             self._tensors = {_hf_name(tensor.name, path, layer_names): tensor for tensor in self._reader.tensors}
@@ -230,20 +234,15 @@ def _hf_name(gguf_name: str, path: str, layer_names: dict) -> str:
     match = _GGUF_LAYER_NAME.match(gguf_name)
     if match is None or match.group(2) not in layer_names:
         raise ValueError(f"model {path}: tensor {gguf_name!r} is not part of a supported decoder; oval-edge runs "
-                         "Llama, SmolLM2, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 3, Qwen3.5 and LFM2 GGUF files")
+                         "Llama, SmolLM2, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 3, Gemma 4, Qwen3.5 and LFM2 "
+                         "GGUF files")
     return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
 
 
 def _hybrid_tensors(reader, path: str, architecture: str) -> tuple[HybridLayout, dict]:
     """(the inverse transforms, {transformers name: tensor}) of a qwen35 / lfm2 GGUF. A Qwen3.5 file may hold
     multi-token-prediction blocks after the decoder's (`nextn_predict_layers`): they are not run, so not listed."""
-    from .gguf_metadata import header_scalar
-
-    arch = header_scalar(reader.fields, "general.architecture")
-
-    def scalar(key: str):
-        return header_scalar(reader.fields, f"{arch}.{key}")
-
+    scalar = _header_scalars(reader)
     layers = int(scalar("block_count") or 0) - int(scalar("nextn_predict_layers") or 0)
     tensors = {}
     for tensor in reader.tensors:
@@ -252,10 +251,18 @@ def _hybrid_tensors(reader, path: str, architecture: str) -> tuple[HybridLayout,
             continue
         name = hybrid_name(tensor.name, architecture)
         if name is None:
-            raise ValueError(f"model {path}: tensor {tensor.name!r} is not part of a {arch} text decoder as "
+            raise ValueError(f"model {path}: tensor {tensor.name!r} is not part of a {architecture} text decoder as "
                              "llama.cpp's converter writes it")
         tensors[name] = tensor
     return HybridLayout.from_header(architecture, scalar), tensors
+
+
+def _header_scalars(reader):
+    """scalar(key) -> the header value of `<general.architecture>.<key>` (None when absent)."""
+    from .gguf_metadata import header_scalar
+
+    arch = header_scalar(reader.fields, "general.architecture")
+    return lambda key: header_scalar(reader.fields, f"{arch}.{key}")
 
 
 def _reordered_blocks(data: np.ndarray, kind, rows: torch.Tensor | None, columns: torch.Tensor | None):

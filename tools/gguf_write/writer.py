@@ -3,7 +3,9 @@ synthetic model).
 
 Tensors are stored under llama.cpp's names, in F32 unless a quantized type is asked for; for the `llama`
 architecture family q/k rows are permuted into llama.cpp's interleaved rotary order (Qwen models are stored as is).
-Qwen3.5 (`qwen35`) and LFM2 (`lfm2`) take their header keys and tensor changes from hybrid.py.
+Qwen3.5 (`qwen35`) and LFM2 (`lfm2`) take their header keys and tensor changes from hybrid.py, Gemma 4 (`gemma4`)
+from gemma4.py. A matrix whose rows are not whole blocks of the quantized type asked for is stored F16, as the
+converter falls back.
 The tokenizer fields are copied from the bundled SmolLM2 GGUF, so the file tokenizes exactly as the bundled model
 does (the tiny test models use that vocabulary too).
 """
@@ -15,7 +17,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from . import hybrid
+from . import gemma4, hybrid
+from .gemma4 import EMBEDDING_TABLES, GEMMA4_ARCHITECTURE
 from .hybrid import HYBRID_ARCHITECTURES
 
 LAYER_NAMES = {
@@ -63,6 +66,8 @@ def write_gguf_tensors(config, tensors: Iterable[tuple[str, torch.Tensor]], path
     writer.add_vocab_size(config.vocab_size)
     if architecture in HYBRID_ARCHITECTURES:
         hybrid.add_header(writer, config, architecture)
+    elif architecture == GEMMA4_ARCHITECTURE:
+        gemma4.add_header(writer, config)
     else:
         _add_header(writer, config, architecture)
     _copy_tokenizer(writer, gguf.GGUFReader(bundled_gguf_path()))
@@ -70,9 +75,11 @@ def write_gguf_tensors(config, tensors: Iterable[tuple[str, torch.Tensor]], path
     for name, tensor in tensors:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if architecture in HYBRID_ARCHITECTURES:
-            for gguf_name, data, quantized in hybrid.converted(config, architecture, name, tensor):
-                stored = projection_type if quantized else embedding_type if gguf_name == "token_embd.weight" else "F32"
+        if architecture in HYBRID_ARCHITECTURES or architecture == GEMMA4_ARCHITECTURE:
+            pairs = gemma4.converted(config, name, tensor) if architecture == GEMMA4_ARCHITECTURE else \
+                hybrid.converted(config, architecture, name, tensor)
+            for gguf_name, data, quantized in pairs:
+                stored = projection_type if quantized else embedding_type if gguf_name in EMBEDDING_TABLES else "F32"
                 _add_tensor(writer, gguf_name, data, stored)
             continue
         tensor = tensor.detach().float()
@@ -85,6 +92,9 @@ def write_gguf_tensors(config, tensors: Iterable[tuple[str, torch.Tensor]], path
         is_projection = name.startswith("model.layers.") and "norm" not in name and data.ndim == 2
         stored = projection_type if is_projection else embedding_type if name == "model.embed_tokens.weight" else "F32"
         _add_tensor(writer, _gguf_name(name, names), data, stored)
+    if architecture == GEMMA4_ARCHITECTURE:
+        for gguf_name, data in gemma4.extra_tensors(config):
+            writer.add_tensor(gguf_name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -128,7 +138,12 @@ def _add_tensor(writer, gguf_name: str, data: np.ndarray, stored: str) -> None:
         writer.add_tensor(gguf_name, data)
         return
     kind = gguf.GGMLQuantizationType[stored]
-    writer.add_tensor(gguf_name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+    try:
+        quantized = gguf.quants.quantize(data, kind)
+    except gguf.QuantError:  # rows that are not whole blocks: convert_hf_to_gguf falls back to F16
+        kind = gguf.GGMLQuantizationType.F16
+        quantized = gguf.quants.quantize(data, kind)
+    writer.add_tensor(gguf_name, quantized, raw_dtype=kind)
 
 
 def _add_phi3_rope(writer, config) -> None:
