@@ -49,6 +49,11 @@ class KVGeometry:
     # Hybrid models' state layers (Qwen3.5's linear attention, LFM2's conv; state_layout.py): a fixed state per
     # sequence, no K/V at all. None = none.
     states: StateLayout | None = None
+    # Gemma 4: the sliding layers' head dim where it differs from the paged (full) layers' (256 against 512; 0 = the
+    # same), and the layers that keep no K/V of their own but read an earlier layer's (transformers' "KV sharing":
+    # (layer, source) pairs; the source is the last earlier non-shared layer of the same kind)
+    ring_head_dim: int = 0
+    shared: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim", "page_size"):
@@ -83,6 +88,14 @@ class KVGeometry:
         if state_layers & set(self.ring_layers) or any(i >= self.layers for i in state_layers):
             raise ValueError(f"state layers {sorted(state_layers)} must be layers below layers={self.layers} and "
                              f"not sliding ones ({self.ring_layers})")
+        if self.ring_head_dim < 0 or self.ring_head_dim and not self.ring_layers:
+            raise ValueError(f"ring_head_dim={self.ring_head_dim} must be 0, or the sliding layers' head dim when the "
+                             "model has sliding layers")
+        owners = set(self.ring_layers) | state_layers
+        for layer, source in self.shared:
+            if not 0 <= source < layer < self.layers or source in dict(self.shared) or layer in owners:
+                raise ValueError(f"shared layer {layer} -> {source}: a layer sharing K/V must read an earlier layer "
+                                 f"that keeps its own (below layers={self.layers}), and keep none itself")
         if self.kv_int8 and self.ring_layers:
             raise ValueError(f"kv_dtype='int8' does not take sliding-window layers (this model has "
                              f"{len(self.ring_layers)}; their rings are kept in the float dtype only); use "
@@ -91,15 +104,16 @@ class KVGeometry:
     @classmethod
     def for_oval(cls, layers: int, kv_heads: int, head_dim: int, oval, dtype: str,
                  summary_kinds: tuple[str, ...] | None = None,
-                 ring: tuple[tuple[int, ...], int] = ((), 0), states: StateLayout | None = None) -> "KVGeometry":
+                 ring: tuple[tuple[int, ...], int] = ((), 0), states: StateLayout | None = None,
+                 ring_head_dim: int = 0, shared: tuple[tuple[int, int], ...] = ()) -> "KVGeometry":
         """The geometry an OvalConfig asks for (its page size and rank; its scorer's summaries unless told).
         ring: (sliding-window layers, window), ring_layout() of the model config. dtype: the float dtype
         (OvalConfig.pool_dtype); oval.kv_dtype == 'int8' stores K/V as int8 beside it. states: state_layout() of
-        a hybrid model's config."""
+        a hybrid model's config. head_dim, ring_head_dim, shared: kv_dims() and kv_sharing() of the config."""
         kinds = tuple(summary_kinds or (oval.scorer,))
         return cls(layers, kv_heads, head_dim, oval.page_size, dtype, kinds, oval.rank, oval.record, *ring,
                    group_pages=oval.group_pages if "oval" in kinds else 0, kv_int8=oval.kv_dtype == "int8",
-                   states=states)
+                   states=states, ring_head_dim=ring_head_dim if ring[0] else 0, shared=shared)
 
     @property
     def dtype_bytes(self) -> int:
@@ -112,12 +126,24 @@ class KVGeometry:
 
     @property
     def paged_layers(self) -> int:
-        """Layers whose K/V live in pages of the pool (all but the sliding-window and the state ones)."""
-        return self.layers - len(self.ring_layers) - len(self.state_layers)
+        """Layers whose K/V live in pages of the pool (all but the sliding-window, the state and the shared ones)."""
+        return self.layers - len(self.ring_layers) - len(self.state_layers) - len(self.shared)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V `layer` reads: itself, or its source when it shares an earlier layer's."""
+        return dict(self.shared).get(layer, layer)
 
     def paged_index(self, layer: int) -> int:
-        """Model layer -> its index in the pool's paged tensors (identity with full attention only)."""
-        return layer - sum(1 for other in self.ring_layers + self.state_layers if other < layer)
+        """Model layer -> its index in the pool's paged tensors (identity with full attention only); a shared layer's
+        is its source's."""
+        layer = self.kv_source(layer)
+        skipped = self.ring_layers + self.state_layers + tuple(shared for shared, _ in self.shared)
+        return layer - sum(1 for other in skipped if other < layer)
+
+    @property
+    def ring_dim(self) -> int:
+        """The head dim of the rings' K/V rows."""
+        return self.ring_head_dim or self.head_dim
 
     @property
     def state_bytes_per_sequence(self) -> int:
@@ -138,7 +164,7 @@ class KVGeometry:
     @property
     def ring_bytes_per_sequence(self) -> int:
         """K and V of one sequence's rings in every sliding layer."""
-        return (self.ring_pages * self.page_size * 2 * len(self.ring_layers) * self.kv_heads * self.head_dim
+        return (self.ring_pages * self.page_size * 2 * len(self.ring_layers) * self.kv_heads * self.ring_dim
                 * self.dtype_bytes)
 
     @property
@@ -223,18 +249,47 @@ def head_dim_of(model_config) -> int:
     return getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
 
 
+def kv_sharing(model_config) -> tuple[tuple[int, int], ...]:
+    """(layer, source) of each layer that reads an earlier layer's K/V (Gemma 4's last `num_kv_shared_layers`, as
+    transformers' Gemma4TextConfig.kv_sharing_modes: the source is the last non-shared layer of the same kind)."""
+    shared = int(getattr(model_config, "num_kv_shared_layers", 0) or 0)
+    layers = model_config.num_hidden_layers
+    if not shared:
+        return ()
+    types = list(getattr(model_config, "layer_types", None) or ["full_attention"] * layers)
+    first = layers - shared
+    pairs = []
+    for layer in range(first, layers):
+        owners = [i for i in range(first) if types[i] == types[layer]]
+        if not owners:
+            raise ValueError(f"layer {layer} ({types[layer]}) shares K/V but no earlier layer of its kind keeps any "
+                             f"(num_kv_shared_layers={shared} of {layers})")
+        pairs.append((layer, owners[-1]))
+    return tuple(pairs)
+
+
 def ring_layout(model_config) -> tuple[tuple[int, ...], int]:
-    """(sliding-window layer indices, window) of a config with transformers' `layer_types` / `sliding_window`."""
+    """(sliding-window layer indices, window) of a config with transformers' `layer_types` / `sliding_window`: the
+    sliding layers that keep a ring of their own (a layer sharing another's K/V reads its source's)."""
     types = getattr(model_config, "layer_types", None) or ()
     window = int(getattr(model_config, "sliding_window", 0) or 0)
-    layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    shared = dict(kv_sharing(model_config))
+    layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention" and i not in shared)
     return (layers, window) if layers and window else ((), 0)
 
 
 def kv_dims(model_config) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of a transformers-style config (no num_key_value_heads: multi-head attention)."""
+    """(layers, kv_heads, head_dim) of a transformers-style config (no num_key_value_heads: multi-head attention);
+    head_dim is the paged (full-attention) layers': Gemma 4's global_head_dim where it has one."""
     kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
-    return model_config.num_hidden_layers, kv_heads, head_dim_of(model_config)
+    full = int(getattr(model_config, "global_head_dim", 0) or 0)
+    return model_config.num_hidden_layers, kv_heads, full or head_dim_of(model_config)
+
+
+def ring_head_dim(model_config) -> int:
+    """The sliding layers' head dim where it differs from kv_dims()'s (Gemma 4), else 0."""
+    full = int(getattr(model_config, "global_head_dim", 0) or 0)
+    return head_dim_of(model_config) if full and full != head_dim_of(model_config) else 0
 
 
 def stage_pages_for(geometry: KVGeometry, max_batch: int, step_tokens: int) -> int:

@@ -19,7 +19,7 @@ from oval_edge.state_layout import state_layout
 
 from test_decoder_loading import save_folder
 from test_families import PROMPT, STEPS, _hf_all_logits, decode_greedy
-from test_static_step import traced_step
+from test_static_step import compiled_step_matches_eager, traced_step
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
              num_hidden_layers=4, vocab_size=49152, max_position_embeddings=4096)
@@ -177,27 +177,8 @@ def _prefill_step_long(pool, seq_id: str, length: int):
 def test_compiled_step_traces_whole_and_matches_eager(hybrid):
     """torch.compile(fullgraph=True) of the hybrid's static step: no graph break (the state updates are in-place
     index ops on the pool's tensors), one graph over 40 steps, the eager step's numbers."""
-    from oval_edge.runtime.engine.forward.static_step import StaticDecoder
-
     _, _, folder = hybrid
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    eager, compiled = engine_for(folder, max_batch=1), engine_for(folder, max_batch=1)
-    compiled.static = StaticDecoder(compiled.runner, 1, compiled.token_limit(), compile_backend="aot_eager")
-    for engine in (eager, compiled):
-        step = _prefill_step(engine.pool, "r", len(PROMPT))
-        engine.runner.forward(step, torch.tensor(PROMPT), decode=False)
-        engine.pool.commit(step)
-    token = 5
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(40):
-            want, _, lengths = eager.static.decode(["r"], [token])
-            eager.pool.advance(["r"], lengths)
-            got, _, lengths = compiled.static.decode(["r"], [token])
-            compiled.pool.advance(["r"], lengths)
-            assert (got - want).abs().max().item() <= 1e-4
-            token = int(want[0].argmax())
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    compiled_step_matches_eager(lambda **settings: engine_for(folder, **settings), PROMPT)
 
 
 @pytest.mark.parametrize("quant", ["int4", "nf4"])

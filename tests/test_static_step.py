@@ -85,6 +85,33 @@ def traced_step(engine: Engine, seq_ids: list, tokens: list[int], monkeypatch) -
     return trace
 
 
+def compiled_step_matches_eager(make_engine, prompt: list[int], steps: int = 40) -> None:
+    """torch.compile(fullgraph=True, backend="aot_eager") of an engine's static step (make_engine(max_batch=1) builds
+    one) against the eager step over `steps` greedy steps after `prompt`: the same numbers (1e-4), no recompile,
+    one graph (the model families' tests call this)."""
+    from oval_edge.runtime.engine.forward.static_step import StaticDecoder
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager, compiled = make_engine(max_batch=1), make_engine(max_batch=1)
+    compiled.static = StaticDecoder(compiled.runner, 1, compiled.token_limit(), compile_backend="aot_eager")
+    for engine in (eager, compiled):
+        assert engine.pool.allocate("r", len(prompt) + steps + 1) is not None
+        step = engine.pool.prepare(["r"], [len(prompt)])
+        engine.runner.forward(step, torch.tensor(prompt), decode=False)
+        engine.pool.commit(step)
+    token = 5
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(steps):
+            want, _, lengths = eager.static.decode(["r"], [token])
+            eager.pool.advance(["r"], lengths)
+            got, _, lengths = compiled.static.decode(["r"], [token])
+            compiled.pool.advance(["r"], lengths)
+            assert (got - want).abs().max().item() <= 1e-4
+            token = int(want[0].argmax())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def test_batch_buckets():
     assert batch_buckets(1) == (1,)
     assert batch_buckets(8) == (1, 2, 4, 8)

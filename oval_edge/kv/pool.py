@@ -87,8 +87,9 @@ class PagePool:
                                      state_snapshots if prefix_salt is not None else 0) if g.states else None
         # Model layer -> its row of k / v / summaries (-1: in the rings or a state layer), and its [rows, head_dim]
         # views (no copy; None for a state layer, which has no K/V).
-        self.paged_index = [-1 if layer in g.ring_layers or layer in g.state_layers else g.paged_index(layer)
-                            for layer in range(g.layers)]
+        # A layer sharing an earlier layer's K/V (Gemma 4) gets its source's row and views: it reads, never writes.
+        self.paged_index = [-1 if g.kv_source(layer) in g.ring_layers or layer in g.state_layers
+                            else g.paged_index(layer) for layer in range(g.layers)]
         self.k_rows = [self._rows(self.k, self.rings and self.rings.k_rows, layer, i)
                        for layer, i in enumerate(self.paged_index)]
         self.v_rows = [self._rows(self.v, self.rings and self.rings.v_rows, layer, i)
@@ -110,7 +111,7 @@ class PagePool:
             return paged[index].view(-1, self.geometry.head_dim)
         if layer in self.geometry.state_layers:
             return None
-        return ring_rows[self.rings.index[layer]]
+        return ring_rows[self.rings.index[self.geometry.kv_source(layer)]]
 
     # ---- questions ----------------------------------------------------------------------------------------
     @property
@@ -327,6 +328,8 @@ class PagePool:
     def write(self, layer: int, step: StepIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this layer's new keys/values k, v [N, kv_heads, head_dim] (rotated); a sliding layer's in rings."""
         g = self.geometry
+        if g.kv_source(layer) != layer:
+            raise ValueError(f"layer {layer} reads layer {g.kv_source(layer)}'s K/V (shared): it stores none")
         if self.paged_index[layer] < 0:  # the tokens a ring keeps [M] (None: all), at their rows [M * kv_heads]
             tokens, slots = step.ring_writes
             return self.write_rows(layer, slots, *((k, v) if tokens is None else (k[tokens], v[tokens])))
@@ -338,7 +341,7 @@ class PagePool:
     def write_rows(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [N, kv_heads, head_dim] into the layer's rows `slots` [N * kv_heads] (of its [pages*Hkv*P, D] view);
         a cast only where the dtypes differ (a same-dtype .to() is still a dispatched op)."""
-        d = self.geometry.head_dim
+        d = self.k_rows[layer].shape[1]  # head_dim; a ring's may differ (geometry.ring_dim)
         k, v = k.reshape(-1, d), v.reshape(-1, d)
         if self.scale_rows[layer] is not None:  # int8: codes + scales, and the keys staged for sealing
             self.int8.write(self.paged_index[layer], self.k_rows[layer], self.v_rows[layer], slots, k, v)

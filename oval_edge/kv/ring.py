@@ -6,7 +6,8 @@ pages per sliding layer and logical page j lives in ring page j mod R: writing p
 no query from then on can reach. The rings have no summaries and are never scored; the pool's paged tensors hold
 only the full layers, so a model with 5 of 6 layers sliding (Gemma 3) spends a page of budget on 1/6 of the bytes.
 
-Tensors: k, v [sliding layers, sequences * R, kv_heads, page_size, head_dim]; ring r owns pages r*R .. r*R + R - 1.
+Tensors: k, v [sliding layers, sequences * R, kv_heads, page_size, D] (D: geometry.ring_dim, Gemma 4's 256 beside
+its paged layers' 512); ring r owns pages r*R .. r*R + R - 1.
 `sequences` is how many sequences may hold pages at once (the engine's max_batch): a sequence that finds no free
 ring waits like one that finds no free page.
 """
@@ -34,12 +35,12 @@ class SlidingRings:
         g = geometry
         self.geometry, self.sequences, self.ring_pages = g, sequences, g.ring_pages
         self.index = {layer: i for i, layer in enumerate(g.ring_layers)}  # model layer -> row of k / v
-        shape = (len(g.ring_layers), sequences * self.ring_pages, g.kv_heads, g.page_size, g.head_dim)
+        shape = (len(g.ring_layers), sequences * self.ring_pages, g.kv_heads, g.page_size, g.ring_dim)
         # The only allocations the rings ever make.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.k_rows = [self.k[i].view(-1, g.head_dim) for i in range(shape[0])]  # [pages * Hkv * P, D] views
-        self.v_rows = [self.v[i].view(-1, g.head_dim) for i in range(shape[0])]
+        self.k_rows = [self.k[i].view(-1, g.ring_dim) for i in range(shape[0])]  # [pages * Hkv * P, D] views
+        self.v_rows = [self.v[i].view(-1, g.ring_dim) for i in range(shape[0])]
         self._free: list[int] = list(range(sequences - 1, -1, -1))
         self._owner: dict[Hashable, int] = {}
 

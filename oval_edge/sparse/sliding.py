@@ -48,9 +48,11 @@ def sliding_decode(pool, layer: int, ring: tuple[torch.Tensor, torch.Tensor], q:
 
 
 def sliding_prefill(pool, layer: int, step, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                    scale: float, softcap: float = 0.0) -> torch.Tensor:
+                    scale: float, softcap: float = 0.0, history: dict | None = None) -> torch.Tensor:
     """Chunks of new tokens, BEFORE they are written to the rings. q [N, Hq, D]; k_new, v_new [N, Hkv, D] ->
-    [N, Hq, D]."""
+    [N, Hq, D]. history: where a later layer reads this layer's K/V (Gemma 4's shared layers, after this layer's
+    chunk overwrote the ring), a dict that keeps each row's window before the chunk: filled by the layer that owns
+    the ring, read by the layers sharing it."""
     g = pool.geometry
     P, W, H = g.page_size, g.window, g.kv_heads
     out = torch.empty_like(q)
@@ -59,12 +61,18 @@ def sliding_prefill(pool, layer: int, step, q: torch.Tensor, k_new: torch.Tensor
         first = max(0, start - W + 1)  # the earliest position the chunk's first query sees
         ks = as_dtype(k_new[offset : offset + n], pool.k.dtype).transpose(0, 1)  # [Hkv, n, D]
         vs = as_dtype(v_new[offset : offset + n], pool.v.dtype).transpose(0, 1)
-        if first < start:  # the window before the chunk, still in the ring
+        if first < start and history is not None and row in history:  # kept by the layer owning the ring
+            ks, vs = torch.cat([history[row][0], ks], 1), torch.cat([history[row][1], vs], 1)
+        elif first < start:  # the window before the chunk, still in the ring
             positions = torch.arange(first, start, device=q.device)
             base = ring_row(g, pool.rings.base(step.seq_ids[row]), positions)  # [m]
             rows = base[None, :] + torch.arange(H, device=q.device)[:, None] * P  # [Hkv, m]
-            ks = torch.cat([pool.k_rows[layer].index_select(0, rows.reshape(-1)).view(H, -1, g.head_dim), ks], 1)
-            vs = torch.cat([pool.v_rows[layer].index_select(0, rows.reshape(-1)).view(H, -1, g.head_dim), vs], 1)
+            d = g.ring_dim
+            k_old = pool.k_rows[layer].index_select(0, rows.reshape(-1)).view(H, -1, d)  # [Hkv, m, D]
+            v_old = pool.v_rows[layer].index_select(0, rows.reshape(-1)).view(H, -1, d)
+            if history is not None:
+                history[row] = (k_old, v_old)
+            ks, vs = torch.cat([k_old, ks], 1), torch.cat([v_old, vs], 1)
         key_pos = torch.arange(first, end, device=q.device)
         query_pos = torch.arange(start, end, device=q.device)
         mask = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - W)  # [n, keys]

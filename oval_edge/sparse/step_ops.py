@@ -112,9 +112,12 @@ def _attend_slots_fake(q, k, v, layer, flat, valid, limits, scale, softcap=0.0, 
 
 
 def _storage(pool, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(k, v, row) holding model layer `layer`: the paged tensors, or a sliding layer's rings (oval_edge/kv/ring.py)."""
+    """(k, v, row) holding model layer `layer`: the paged tensors, or a sliding layer's rings (oval_edge/kv/ring.py);
+    a layer reading another's K/V (Gemma 4), its source's."""
     row = pool.paged_index[layer]
-    return (pool.k, pool.v, row) if row >= 0 else (pool.rings.k, pool.rings.v, pool.rings.index[layer])
+    if row >= 0:
+        return pool.k, pool.v, row
+    return pool.rings.k, pool.rings.v, pool.rings.index[pool.geometry.kv_source(layer)]
 
 
 def write_kv(pool, layer: int, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:

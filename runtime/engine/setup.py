@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from oval_edge.config import DEFAULT_PREFILL_CHUNK, OvalConfig
-from oval_edge.geometry import (KVGeometry, decode_graph_bytes, kv_dims, prefill_workspace_bytes, ring_layout,
-                                stage_pages_for)
+from oval_edge.geometry import (KVGeometry, decode_graph_bytes, kv_dims, kv_sharing, prefill_workspace_bytes,
+                                ring_head_dim, ring_layout, stage_pages_for)
 from oval_edge.pool_sizing import size_pool
 from oval_edge.state_layout import state_layout
 from oval_edge.kernels.cpu import describe_kernels
@@ -155,7 +155,7 @@ def pool_geometry(model_config, oval: OvalConfig, config: EngineConfig, device: 
     # a hybrid's conv states in the activations' dtype (the K/V's may be narrower), recurrent ones in fp32
     states = state_layout(model_config, act or dtype)
     return KVGeometry.for_oval(*kv_dims(model_config), oval, dtype, config.summary_kinds, ring_layout(model_config),
-                               states)
+                               states, ring_head_dim(model_config), kv_sharing(model_config))
 
 
 def uses_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .families.gemma import GEMMA_TYPES, gemma_fields, text_part, with_defaults
+from .families.gemma4 import GEMMA4_TYPES, gemma4_fields, gemma4_text_part
 from .families.hybrid import HYBRID_TYPES, hybrid_fields, hybrid_text_part
 from .origin.source import check_architecture
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional")
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")  # the MLP's gate activation (Gemma: GeGLU with tanh-gelu)
 # full and sliding attention; Qwen3.5's Gated DeltaNet and LFM2's short conv keep a fixed state instead of K/V
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
@@ -70,6 +71,15 @@ class DecoderConfig:
     linear_conv_kernel_dim: int = 0
     conv_L_cache: int = 0
     conv_bias: bool = False
+    # Gemma 4 (families/gemma4.py; transformers' names): the full layers' head dim (0: head_dim), the last layers
+    # reading earlier layers' K/V, per-layer inputs of this width (0: none) from a table of this many rows, values
+    # RMS-normed without a scale, the shared layers' MLPs twice as wide.
+    global_head_dim: int = 0
+    num_kv_shared_layers: int = 0
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    value_norm: bool = False
+    use_double_wide_mlp: bool = False
     where: str = ""  # the file or folder it came from, for error messages
 
     def __post_init__(self) -> None:
@@ -105,6 +115,17 @@ class DecoderConfig:
             raise ValueError(f"model {self.where}: short-conv layers need conv_L_cache >= 2, got {self.conv_L_cache}")
         if "sliding_attention" in self.layer_types and self.sliding_window < 1:
             raise ValueError(f"model {self.where}: sliding layers need sliding_window >= 1, got {self.sliding_window}")
+        if self.global_head_dim < 0 or self.global_head_dim % 2 or not 0 <= self.num_kv_shared_layers \
+                < self.num_hidden_layers or self.hidden_size_per_layer_input < 0:
+            raise ValueError(f"model {self.where}: global_head_dim={self.global_head_dim} must be even, "
+                             f"num_kv_shared_layers={self.num_kv_shared_layers} below the {self.num_hidden_layers} "
+                             f"layers and hidden_size_per_layer_input={self.hidden_size_per_layer_input} >= 0")
+        if self.hidden_size_per_layer_input and self.vocab_size_per_layer_input < 1:
+            raise ValueError(f"model {self.where}: per-layer inputs need vocab_size_per_layer_input >= 1")
+        if self.num_kv_shared_layers:
+            from oval_edge.geometry import kv_sharing
+
+            kv_sharing(self)  # raises when a shared layer's kind has no earlier layer keeping K/V
         if self.rope_layers and (len(self.rope_layers) != self.num_hidden_layers
                                  or any(flag not in (0, 1) for flag in self.rope_layers)):
             raise ValueError(f"model {self.where}: no_rope_layers={list(self.rope_layers)} must hold one 0 or 1 per "
@@ -131,6 +152,30 @@ class DecoderConfig:
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer` attends only to its last `sliding_window` positions (its K/V live in a ring)."""
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Layer `layer`'s head dim: Gemma 4's full layers have their own (global_head_dim)."""
+        return self.global_head_dim if self.global_head_dim and self.layer_kind(layer) == "full_attention" \
+            else self.head_dim
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V layer `layer` attends to: itself, or for a Gemma 4 shared layer its source."""
+        if layer < self.num_hidden_layers - self.num_kv_shared_layers:
+            return layer
+        from oval_edge.geometry import kv_sharing
+
+        return dict(kv_sharing(self))[layer]
+
+    def layer_intermediate(self, layer: int) -> int:
+        """Layer `layer`'s MLP width: Gemma 4's shared layers' are doubled with use_double_wide_mlp."""
+        wide = self.use_double_wide_mlp and self.kv_source(layer) != layer
+        return self.intermediate_size * (2 if wide else 1)
+
+    def full_rope(self) -> "DecoderConfig":
+        """The rotary shape of the full (and non-sliding) layers: Gemma 4's at their own head dim."""
+        if not self.global_head_dim or self.global_head_dim == self.head_dim:
+            return self
+        return dataclasses.replace(self, head_dim=self.global_head_dim, global_head_dim=0)
 
     @property
     def scaling(self) -> float:
@@ -161,7 +206,7 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "DecoderConfig":
         """From transformers-named keys: a config.json, or the dict transformers parses out of a GGUF header."""
-        d = hybrid_text_part(text_part(d))
+        d = gemma4_text_part(hybrid_text_part(text_part(d)))
         check_architecture(d.get("model_type"), where)
         try:
             if d["model_type"] in GEMMA_TYPES:
@@ -169,6 +214,8 @@ class DecoderConfig:
             family = gemma_fields(d) if d["model_type"] in GEMMA_TYPES else {}
             if d["model_type"] in HYBRID_TYPES:
                 d, family = hybrid_fields(d)
+            if d["model_type"] in GEMMA4_TYPES:
+                d, family = gemma4_fields(d, where)
             window = d.get("sliding_window")
             sliding = "sliding_attention" in (d.get("layer_types") or [])
             if not family and window and (d.get("use_sliding_window", True) or sliding) \
@@ -222,6 +269,12 @@ def rotary_inv_freq(config: DecoderConfig) -> torch.Tensor:
     d = config.rotary_dim  # head_dim unless the model rotates only part of each head
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     kind, s = config.rope_type, config.rope_scaling
+    if kind == "proportional":
+        # Gemma 4's full layers: the first proportion of the head's pairs at base^(-2i / D), the rest frequency 0
+        # (cos 1, sin 0: they pass through unrotated), as transformers' _compute_proportional_rope_parameters
+        turning = int(float(s.get("rope_proportion", 1.0)) * d // 2)
+        inv_freq = torch.cat([inv_freq[:turning], torch.zeros(d // 2 - turning)])
+        return inv_freq / float(s.get("factor", 1.0))
     if kind == "linear":
         return inv_freq / float(s["factor"])
     if kind == "llama3":

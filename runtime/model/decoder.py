@@ -69,13 +69,19 @@ class RotaryEmbedding(nn.Module):
 
 class DecoderAttention(nn.Module):
     def __init__(self, qkv_proj: nn.Module, o_proj: nn.Module, q_norm: RMSNorm | None = None,
-                 k_norm: RMSNorm | None = None, use_rope: bool = True, output_gate: bool = False):
+                 k_norm: RMSNorm | None = None, use_rope: bool = True, output_gate: bool = False,
+                 head_dim: int = 0, kv_source: int = -1, value_norm_eps: float = 0.0):
         super().__init__()
-        self.qkv_proj = qkv_proj  # hidden -> (Hq + 2 Hkv) * D, rows q | k | v (| gate [Hq * D] with output_gate)
+        # hidden -> (Hq + 2 Hkv) * D, rows q | k | v (| gate [Hq * D] with output_gate); Hq * D alone in a layer
+        # reading another layer's K/V (kv_source >= 0, Gemma 4)
+        self.qkv_proj = qkv_proj
         self.output_gate = output_gate  # Qwen3.5: the attention's output times sigmoid(gate) before o_proj
         self.o_proj = o_proj
         self.q_norm, self.k_norm = q_norm, k_norm  # Qwen3: RMSNorm over each head's D before RoPE, else None
         self.use_rope = use_rope  # False in a NoPE layer (SmolLM3): q and k are not rotated (transformers' name)
+        self.head_dim = head_dim  # this layer's D where the model's layers differ (Gemma 4); 0: the model's
+        self.kv_source = kv_source  # the layer whose K/V this one reads (Gemma 4's shared layers); -1: its own
+        self.value_norm_eps = value_norm_eps  # Gemma 4: each value head RMS-normed (no scale) with this eps; 0: not
 
 
 class LinearAttention(nn.Module):
@@ -137,8 +143,12 @@ class DecoderLayer(nn.Module):
     pre_feedforward_layernorm before the MLP, post_feedforward_layernorm on its output (transformers' names)."""
 
     def __init__(self, attention: nn.Module, mlp: DecoderMLP, input_norm: RMSNorm, post_norm: RMSNorm,
-                 pre_ffn_norm: RMSNorm | None = None, post_ffn_norm: RMSNorm | None = None):
+                 pre_ffn_norm: RMSNorm | None = None, post_ffn_norm: RMSNorm | None = None,
+                 per_layer_input: "PerLayerInput | None" = None, layer_scalar: torch.Tensor | None = None):
         super().__init__()
+        # Gemma 4: the layer's per-layer input block after its MLP, then the residual times layer_scalar [1]
+        self.per_layer_input = per_layer_input
+        self.layer_scalar = None if layer_scalar is None else nn.Parameter(layer_scalar, requires_grad=False)
         # the token mixer under transformers' name: self_attn, or a hybrid's linear_attn (Qwen3.5) / conv (LFM2)
         if isinstance(attention, LinearAttention):
             self.linear_attn = attention
@@ -154,14 +164,36 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = post_ffn_norm
 
 
+class PerLayerInput(nn.Module):
+    """Gemma 4's per-layer input block of one layer (transformers' per_layer_input_gate, per_layer_projection,
+    post_per_layer_input_norm): h + post_norm(projection(gelu(gate(h)) * input_l)), input_l [n, P] the layer's slice
+    of the per-layer inputs (PerLayerEmbedding)."""
+
+    def __init__(self, gate: nn.Module, projection: nn.Module, post_norm: RMSNorm):
+        super().__init__()
+        self.gate, self.projection, self.post_norm = gate, projection, post_norm  # hidden -> P, P -> hidden
+
+
+class PerLayerEmbedding(nn.Module):
+    """Gemma 4's per-layer inputs [n, layers, P] of tokens: (norm(projection(e) * hidden^-0.5) + table(ids) * sqrt(P))
+    * 2^-0.5, e the scaled token embedding [n, hidden]; table [vocab_per_layer, layers * P] (an int8 table in 4-bit
+    modes, like the token embedding), projection hidden -> layers * P, norm over each layer's P."""
+
+    def __init__(self, table: nn.Module, projection: nn.Module, norm: RMSNorm, layers: int, width: int):
+        super().__init__()
+        self.table, self.projection, self.norm = table, projection, norm
+        self.layers, self.width = layers, width
+
+
 class DecoderStack(nn.Module):
     def __init__(self, config: DecoderConfig, embed_tokens: nn.Module, layers: list[DecoderLayer], norm: RMSNorm,
-                 freq_factors: torch.Tensor | None = None):
+                 freq_factors: torch.Tensor | None = None, per_layer: PerLayerEmbedding | None = None):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        self.rotary_emb = RotaryEmbedding(config, freq_factors)
+        self.per_layer = per_layer  # Gemma 4's per-layer inputs, else None
+        self.rotary_emb = RotaryEmbedding(config.full_rope(), freq_factors)  # Gemma 4: at the full layers' D
         local = config.local_rope()
         if local is not None:  # Gemma 3: sliding layers rotate with their own base
             self.rotary_emb_local = RotaryEmbedding(local)

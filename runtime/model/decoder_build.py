@@ -15,7 +15,7 @@ from torch import nn
 
 from .config import DecoderConfig
 from .decoder import (DecoderAttention, DecoderLayer, DecoderMLP, DecoderModel, DecoderStack, LinearAttention,
-                      RMSNorm, ShortConv)
+                      PerLayerEmbedding, PerLayerInput, RMSNorm, ShortConv)
 from .families.hybrid import HYBRID_TYPES, RenamedWeights
 from .embeddings import (Int8Embedding, Int8Head, StoredEmbedding, StoredHead, int8_head_applies, int8_table_applies,
                          int8_table_from_rows)
@@ -74,7 +74,7 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
         weight = read(name, torch.float32)
         return RMSNorm((weight + offset if offset else weight).to(device=device, dtype=dtype), config.rms_norm_eps)
 
-    shapes = _projection_shapes(config)
+    shapes = _projection_shapes(config, 0)  # rebound per layer below: Gemma 4's layers differ in D and MLP width
 
     def projection(parts: list[str], prefix: str, exact: bool = False) -> nn.Module:
         """One (fused) projection of the stored `parts`; a part "name:half" is the query or gate rows of a gated
@@ -142,6 +142,13 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
 
     def attention_layer(index: int, prefix: str, parts: list[str]) -> DecoderAttention:
         stored = per_layer[index]
+        source = config.kv_source(index)
+        head_dim, value_eps = config.layer_head_dim(index), config.rms_norm_eps if config.value_norm else 0.0
+        if source != index:  # Gemma 4: only queries here; keys and values are layer `source`'s
+            q_norm = norm(prefix + "self_attn.q_norm.weight") if config.qk_norm else None
+            return DecoderAttention(projection(["q_proj"], prefix + "self_attn."),
+                                    projection(["o_proj"], prefix + "self_attn."), q_norm, None, True, False,
+                                    head_dim, source, value_eps)
         head_norms = [f"self_attn.{n}.weight" for n in ("q_norm", "k_norm")] if config.qk_norm else []
         if any(n not in stored for n in head_norms):
             raise ValueError(f"model {where}: layer {index} lacks {' or '.join(head_norms)} ({config.model_type} "
@@ -152,13 +159,24 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
                 raise ValueError(f"model {where}: layer {index}: a gated attention needs q_proj, k_proj and v_proj")
             parts = ["q_proj:query", "k_proj", "v_proj", "q_proj:gate"]
         return DecoderAttention(projection(parts, prefix + "self_attn."), projection(["o_proj"], prefix + "self_attn."),
-                                q_norm, k_norm, config.uses_rope(index), config.attn_output_gate)
+                                q_norm, k_norm, config.uses_rope(index), config.attn_output_gate, head_dim, -1,
+                                value_eps)
+
+    def per_layer_input(prefix: str) -> PerLayerInput | None:
+        """Gemma 4's per-layer input block of a layer (decoder.PerLayerInput), or None without per-layer inputs."""
+        if not config.hidden_size_per_layer_input:
+            return None
+        return PerLayerInput(projection(["per_layer_input_gate"], prefix), projection(["per_layer_projection"], prefix),
+                             norm(prefix + "post_per_layer_input_norm.weight"))
 
     layers = []
     for index in range(config.num_hidden_layers):
+        shapes = _projection_shapes(config, index)
         kind = config.layer_kind(index)
         kind = kind if config.is_state_layer(index) else "attention"
         attention_parts = _stored_parts(_ATTENTION_PARTS, "self_attn.", per_layer[index])
+        if config.kv_source(index) != index:  # a Gemma 4 layer reading another's K/V stores its q_proj only
+            attention_parts = ["q_proj"] if "self_attn.q_proj.weight" in per_layer[index] else None
         mlp_parts = _stored_parts(_MLP_PARTS, "mlp.", per_layer[index])
         missing = [r for r in _REQUIRED[kind] if r not in per_layer[index]]
         missing += [] if attention_parts or kind != "attention" else ["self_attn.q_proj/k_proj/v_proj (or qkv_proj)"]
@@ -182,14 +200,27 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
             raise ValueError(f"model {where}: layer {index} lacks {', '.join(missing)} ({config.model_type} norms "
                              "the attention and MLP outputs too)")
         norms = [norm(prefix + n) for n in layer_norms]
-        layers.append(DecoderLayer(attention, mlp, *norms))
+        scalar = prefix + "layer_scalar"
+        layers.append(DecoderLayer(attention, mlp, *norms, per_layer_input(prefix),
+                                   read(scalar, torch.float32).to(device=device, dtype=dtype) if scalar in names
+                                   else None))
         if quant in BNB_QUANTS and device.type == "cpu":
             pack_for_cpu(layers[-1])  # repacking leaves the unpacked copies behind: trim them layer by layer
         release_heap()  # glibc would keep every layer's freed 16-bit copies mapped until the end
     untied = "lm_head.weight" in names and not config.tie_word_embeddings
     embed, head = _embedding_and_head(weights, read, untied, quant, device, dtype)
     factors = read("rope_freqs", torch.float32) if "rope_freqs" in names else None
-    stack = DecoderStack(config, embed, layers, norm("model.norm.weight"), factors)
+    per_layer_inputs = None
+    if config.hidden_size_per_layer_input:  # Gemma 4's second embedding and its projection of the first
+        table_name = "model.embed_tokens_per_layer.weight"
+        if table_name not in names:
+            raise ValueError(f"model {where}: the weights lack {table_name} (per-layer inputs)")
+        shapes = _projection_shapes(config, 0)
+        per_layer_inputs = PerLayerEmbedding(
+            _embedding_table(weights, read, table_name, quant, device, dtype),
+            projection(["per_layer_model_projection"], "model."), norm("model.per_layer_projection_norm.weight"),
+            config.num_hidden_layers, config.hidden_size_per_layer_input)
+    stack = DecoderStack(config, embed, layers, norm("model.norm.weight"), factors, per_layer_inputs)
     for rotary in (stack.rotary_emb, getattr(stack, "rotary_emb_local", None)):
         if rotary is not None:  # everything else was created on `device`; .to() would touch the 4-bit params
             rotary.to(device)
@@ -204,15 +235,21 @@ def _stored_parts(choices: tuple[list[str], ...], module: str, stored: set[str])
     return None
 
 
-def _projection_shapes(config: DecoderConfig) -> dict[str, tuple[int, int]]:
-    """[out, in] of each projection the configuration implies, stored apart or fused (a hybrid's state layers'
-    too: Qwen3.5's DeltaNet projections, LFM2's conv in/out projections)."""
-    hq, hkv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    hidden, inner = config.hidden_size, config.intermediate_size
+def _projection_shapes(config: DecoderConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """[out, in] of each projection the configuration implies for layer `layer`, stored apart or fused (a hybrid's
+    state layers' too: Qwen3.5's DeltaNet projections, LFM2's conv in/out projections; Gemma 4's per-layer input
+    projections)."""
+    d = config.layer_head_dim(layer)
+    hq, hkv = config.num_attention_heads * d, config.num_key_value_heads * d
+    hidden, inner = config.hidden_size, config.layer_intermediate(layer)
     shapes = {"q_proj": (hq, hidden), "k_proj": (hkv, hidden), "v_proj": (hkv, hidden),
               "qkv_proj": (hq + 2 * hkv, hidden), "o_proj": (hidden, hq), "gate_proj": (inner, hidden),
               "up_proj": (inner, hidden), "gate_up_proj": (2 * inner, hidden), "down_proj": (hidden, inner),
               "in_proj": (3 * hidden, hidden), "out_proj": (hidden, hidden)}
+    if config.hidden_size_per_layer_input:
+        width = config.hidden_size_per_layer_input
+        shapes.update({"per_layer_input_gate": (width, hidden), "per_layer_projection": (hidden, width),
+                       "per_layer_model_projection": (config.num_hidden_layers * width, hidden)})
     if config.attn_output_gate:
         shapes.update({"q_proj:query": (hq, hidden), "q_proj:gate": (hq, hidden)})
     if config.linear_num_value_heads:
@@ -254,6 +291,16 @@ def _embedding_and_head(weights, read, untied: bool, quant: str, device: torch.d
     if untied:
         return embed, StoredHead(nn.Parameter(read(names[1]).to(device), requires_grad=False), dtype)
     return embed, StoredHead(embed.weight, dtype)
+
+
+def _embedding_table(weights, read, name: str, quant: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A lookup-only table (Gemma 4's per-layer inputs): int8 in 4-bit modes where the token embedding's would be
+    (embeddings.int8_table_applies), read by row slices; else kept in 16 bits."""
+    if quant != "none":
+        source = _row_source(weights, read, name)
+        if int8_table_applies(source[2], device):
+            return Int8Embedding(int8_table_from_rows(*source, device), dtype)
+    return StoredEmbedding(read(name).to(device), dtype)
 
 
 def _row_source(weights, read, name: str):

@@ -112,10 +112,19 @@ class LayerOps:
     sliding: bool = False  # attends to its last `sliding_window` positions, kept in the pool's ring
     output_gate: bool = False  # Qwen3.5: the fused projection's tail [n, Hq * D] gates the attention's output
     state: StateMixerOps | None = None  # a hybrid's state layer (no attention: q/k/v/o are None)
+    head_dim: int = 0  # this layer's D (Gemma 4's full and sliding layers differ)
+    kv_source: int = -1  # Gemma 4: the layer whose K/V this one attends to (its projection is q only); -1: its own
+    q_norm: Callable | None = None  # such a layer's query head norm (it has no key one)
+    value_norm_eps: float = 0.0  # Gemma 4: RMS-norm each value head (no scale) with this eps; 0: not
+    per_layer_input: torch.nn.Module | None = None  # Gemma 4 (decoder.PerLayerInput), after the MLP
+    per_layer_gate: Callable | None = None
+    per_layer_projection: Callable | None = None
+    per_layer_norm: Callable | None = None
+    layer_scalar: torch.Tensor | None = None  # Gemma 4: the residual times this [1] at the layer's end
 
     @classmethod
     def bind(cls, layer: torch.nn.Module, heads: int, kv_heads: int, rotary: int = 0,
-             sliding: bool = False) -> "LayerOps":
+             sliding: bool = False, head_dim: int = 0) -> "LayerOps":
         mlp = layer.mlp
         gate_up = getattr(mlp, "gate_up_proj", None)
         mixer = getattr(layer, "linear_attn", None) or getattr(layer, "conv", None)
@@ -127,6 +136,15 @@ class LayerOps:
                        state=bind_state_mixer(mixer))
         attn = layer.self_attn
         fused = getattr(attn, "qkv_proj", None)
+        block = getattr(layer, "per_layer_input", None)
+        source = int(getattr(attn, "kv_source", -1))
+        gemma4 = dict(head_dim=int(getattr(attn, "head_dim", 0) or head_dim), kv_source=source,
+                      q_norm=bind_one_op_norm(attn.q_norm) if source >= 0 and attn.q_norm is not None else None,
+                      value_norm_eps=float(getattr(attn, "value_norm_eps", 0.0)), per_layer_input=block,
+                      per_layer_gate=bind_projection(block.gate) if block is not None else None,
+                      per_layer_projection=bind_projection(block.projection) if block is not None else None,
+                      per_layer_norm=bind_one_op_norm(block.post_norm) if block is not None else None,
+                      layer_scalar=getattr(layer, "layer_scalar", None))
         sandwich = getattr(layer, "pre_feedforward_layernorm", None) is not None
         if sandwich:
             pre_mlp = bind_one_op_norm(layer.pre_feedforward_layernorm)
@@ -145,8 +163,16 @@ class LayerOps:
             gate_up=bind_projection(gate_up) if gate_up is not None else None,
             mlp_module=mlp, down=bind_projection(mlp.down_proj), act=mlp.act_fn,
             qk_norm=HeadNorms.bind(attn, heads, kv_heads), rope=bool(getattr(attn, "use_rope", True)),
-            output_gate=bool(getattr(attn, "output_gate", False)),
+            output_gate=bool(getattr(attn, "output_gate", False)), **gemma4,
         )
+
+    def finish(self, hidden: torch.Tensor, per_layer: torch.Tensor | None, index: int) -> torch.Tensor:
+        """The end of a layer after its MLP's residual add: Gemma 4's per-layer input block (per_layer [n, layers,
+        P], this layer's slice) and the layer scalar; the hidden state as it is for every other model."""
+        if self.per_layer_gate is not None:
+            gated = self.act(self.per_layer_gate(hidden)) * per_layer[:, index]  # [n, P]
+            hidden = hidden + self.per_layer_norm(self.per_layer_projection(gated))
+        return hidden * self.layer_scalar if self.layer_scalar is not None else hidden
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > MLP_ROW_BLOCK:  # prefill chunks: bound the [rows, 2 x intermediate] fp32 transients

@@ -21,6 +21,8 @@ from oval_edge.kv.step_index import StepIndex
 from oval_edge.kv.records.summaries import output_metric_sqrt
 from oval_edge.sparse.attention import cap_logits
 
+from oval_edge.runtime.model.projections import bind_projection
+
 from .layer_ops import HeadNorms, LayerOps, bind_one_op_norm  # noqa: F401  (HeadNorms: re-exported for the tests)
 from .step_rows import PrefillRows, StepStats
 
@@ -79,7 +81,15 @@ class PagedLlama:
         local = getattr(self.decoder, "rotary_emb_local", None)  # Gemma 3: the sliding layers' own rotary table
         self.rotary_modules = [self.rotary_emb] + ([local] if local is not None else [])
         self.ops = [LayerOps.bind(layer, self.num_heads, self.kv_heads, int(local is not None and sliding[i]),
-                                  sliding[i]) for i, layer in enumerate(self.layers)]
+                                  sliding[i], self.head_dim) for i, layer in enumerate(self.layers)]
+        # Gemma 4: layers whose K/V later layers read (their step's k, v are kept for those layers' prefill), and
+        # the per-layer inputs' projection and norm, bound once
+        self.kv_sources = {ops.kv_source for ops in self.ops if ops.kv_source >= 0}
+        per_layer = getattr(self.decoder, "per_layer", None)
+        self.per_layer = per_layer
+        if per_layer is not None:
+            self.per_layer_projection = bind_projection(per_layer.projection)
+            self.per_layer_norm = bind_one_op_norm(per_layer.norm)
         if any(sliding) and not pool.geometry.ring_layers:
             raise ValueError("this model has sliding-window layers but the pool keeps no ring for them; build the "
                              "pool's geometry with KVGeometry.for_oval(..., ring=ring_layout(config))")
@@ -92,8 +102,9 @@ class PagedLlama:
         """G^{1/2} [Hkv, D, D] of each paged layer's output projection (summaries.output_metric_sqrt)."""
         dtype = self.decoder.norm.weight.dtype  # the activations' dtype (4-bit weights store uint8)
         project = [lambda x, ops=ops: ops.o_proj(x.to(dtype)).float() for ops in self.ops]
-        return [output_metric_sqrt(project[i], self.num_heads, self.kv_heads, self.head_dim, self.pool.device)
-                for i, row in enumerate(self.pool.paged_index) if row >= 0]
+        g = self.pool.geometry  # a layer reading another's K/V (Gemma 4) reads its source's records
+        return [output_metric_sqrt(project[i], self.num_heads, self.kv_heads, g.head_dim, self.pool.device)
+                for i, row in enumerate(self.pool.paged_index) if row >= 0 and g.kv_source(i) == i]
 
     @torch.inference_mode()
     def forward(self, step: StepIndex, input_ids: torch.Tensor, decode: bool):
@@ -135,6 +146,7 @@ class PagedLlama:
         positions = torch.cat([g.positions for g in groups]) if len(groups) > 1 else groups[0].positions
         hidden = self.embed(ids)  # [N, hidden]
         tables = self.rotary_tables(hidden, positions)
+        per_layer = self.per_layer_inputs(ids, hidden)
         starts = [0, *itertools.accumulate(g.ids.shape[0] for g in groups)]  # host ints: shapes, no sync
         if len(groups) == 1:
             attention, mix = groups[0].attend, getattr(groups[0], "mix", None)
@@ -147,7 +159,7 @@ class PagedLlama:
             def mix(index, state, x):  # a hybrid's state layer: each group over its own rows' states
                 return torch.cat([g.mix(index, state, x[a:b]) for g, a, b in spans])
 
-        hidden = self.run_layers(hidden, tables, attention, mix)
+        hidden = self.run_layers(hidden, tables, attention, mix, per_layer)
         picked = torch.cat([g.output_rows + start for g, start in zip(groups, starts)]) if len(groups) > 1 \
             else groups[0].output_rows
         logits = self.logits(hidden[picked])
@@ -158,6 +170,18 @@ class PagedLlama:
         hidden = self.decoder.embed_tokens(ids)
         return hidden * self.embedding_scale if self.embedding_scale != 1.0 else hidden
 
+    def per_layer_inputs(self, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Gemma 4's per-layer inputs [N, layers, P] of ids [N] and their embedding hidden [N, hidden] (decoder.
+        PerLayerEmbedding); None for every other model."""
+        block = self.per_layer
+        if block is None:
+            return None
+        n, width = ids.shape[0], block.width
+        tokens = block.table(ids).view(n, block.layers, width) * width**0.5
+        projected = self.per_layer_projection(hidden) * hidden.shape[-1] ** -0.5
+        projected = self.per_layer_norm(projected.view(n, block.layers, width))
+        return (projected + tokens) * 2**-0.5
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm and the head: hidden [n, hidden] -> fp32 logits [n, vocab] (Gemma 2 soft-caps them)."""
         logits = self.model.lm_head(self.final_norm(hidden)).float()
@@ -167,19 +191,24 @@ class PagedLlama:
         """[(cos, signed sin) [N, 1, D]] per rotary table the layers use (one; Gemma 3: global and local)."""
         return [self.rotary(hidden, positions, module) for module in self.rotary_modules]
 
-    def run_layers(self, hidden: torch.Tensor, tables: list, attention, mix=None) -> torch.Tensor:
+    def run_layers(self, hidden: torch.Tensor, tables: list, attention, mix=None,
+                   per_layer: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder layers over hidden [N, hidden] with the step's rotary tables (rotary_tables);
         attention(layer, x, q, k, v) -> out [N, Hq, D] writes the layer's new K/V and attends (x is the normed
         input, for the window hook). An attention with a `rope_write(layer, ops, qkv, cos, sin)` method (the static
         step's) may take a fused projection's output [N, (Hq + 2 Hkv) * D] whole: it returns q [N, Hq, D] rotated
         with the layer's K/V already stored, and is then called with k = v = None; or None, and the forward rotates.
         mix(layer, state_ops, x) -> [N, hidden]: a hybrid's state layer over its rows' states (default: the
-        attention's `mix` method)."""
+        attention's `mix` method). per_layer: Gemma 4's per-layer inputs (per_layer_inputs). A layer reading another
+        layer's K/V (Gemma 4) computes only q and is called with its source's k and v of this step: the attention
+        must not store them again."""
         n = hidden.shape[0]
         rope_write = getattr(attention, "rope_write", None)
         mix = mix if mix is not None else getattr(attention, "mix", None)
-        hq, hkv, d = self.num_heads, self.kv_heads, self.head_dim
+        hq, hkv = self.num_heads, self.kv_heads
+        kept: dict[int, tuple] = {}  # source layer -> its (k, v) of this step, for the layers that share them
         for index, ops in enumerate(self.ops):
+            d = ops.head_dim or self.head_dim
             x = ops.input_norm(hidden)
             if ops.state is not None:  # Gated DeltaNet / short conv: no K/V, the rows' states in the pool
                 hidden = hidden + mix(index, ops.state, x)
@@ -187,7 +216,11 @@ class PagedLlama:
                 continue
             cos, sin = tables[ops.rotary]
             gate = None
-            if ops.qkv is not None:
+            if ops.kv_source >= 0:  # q only: [n, Hq, D] normed and rotated
+                q = ops.qkv(x).view(n, hq, d)
+                q = _rotate(ops.q_norm(q) if ops.q_norm is not None else q, cos, sin)
+                k, v = kept[ops.kv_source]
+            elif ops.qkv is not None:
                 fused = ops.qkv(x)  # [n, (Hq + 2 Hkv) * D] (+ the output gate's [n, Hq * D])
                 if ops.output_gate:
                     fused, gate = fused[:, : (hq + 2 * hkv) * d], fused[:, (hq + 2 * hkv) * d :]
@@ -195,6 +228,8 @@ class PagedLlama:
                 q, k, v = (q, None, None) if q is not None else self.split_qkv(ops, fused, n, cos, sin)
             else:
                 q, k, v = self.qkv(ops, x, n, cos, sin)
+            if index in self.kv_sources:
+                kept[index] = (k, v)
             out = attention(index, x, q, k, v).reshape(n, hq * d)
             if gate is not None:  # Qwen3.5: sigmoid(gate) per output channel, before o_proj
                 out = out * torch.sigmoid(gate)
@@ -202,6 +237,7 @@ class PagedLlama:
             hidden = hidden + (ops.attn_out_norm(out) if ops.attn_out_norm is not None else out)
             out = ops.mlp(ops.post_norm(hidden))
             hidden = hidden + (ops.mlp_out_norm(out) if ops.mlp_out_norm is not None else out)
+            hidden = ops.finish(hidden, per_layer, index)
         return hidden
 
     def rotary(self, hidden: torch.Tensor, positions: torch.Tensor,
@@ -219,7 +255,7 @@ class PagedLlama:
         cos, sin [n, 1, D]. With fused q/k/v the query and key heads sit side by side in one output row, so they
         are rotated together: one RoPE over Hq + Hkv heads instead of two.
         """
-        hq, hkv, d = self.num_heads, self.kv_heads, self.head_dim
+        hq, hkv, d = self.num_heads, self.kv_heads, ops.head_dim or self.head_dim
         if ops.qkv is not None:
             return self.split_qkv(ops, ops.qkv(x), n, cos, sin)
         q, k = ops.q(x).view(n, hq, d), ops.k(x).view(n, hkv, d)
@@ -227,17 +263,24 @@ class PagedLlama:
             q, k = ops.qk_norm.q(q), ops.qk_norm.k(k)
         if ops.rope:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        return q, k, ops.v(x).view(n, hkv, d)
+        return q, k, _value_norm(ops, ops.v(x).view(n, hkv, d))
 
     def split_qkv(self, ops: "LayerOps", qkv: torch.Tensor, n: int, cos: torch.Tensor, sin: torch.Tensor):
         """The fused projection's output qkv [n, (Hq + 2 Hkv) * D] -> q, k rotated (and head-normed), v (qkv above)."""
-        hq, hkv, d = self.num_heads, self.kv_heads, self.head_dim
+        hq, hkv, d = self.num_heads, self.kv_heads, ops.head_dim or self.head_dim
         qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
         if ops.qk_norm is not None:
             qk = ops.qk_norm.both(qk)
         if ops.rope:
             qk = _rotate(qk, cos, sin)
-        return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+        return qk[:, :hq], qk[:, hq:], _value_norm(ops, qkv[:, (hq + hkv) * d :].view(n, hkv, d))
+
+
+def _value_norm(ops: LayerOps, v: torch.Tensor) -> torch.Tensor:
+    """Gemma 4's value heads v [n, Hkv, D] RMS-normed in fp32 without a scale; v itself for every other model."""
+    if not ops.value_norm_eps:
+        return v
+    return torch.nn.functional.rms_norm(v.float(), (v.shape[-1],), None, ops.value_norm_eps).to(v.dtype)
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:

@@ -54,10 +54,10 @@ class StaticAttention:
         under tracing, and for Triton int8 K/V or a page store."""
         step, pool, runner = self.step, self.pool, self.runner
         if ops.qk_norm is not None or not ops.rope or torch.compiler.is_compiling() or pool.device.type == "cpu" \
-                or step.recalls:
+                or step.recalls or ops.value_norm_eps:
             return None
         slots = self.ring_slots if step.sliding[index] else self.slots
-        hq, hkv, d = runner.num_heads, runner.kv_heads, runner.head_dim
+        hq, hkv, d = runner.num_heads, runner.kv_heads, ops.head_dim or runner.head_dim
         if step.triton is not None and pool.scale_rows[index] is None and pool.store is None:
             return step.triton.rope_write(qkv, cos, sin, hq, hkv, slots, pool.k_rows[index], pool.v_rows[index])
         if step.triton is not None or cos.shape[-1] != d:  # partial rotary (Phi-4-mini): the forward's three ops
@@ -83,6 +83,8 @@ class StaticAttention:
         step, plan = self.step, self.plan
         q = q.contiguous()  # a slice of the fused q|k heads: copied once here, not by the scorer and the attention
         ops = step.ops
+        if self.runner.ops[index].kv_source >= 0:  # Gemma 4: reads its source layer's K/V, stored there
+            k = v = None
         if step.sliding[index]:
             if k is not None:
                 ops.write[index](self.ring_slots, k, v)

@@ -145,7 +145,7 @@ class StaticStep:
         hidden = runner.embed(self.ids)  # [B, hidden]
         tables = runner.rotary_tables(hidden, self.positions)  # [(cos, sin) [B, 1, D]]
         attention = self.layer_attention()
-        hidden = runner.run_layers(hidden, tables, attention)
+        hidden = runner.run_layers(hidden, tables, attention, per_layer=runner.per_layer_inputs(self.ids, hidden))
         logits = runner.logits(hidden)
         return logits, attention.stats()
 

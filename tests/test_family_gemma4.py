@@ -1,0 +1,202 @@
+"""Gemma 4 text (#55): two head sizes in one pool and step, K/V shared across layers, per-layer inputs.
+
+A tiny random checkpoint built with transformers' own Gemma4TextConfig: sliding layers of head dim 32 (rings), full
+layers of 64 (pages, OVAL), the last three layers reading the K/V of layers 2 (full) and 4 (sliding), per-layer inputs,
+double-wide MLPs on the shared layers, random norms and layer scalars. The runtime's logits against transformers' (fp32,
+quant none) at prefill and over 64 greedy steps; the shared layers keep no K/V (their views are their sources'); the
+static step's shapes and host reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oval_edge import OvalConfig
+from oval_edge.runtime import Engine, EngineConfig
+from oval_edge.runtime.model.config import DecoderConfig, rotary_inv_freq
+
+from test_decoder_loading import save_folder
+from test_families import PROMPT, STEPS, _hf_all_logits, decode_greedy
+from test_static_step import compiled_step_matches_eager, traced_step
+
+TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+         "full_attention", "sliding_attention", "full_attention"]
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=8, vocab_size=49152, vocab_size_per_layer_input=49152, max_position_embeddings=4096,
+             head_dim=32, global_head_dim=64, layer_types=TYPES, sliding_window=24, num_kv_shared_layers=3,
+             hidden_size_per_layer_input=64, use_double_wide_mlp=True, final_logit_softcapping=30.0, pad_token_id=0)
+WIDE = OvalConfig(page_size=16, top_k=16, kv_dtype="float32")  # budget 336 >= 80 + 64 tokens: OVAL is exact
+
+
+def gemma4_config(**changes):
+    import transformers
+
+    return transformers.Gemma4TextConfig(**(SHAPE | changes))
+
+
+def perturbed_folder(path, config) -> str:
+    """A tiny checkpoint whose norms and layer scalars are random too (transformers initialises them to 1: a missed
+    scale or a 1 + w read wrongly would hide there)."""
+    import transformers
+
+    folder = save_folder(path, config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            if param.ndim == 1:
+                param.add_(0.2 * torch.randn(param.shape, generator=generator))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(0.5 + torch.rand(1, generator=generator))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return perturbed_folder(tmp_path_factory.mktemp("gemma4"), gemma4_config())
+
+
+def engine_for(folder: str, oval: OvalConfig = WIDE, quant: str = "none", **settings) -> Engine:
+    config = dict(num_pages=64, oval_from=0, max_batch=4) | settings
+    return Engine.load(folder, quant=quant, device="cpu", oval=oval, config=EngineConfig(**config))
+
+
+def test_config_reads_both_head_sizes_the_sharing_and_proportional_rope():
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    hf = gemma4_config()
+    ours = DecoderConfig.from_dict(hf.to_dict(), "tiny")
+    assert (ours.head_dim, ours.global_head_dim) == (32, 64)
+    assert [ours.layer_head_dim(i) for i in range(8)] == [32, 32, 64, 32, 32, 64, 32, 64]
+    # transformers' kv_sharing_modes: layers 5-7 reuse; 2 (full) and 4 (sliding) store
+    assert [ours.kv_source(i) for i in range(8)] == [0, 1, 2, 3, 4, 2, 4, 2]
+    assert [ours.layer_intermediate(i) for i in range(8)] == [256] * 5 + [512] * 3
+    assert ours.value_norm and ours.qk_norm and ours.norm_offset == 0.0 and ours.scaling == 1.0
+    rotary = Gemma4TextRotaryEmbedding(hf)
+    assert torch.equal(rotary_inv_freq(ours.full_rope()), rotary.full_attention_inv_freq)  # 8 turning, 24 zero
+    assert torch.equal(rotary_inv_freq(ours.local_rope()), rotary.sliding_attention_inv_freq)
+
+
+@pytest.mark.parametrize("flag, what", [("enable_moe_block", "mixture-of-experts"), ("attention_k_eq_v", "values")])
+def test_the_26b_and_31b_variants_are_refused_with_what_runs(flag, what):
+    config = gemma4_config().to_dict() | {flag: True}
+    with pytest.raises(ValueError, match=f"{what}.*E2B and E4B are"):
+        DecoderConfig.from_dict(config, "big")
+
+
+@pytest.mark.parametrize("attention", ["oval", "dense"])
+def test_logits_equal_transformers_at_prefill_and_over_greedy_decode(folder, attention):
+    engine = engine_for(folder, attention=attention)
+    tokens, ours = decode_greedy(engine, PROMPT, STEPS)
+    full = _hf_all_logits(folder, PROMPT + tokens)  # every position in one forward
+    assert tokens == full[len(PROMPT) - 1 : -1].argmax(-1).tolist()
+    assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4
+    engine.pool.check_invariants()
+
+
+def test_oval_with_a_budget_over_the_context_equals_dense(folder):
+    tokens, oval = decode_greedy(engine_for(folder), PROMPT, 24)
+    dense_tokens, dense = decode_greedy(engine_for(folder, attention="dense"), PROMPT, 24)
+    assert tokens == dense_tokens and (oval - dense).abs().max().item() < 1e-5
+
+
+def test_shared_layers_keep_no_kv_and_read_their_sources(folder):
+    """One paged layer (2) and four rings (0, 1, 3, 4) hold every K/V; layers 5 and 7 read layer 2's pages, layer 6
+    layer 4's ring, through the same storage; the rings are 32 wide, the pages 64; storing K/V for a shared layer is
+    refused."""
+    pool = engine_for(folder).pool
+    g = pool.geometry
+    assert (g.paged_layers, g.ring_layers, g.shared) == (1, (0, 1, 3, 4), ((5, 2), (6, 4), (7, 2)))
+    assert tuple(pool.k.shape[-1:]) == (64,) and tuple(pool.rings.k.shape[-1:]) == (32,)
+    for layer, source in g.shared:
+        assert pool.k_rows[layer].data_ptr() == pool.k_rows[source].data_ptr()
+        assert pool.v_rows[layer].data_ptr() == pool.v_rows[source].data_ptr()
+        assert pool.paged_index[layer] == pool.paged_index[source]
+    assert pool.k.numel() == g.paged_layers * pool.k.shape[1] * 2 * 16 * 64
+    assert pool.rings.nbytes() == pool.rings.sequences * g.ring_bytes_per_sequence
+    assert pool.allocate("r", 20) is not None
+    with pytest.raises(ValueError, match="layer 5 reads layer 2's K/V"):
+        pool.write(5, pool.prepare(["r"], [1]), torch.zeros(1, 2, 64), torch.zeros(1, 2, 64))
+
+
+def test_chunks_past_the_window_and_a_batch_equal_one_pass_and_each_alone(folder):
+    """Prefill in chunks longer than the ring (each overwrites ring pages its first queries still need: the shared
+    sliding layer reads its source's window as it was before the chunk) gives the logits of one pass; two sequences
+    decoded in one batch give what each gives alone."""
+    engine = engine_for(folder)
+    pool = engine.pool
+    assert pool.allocate("one", 200) is not None
+    step = pool.prepare(["one"], [len(PROMPT)])
+    whole, _ = engine.runner.forward(step, torch.tensor(PROMPT), decode=False)
+    pool.commit(step)
+    pool.free("one")
+    assert pool.allocate("chunks", 200) is not None
+    for start, stop in ((0, 7), (7, 47), (47, len(PROMPT))):
+        step = pool.prepare(["chunks"], [stop - start])
+        logits, _ = engine.runner.forward(step, torch.tensor(PROMPT[start:stop]), decode=False)
+        pool.commit(step)
+    assert (logits - whole).abs().max().item() < 1e-4
+    other = PROMPT[::-1][:33]
+    assert pool.allocate("other", 200) is not None
+    step = pool.prepare(["other"], [len(other)])
+    engine.runner.forward(step, torch.tensor(other), decode=False)
+    pool.commit(step)
+    together, _, _ = engine.static.decode(["chunks", "other"], [11, 12])
+    alone = engine_for(folder)
+    for sid, prompt, token, row in (("chunks", PROMPT, 11, 0), ("other", other, 12, 1)):
+        assert alone.pool.allocate(sid, 200) is not None
+        step = alone.pool.prepare([sid], [len(prompt)])
+        alone.runner.forward(step, torch.tensor(prompt), decode=False)
+        alone.pool.commit(step)
+        single, _, _ = alone.static.decode([sid], [token])
+        assert (single[0] - together[row]).abs().max().item() < 1e-4
+
+
+def test_static_step_same_ops_at_every_length_and_no_host_sync(folder, monkeypatch):
+    engine = engine_for(folder, num_pages=128)
+    for sid, length in (("a", 40), ("b", 300)):
+        assert engine.pool.allocate(sid, 1000) is not None
+        step = engine.pool.prepare([sid], [length])
+        engine.runner.forward(step, torch.tensor((PROMPT * 4)[:length]), decode=False)
+        engine.pool.commit(step)
+    traces = [traced_step(engine, ["a"], [7], monkeypatch), traced_step(engine, ["b"], [8], monkeypatch)]
+    assert traces[0].count > 0 and traces[0].calls == traces[1].calls
+    assert all(t.host_reads == [] and t.device_copies == [] for t in traces)
+
+
+def test_compiled_step_traces_whole_and_matches_eager(folder):
+    """torch.compile(fullgraph=True) of the step: one graph over 40 steps (two rotary tables of two widths, the
+    shared layers' reads, the per-layer inputs), the eager step's numbers."""
+    compiled_step_matches_eager(lambda **settings: engine_for(folder, **settings), PROMPT)
+
+
+@pytest.fixture(scope="module")
+def soft_folder(tmp_path_factory):
+    """The tiny checkpoint with its q/k norm weights quartered. Gemma 4 attends with unscaled logits of RMS-normed
+    heads: with random weights each query puts nearly all its weight on one key, and 4-bit rounding anywhere
+    upstream moves which (transformers itself, on this model's weights rounded to int4 and back: cosine 0.70 to the
+    fp32 logits). A trained model's norms keep attention softer; so does this one's."""
+    import transformers
+
+    folder = perturbed_folder(tmp_path_factory.mktemp("gemma4-soft"), gemma4_config())
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.mul_(0.25)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.mark.parametrize("quant", ["int4", "nf4"])
+def test_4bit_path_runs_gemma4(soft_folder, quant):
+    """int4 (what a 16-bit folder is served with) and bitsandbytes nf4, the per-layer input table int8: the prefill
+    logits point where the fp32 model's do (0.965 int4, 0.970 nf4 measured)."""
+    folder = soft_folder
+    _, exact = decode_greedy(engine_for(folder), PROMPT, 1)
+    _, four = decode_greedy(engine_for(folder, quant=quant), PROMPT, 2)
+    assert torch.isfinite(four).all()
+    assert torch.nn.functional.cosine_similarity(four[0], exact[0], dim=0) > 0.9
