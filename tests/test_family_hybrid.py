@@ -83,6 +83,21 @@ def test_config_reads_the_layer_kinds_and_state_shapes(hybrid):
         assert layout.bytes_per_sequence == 3 * (channels * 3 * 4 + 4 * 32 * 32 * 4)
 
 
+def test_lfm2_reads_liquid_names_for_the_mlp_width_and_tying_as_transformers_does():
+    """LFM2's published configs say block_ff_dim and tie_embedding (LFM2-350M: 4608, the default 12288 elsewhere);
+    transformers' Lfm2Config maps them onto intermediate_size and tie_word_embeddings."""
+    import transformers
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+    published = dict(model_type="lfm2", hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                     num_key_value_heads=8, vocab_size=65536, block_ff_dim=4608, tie_embedding=False,
+                     full_attn_idxs=[1, 3])
+    ours = DecoderConfig.from_dict(published, "350m-like")
+    theirs = transformers.Lfm2Config(**{k: v for k, v in published.items() if k != "model_type"})
+    assert ours.intermediate_size == Lfm2MLP(theirs).w1.out_features == 3072
+    assert ours.tie_word_embeddings is theirs.tie_word_embeddings is False
+
+
 @pytest.mark.parametrize("attention", ["oval", "dense"])
 def test_logits_equal_transformers_at_prefill_and_over_greedy_decode(hybrid, attention):
     kind, _, folder = hybrid

@@ -50,6 +50,11 @@ def hybrid_fields(d: dict) -> tuple[dict, dict]:
     kind = d["model_type"]
     if kind == "lfm2":
         d = {**LFM2_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
+        # Liquid's own names, which transformers' Lfm2Config maps onto its fields (they win, as there)
+        if "block_ff_dim" in d:
+            d["intermediate_size"] = d["block_ff_dim"]
+        if "tie_embedding" in d:
+            d["tie_word_embeddings"] = d["tie_embedding"]
         layers = int(d["num_hidden_layers"])
         types = d.get("layer_types")
         if not types:
