@@ -273,10 +273,11 @@ def _batch_merges(t: torch.Tensor) -> bool:
                for i, (size, stride) in enumerate(zip(sizes[:-1], strides[:-1])))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "lfm2", "gemma4"])
 @pytest.mark.parametrize("triton", [False, True])
-def test_a_hybrid_step_on_cuda_stays_on_the_device(tmp_path, kind, triton):
-    """Qwen3.5 / LFM2 (state layers updating each row's state slot in place, a gated full-attention layer) on the
+def test_a_hybrid_or_gemma4_step_on_cuda_stays_on_the_device(tmp_path, kind, triton):
+    """Qwen3.5 / LFM2 (state layers updating each row's state slot in place, a gated full-attention layer) and
+    Gemma 4 (rings of head dim 64 beside pages of 128, shared layers reading their sources, per-layer inputs) on the
     fake CUDA device, NF4 weights, rows of 900 and 90 tokens in a bucket of 2: no op mixes devices, nothing crosses
     between host and device, the host never waits."""
     import transformers
@@ -288,6 +289,12 @@ def test_a_hybrid_step_on_cuda_stays_on_the_device(tmp_path, kind, triton):
                  num_hidden_layers=4, vocab_size=49152, max_position_embeddings=2048)
     if kind == "lfm2":
         config = transformers.Lfm2Config(**shape, layer_types=["conv", "full_attention", "conv", "full_attention"])
+    elif kind == "gemma4":
+        config = transformers.Gemma4TextConfig(
+            **(shape | dict(num_hidden_layers=6)), head_dim=64, global_head_dim=128, sliding_window=128,
+            layer_types=["sliding_attention", "full_attention"] * 3, num_kv_shared_layers=2,
+            hidden_size_per_layer_input=64, vocab_size_per_layer_input=49152, use_double_wide_mlp=True,
+            final_logit_softcapping=30.0, pad_token_id=0)
     else:
         config = transformers.Qwen3_5TextConfig(**shape, head_dim=64, linear_num_key_heads=2,
                                                 linear_num_value_heads=4, linear_key_head_dim=64,
@@ -299,6 +306,9 @@ def test_a_hybrid_step_on_cuda_stays_on_the_device(tmp_path, kind, triton):
     logits, stats = trace.outputs
     assert logits.device.type == "cuda" and tuple(logits.shape) == (2, 49152)
     assert trace.problems() == []
+    if kind == "gemma4":
+        assert trace.engine.pool.geometry.shared == ((4, 2), (5, 3))
+        return
     assert trace.engine.pool.states is not None and any(op.state is not None for op in trace.engine.runner.ops)
     if triton and kind == "qwen3_5":  # the DeltaNet step through triton_delta: 3 layers, one launch each
         launched = [name for name, _ in trace.triton_devices]
