@@ -200,3 +200,23 @@ def test_4bit_path_runs_gemma4(soft_folder, quant):
     _, four = decode_greedy(engine_for(folder, quant=quant), PROMPT, 2)
     assert torch.isfinite(four).all()
     assert torch.nn.functional.cosine_similarity(four[0], exact[0], dim=0) > 0.9
+
+
+def test_bytes_read_count_the_pages_and_the_rings_at_their_own_widths(folder):
+    """A dense step at 81 tokens: the three full layers (2 and the two reading it) read 81 positions x 2 KV heads
+    of 64-wide fp32 K and V rows; the five sliding layers (four rings, one reading layer 4's) the window's 24 of
+    32-wide rows. The bytes say so, not the pages' width for all."""
+    engine = engine_for(folder, attention="dense")
+    assert engine.pool.allocate("r", 100) is not None
+    step = engine.pool.prepare(["r"], [len(PROMPT)])
+    engine.runner.forward(step, torch.tensor(PROMPT), decode=False)
+    engine.pool.commit(step)
+    _, stats, lengths = engine.static.decode(["r"], [7])
+    assert lengths == [81]
+    if engine.static.step_for(1).reads_valid_only:  # the C attention reads each row's valid slots only
+        assert stats.kv_tokens_read == 3 * 81 * 2 + 5 * 24 * 2
+        assert stats.kv_bytes == 2 * (3 * 81 * 2 * 64 * 4 + 5 * 24 * 2 * 32 * 4)
+    else:  # the torch ops gather every slot of the padded tables and the whole rings
+        g = engine.pool.geometry
+        width = engine.static.step_for(1).width
+        assert stats.kv_bytes == 2 * (3 * width * 16 * 2 * 64 * 4 + 5 * g.ring_pages * 16 * 2 * 32 * 4)

@@ -37,7 +37,8 @@ class EngineStats:
         self.decode_steps += 1
         self._recent.append((rows, seconds))
         # kv_tokens_read counts gathered slots x KV heads; each slot moves a K and a V row (int8: codes + scale).
-        self.kv_bytes_last_step = step.kv_tokens_read * 2 * geometry.kv_row_bytes
+        self.kv_bytes_last_step = step.kv_bytes if step.kv_bytes is not None else \
+            step.kv_tokens_read * 2 * geometry.kv_row_bytes
         self.summary_bytes_last_step = step.summary_bytes
         self.state_bytes_last_step = step.state_bytes
         per = max(1, rows * geometry.layers * geometry.kv_heads)

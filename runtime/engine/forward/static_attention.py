@@ -134,16 +134,19 @@ class StaticAttention:
         return attend_rows(q, k_rows, v_rows, flat, valid, self.runner.scale, limits, self.runner.softcap, scales)
 
     def stats(self) -> torch.Tensor:
-        """[attended slots, window sum, window count] over the real rows, on the device (no sync)."""
+        """[attended slots, window sum, window count, attended ring slots] over the real rows, on the device (no
+        sync); the ring slots (sliding layers) are among the attended ones and counted apart for their row width."""
         step, valids, windows = self.step, self.valids, self.windows
         real = step.real
         attended = (step.lengths * real).sum() * (step.dense_layers * self.runner.kv_heads)
+        in_rings = torch.zeros((), dtype=torch.long, device=real.device)
         if self.ring is not None:  # each sliding layer attends to the ring's valid slots
-            attended = attended + (self.ring[1].sum((1, 2)) * real).sum() * step.sliding_layers
+            in_rings = (self.ring[1].sum((1, 2)) * real).sum() * step.sliding_layers
+            attended = attended + in_rings
         window_sum = window_count = torch.zeros((), dtype=torch.long, device=real.device)
         if valids:
             attended = attended + (torch.stack(valids).sum((0, 2, 3)) * real).sum()
             sparse = (self.plan.sparse_rows.long() * real)[None, :, None]  # [1, B, 1]
             window_sum = (torch.stack(windows) * sparse).sum()
             window_count = sparse.sum() * (len(windows) * self.runner.kv_heads)
-        return torch.stack([attended, window_sum, window_count])
+        return torch.stack([attended, window_sum, window_count, in_rings])

@@ -234,13 +234,17 @@ class StaticDecoder:
 
     def read_stats(self, step: StaticStep, stats: torch.Tensor) -> StepStats:
         """The step's statistics vector [3] -> StepStats: the step's one read back, after it."""
-        attended, window_sum, window_count = stats.tolist()
+        attended, window_sum, window_count, attended_in_rings = stats.tolist()
         rows = len(step.lengths_list)
         sparse_layers = len(step.dense) - step.dense_layers - step.sliding_layers - sum(step.states)
         shorts = all(length <= step.slots for length in step.lengths_list)
         g = self.runner.pool.geometry
+        in_rings = rows * self.runner.kv_heads * step.sliding_layers * g.ring_pages * g.page_size
         gathered = rows * self.runner.kv_heads * (step.dense_layers * step.width * g.page_size + sparse_layers
-                                                  * step.slots + step.sliding_layers * g.ring_pages * g.page_size)
+                                                  * step.slots) + in_rings
+        read, read_in_rings = (attended, attended_in_rings) if step.reads_valid_only else (gathered, in_rings)
+        # each slot moves a K and a V row: the pages' (int8: codes + scale), the rings' (Gemma 4: narrower heads)
+        kv_bytes = 2 * ((read - read_in_rings) * g.kv_row_bytes + read_in_rings * g.ring_dim * g.dtype_bytes)
         # Scoring reads the records of each row's sealed pages (the kernels stop at sealed[b]), in every sparse layer;
         # in two levels, every group's coarse record and the fine records of a fixed set of pages per row.
         config = step.config
@@ -248,7 +252,7 @@ class StaticDecoder:
             per_head = rows * g.scoring_bytes(self.width, config.top_groups)
         else:
             per_head = sum((length - 1) // g.page_size for length in step.lengths_list) * g.summary_bytes_per_head()
-        return StepStats(kv_tokens_read=attended if step.reads_valid_only else gathered, attended_tokens=attended,
+        return StepStats(kv_tokens_read=read, kv_bytes=kv_bytes, attended_tokens=attended,
                          sparse_layers=0 if shorts else sparse_layers,
                          summary_bytes=per_head * sparse_layers * self.runner.kv_heads,
                          state_bytes=rows * g.state_bytes_per_sequence,

@@ -30,6 +30,7 @@ class StepStats:
     """What one decode step read, summed over layers (for /metrics and the benchmark's KV bytes per step)."""
 
     kv_tokens_read: int = 0  # gathered K/V slots x KV heads, all layers, all rows
+    kv_bytes: int | None = None  # their K and V bytes (None: kv_tokens_read x 2 rows of the pages' width)
     attended_tokens: int = 0  # valid slots among them
     sparse_layers: int = 0
     summary_bytes: int = 0  # page records (summaries) scoring read, all layers, all rows
