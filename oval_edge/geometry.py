@@ -167,6 +167,18 @@ class KVGeometry:
         return (self.ring_pages * self.page_size * 2 * len(self.ring_layers) * self.kv_heads * self.ring_dim
                 * self.dtype_bytes)
 
+    def describe_layers(self) -> str:
+        """Where each layer's K/V live, in words (startup report), for a model with more than one kind."""
+        parts = [f"{self.paged_layers} in pages (head dim {self.head_dim})"]
+        if self.ring_layers:
+            parts.append(f"{len(self.ring_layers)} sliding in rings of {self.window} tokens (head dim {self.ring_dim})")
+        if self.state_layers:
+            parts.append(f"{len(self.state_layers)} state layers (no K/V)")
+        if self.shared:
+            pairs = ", ".join(f"{layer}->{source}" for layer, source in self.shared)
+            parts.append(f"{len(self.shared)} reading an earlier layer's K/V, stored once ({pairs})")
+        return f"{self.layers}: " + ", ".join(parts)
+
     @property
     def kv_row_bytes(self) -> int:
         """Bytes of one K (or V) row: one token, one KV head, head_dim values (int8: the codes and their scale)."""

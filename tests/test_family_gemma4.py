@@ -220,3 +220,15 @@ def test_bytes_read_count_the_pages_and_the_rings_at_their_own_widths(folder):
         g = engine.pool.geometry
         width = engine.static.step_for(1).width
         assert stats.kv_bytes == 2 * (3 * width * 16 * 2 * 64 * 4 + 5 * g.ring_pages * 16 * 2 * 32 * 4)
+
+
+def test_startup_report_says_where_each_layers_kv_lives(folder):
+    from oval_edge.runtime.server.options import engine_spec
+    from oval_edge.runtime.server.serve import startup_report
+    from test_server_kv_store import _parser
+
+    engine = engine_for(folder, max_batch=2)
+    report = startup_report(engine, engine_spec(_parser().parse_args([])), "http://127.0.0.1:1", False)
+    (line,) = [ln for ln in report.splitlines() if ln.startswith("  layers    ")]
+    assert line == ("  layers    8: 1 in pages (head dim 64), 4 sliding in rings of 24 tokens (head dim 32), 3 reading "
+                    "an earlier layer's K/V, stored once (5->2, 6->4, 7->2)")

@@ -171,6 +171,8 @@ def startup_report(engine, spec, url: str, api_key: bool, marks: dict | None = N
         f"  KV dtype  {pool.geometry.kv_label}: {pool.geometry.kv_bytes_per_token} bytes per token"
         + (f", {pool.int8.staging.slots} staging pages for sealing" if pool.int8 is not None else ""),
         *([f"  KV store  {describe_store(pool)}"] if pool.store is not None else []),
+        *([f"  layers    {pool.geometry.describe_layers()}"] if pool.geometry.ring_layers or pool.geometry.shared
+          else []),
         *([f"  states    {pool.geometry.states.describe()} x ({pool.states.slots} running + "
            f"{pool.states.snapshots} prefix-cache snapshots) = "
            f"{format_bytes(pool.states.nbytes())} (taken before the pages; OVAL scores the "
