@@ -232,3 +232,32 @@ def test_startup_report_says_where_each_layers_kv_lives(folder):
     (line,) = [ln for ln in report.splitlines() if ln.startswith("  layers    ")]
     assert line == ("  layers    8: 1 in pages (head dim 64), 4 sliding in rings of 24 tokens (head dim 32), 3 reading "
                     "an earlier layer's K/V, stored once (5->2, 6->4, 7->2)")
+
+
+@pytest.mark.parametrize("projection_type", ["F32", "Q8_0"])
+def test_gguf_as_llama_cpp_writes_it_serves_the_logits_of_transformers(tmp_path, projection_type):
+    """A Gemma 4 GGUF under llama.cpp's names and header keys (tools/gguf_write/gemma4.py; read back by
+    families/gemma4_gguf.py), loaded by the engine with quant none: prefill and 64 greedy steps within 1e-4 of
+    transformers, tokens equal (Q8_0: transformers on the weights the file holds)."""
+    from oval_edge.runtime.model.weight_stream import GGUFWeights
+    from oval_edge.tools.gguf_write.writer import write_gguf
+    from test_gguf_gemma4 import tiny_model
+
+    model = tiny_model("e2b-like")
+    path = write_gguf(model, str(tmp_path / f"gemma4-{projection_type}.gguf"), "gemma4", projection_type)
+    reference = model
+    if projection_type != "F32":
+        config = model.config.to_dict()
+        stored = GGUFWeights(path, "gemma4", config["num_attention_heads"], config["num_key_value_heads"])
+        reference = type(model)(model.config).eval()
+        missing, unexpected = reference.load_state_dict({n: stored.read(n, torch.float32) for n in stored.names()},
+                                                        strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}
+        reference.tie_weights()
+    engine = Engine.load(path, quant="none", device="cpu", oval=WIDE, config=EngineConfig(num_pages=64, oval_from=0))
+    assert engine.pool.geometry.shared == ((4, 3), (5, 3), (6, 2))
+    tokens, ours = decode_greedy(engine, PROMPT, STEPS)
+    with torch.no_grad():
+        full = reference(torch.tensor([PROMPT + tokens])).logits[0]
+    assert tokens == full[len(PROMPT) - 1 : -1].argmax(-1).tolist()
+    assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4
