@@ -51,6 +51,7 @@ def json_answer(dev: dict) -> dict:
     ("Llama-3.1-8B-Instruct", 4096),
     ("Llama-3.2-3B-Instruct", 8192),
     ("gemma-3-4b-it", 8192),  # sliding layers: rings beside the pool
+    ("gemma-4-E2B-it", 8192),  # two head sizes, shared K/V, the per-layer input table
     ("default", 4096),  # the bundled GGUF, its own blocks
 ])
 def test_device_json_and_all_table_give_one_answer(capsys, tmp_path, model, context):
@@ -128,10 +129,12 @@ def _json(capsys, tmp_path: Path, device: str, model: str, context: str) -> str:
 
 
 # `states` (a hybrid's state layers: kind, channels, heads, dims) and the attention output gate are part of the
-# shape: a catalog entry with the wrong DeltaNet value heads reads as the same dense geometry otherwise
+# shape: a catalog entry with the wrong DeltaNet value heads reads as the same dense geometry otherwise; so are
+# Gemma 4's full-layer head dim, shared K/V layers, per-layer inputs and double-wide MLPs
 PLANNED_FIELDS = ("architecture", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab",
                   "max_context", "tied_embeddings", "qkv_bias", "norms_per_layer", "qk_norm", "layer_kinds",
-                  "sliding_window", "rotary_dim", "states", "attn_output_gate")
+                  "sliding_window", "rotary_dim", "states", "attn_output_gate", "global_head_dim", "kv_shared_layers",
+                  "per_layer_input", "per_layer_vocab", "double_wide_mlp")
 
 
 @pytest.mark.parametrize("known", KNOWN_MODELS, ids=lambda m: m.name)

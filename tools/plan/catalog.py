@@ -78,6 +78,16 @@ KNOWN_MODELS = (
     KnownModel("Qwen/Qwen3.5-4B", _QWEN3_5 | {
         "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32, "num_attention_heads": 16,
         "num_key_value_heads": 4, "linear_num_value_heads": 32}),
+    # the text decoder of a Gemma4ForConditionalGeneration config: 35 layers, every 5th full (head dim 512, pages),
+    # the rest sliding on 512 tokens (head dim 256, rings); the last 20 read the K/V of layers 13 and 14 and keep
+    # none; per-layer inputs of 256 per layer from a [262144, 35 x 256] table (its largest tensor)
+    KnownModel("google/gemma-4-E2B-it", {
+        "model_type": "gemma4_text", "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35,
+        "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+        "vocab_size": 262144, "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256,
+        "num_kv_shared_layers": 20, "use_double_wide_mlp": True, "sliding_window": 512,
+        "max_position_embeddings": 131072, "tie_word_embeddings": True,
+        "layer_types": ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)]}),
     KnownModel("meta-llama/Llama-3.1-8B-Instruct", _LLAMA3 | {
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
         "tie_word_embeddings": False}),

@@ -13,6 +13,10 @@ Families (as transformers builds them; only the weights and the KV cache matter 
   qwen3_5_text (Qwen3.5), lfm2     hybrids: `linear_attention` / `conv` layers keep a fixed state per sequence
                                    (state_layout.py) and their own projections; q/k norms on the attention layers
                                    (Qwen3.5's q_proj twice as wide: the output gate)
+  gemma4 / gemma4_text (E2B, E4B)  Gemma 3's norms plus: full layers at their own head dim (global_head_dim), the
+                                   last num_kv_shared_layers layers read an earlier layer's K/V (q/o projections and
+                                   q_norm only; MLP doubled with use_double_wide_mlp), per-layer inputs (a gate and a
+                                   projection of P per layer, a [vocab_per_layer, layers x P] table), a layer scalar
 Gemma ties its embeddings and takes head_dim from the config (256 for Gemma-3-4B, not hidden / heads = 320).
 A `layer_types` list ("sliding_attention" / "full_attention"), where a config has one, wins over the rules.
 
@@ -23,11 +27,15 @@ the vision tower (oval-edge serves text only), and says so in the shape's notes.
 
 from __future__ import annotations
 
+from oval_edge.runtime.model.families.gemma4 import GEMMA4_DEFAULTS, GEMMA4_TYPES, gemma4_fields
 from oval_edge.runtime.model.families.hybrid import HYBRID_TYPES, hybrid_fields
 from oval_edge.runtime.model.origin.source import SUPPORTED_ARCHITECTURES as PLANNED_ARCHITECTURES  # the loader's list
 
-GEMMA = ("gemma2", "gemma3", "gemma3_text")
-QK_NORM = ("qwen3", "gemma3", "gemma3_text", "qwen3_5_text", "lfm2")
+GEMMA = ("gemma2", "gemma3", "gemma3_text") + GEMMA4_TYPES
+QK_NORM = ("qwen3", "gemma3", "gemma3_text", "qwen3_5_text", "lfm2") + GEMMA4_TYPES
+# what Gemma 4 adds to the shape, as families/gemma4.py's gemma4_fields reads it (DecoderConfig's names)
+GEMMA4_SHAPE_KEYS = ("global_head_dim", "num_kv_shared_layers", "hidden_size_per_layer_input",
+                     "vocab_size_per_layer_input", "use_double_wide_mlp")
 
 # transformers' config-class defaults for keys the published configs leave out (Gemma-3-4B's text_config names
 # only hidden/intermediate size, layers, rope scaling and the window). Checked against transformers' classes by
@@ -76,6 +84,19 @@ def hybrid_config(config: dict) -> dict:
     return merged | {"layer_types": list(fields["layer_types"])} | {
         k: v for k, v in fields.items() if k.startswith(("linear_", "conv_"))} | {
         "attn_output_gate": bool(fields.get("attn_output_gate"))}
+
+
+def gemma4_config(config: dict, path: str) -> tuple[dict, list[str]]:
+    """A Gemma 4 text config as the loader reads it (runtime/model/families/gemma4.py: Gemma4TextConfig's defaults,
+    layer_types with the last layer full, the full layers' head dim also from transformers 5's per_layer_config),
+    and a note naming the defaults filled in."""
+    given = set(k for k, v in config.items() if v is not None) | (  # transformers 5 saves the full head dim there
+        {"global_head_dim"} if config.get("per_layer_config") else set())
+    filled = [k for k in ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim") + GEMMA4_SHAPE_KEYS
+              if k not in given and k in GEMMA4_DEFAULTS]
+    merged, fields = gemma4_fields(config, path)
+    notes = [f"gemma4_text defaults (transformers' config class) for {', '.join(filled)}"] if filled else []
+    return merged | {"layer_types": list(fields["layer_types"])} | {k: fields[k] for k in GEMMA4_SHAPE_KEYS}, notes
 
 
 def norms_per_layer(arch: str) -> int:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from oval_edge.config import OvalConfig
 from oval_edge.geometry import (
-    KVGeometry, decode_graph_bytes, prefill_workspace_bytes, seal_chunk_pages, seal_workspace_bytes, stage_pages_for,
+    KVGeometry, decode_graph_bytes, kv_dims, kv_sharing, prefill_workspace_bytes, ring_head_dim, ring_layout,
+    seal_chunk_pages, seal_workspace_bytes, stage_pages_for,
 )
 
 from .model import ModelShape
@@ -49,17 +50,19 @@ def target_of(kind: str) -> str:
 
 
 def geometry_for(shape: ModelShape, oval: OvalConfig, target: str) -> KVGeometry:
-    """The pool geometry serve builds for this model on `target` (runtime/engine/setup.pool_geometry): pages of the
-    full-attention layers, and per sequence a ring for each sliding layer (oval_edge/kv/ring.py)."""
+    """The pool geometry serve builds for this model on `target` (runtime/engine/setup.pool_geometry, with the same
+    oval_edge.geometry formulas): pages of the full-attention layers that keep K/V (at Gemma 4's global_head_dim), per
+    sequence a ring for each sliding layer that keeps K/V (oval_edge/kv/ring.py, at head_dim), nothing for a layer
+    reading an earlier layer's K/V."""
     if shape.full_layers == 0:
         raise ValueError(f"{shape.path}: every layer is a sliding-window layer; plan needs at least one full layer")
-    ring = tuple(i for i, kind in enumerate(shape.kinds) if kind == "sliding")
     oval = oval.for_context(shape.max_context)  # as the engine: no coarse records where two levels never apply
     states = None  # a hybrid's conv states in the activations' dtype (the engine's), recurrent ones fp32
     if shape.states is not None:
         states = dataclasses.replace(shape.states, dtype=ACTIVATION_DTYPES[target])
-    return KVGeometry.for_oval(shape.layers, shape.kv_heads, shape.head_dim, oval, oval.pool_dtype(target),
-                               ring=(ring, shape.sliding_window if ring else 0), states=states)
+    config = shape.kv_config()
+    return KVGeometry.for_oval(*kv_dims(config), oval, oval.pool_dtype(target), ring=ring_layout(config),
+                               states=states, ring_head_dim=ring_head_dim(config), shared=kv_sharing(config))
 
 
 def tokens_read_per_layer(shape: ModelShape, oval: OvalConfig, context: int) -> list[int]:
@@ -74,8 +77,10 @@ def tokens_read_per_layer(shape: ModelShape, oval: OvalConfig, context: int) -> 
 
 def decode_reads(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, context: int, batch: int) -> dict:
     per_layer = tokens_read_per_layer(shape, oval, context)
-    kv_token = 2 * shape.kv_heads * geometry.kv_row_bytes  # K and V of one position, one layer (int8: + scales)
-    kv = batch * sum(per_layer) * kv_token
+    # K and V of one position in one layer (int8: + scales): a full layer's rows in the pages, a sliding layer's in
+    # the rings (float only, at ring_dim); a layer sharing K/V reads its source's as it stores none of its own
+    row = {"full": geometry.kv_row_bytes, "sliding": geometry.ring_dim * geometry.dtype_bytes, "state": 0}
+    kv = batch * sum(tokens * 2 * shape.kv_heads * row[kind] for tokens, kind in zip(per_layer, shape.kinds))
     # Scoring reads the summary of every sealed page in each sparse layer once the row exceeds the budget.
     sparse_layers = sum(1 for layer, (t, kind) in enumerate(zip(per_layer, shape.kinds))
                         if layer >= oval.dense_layers and t < context and kind == "full")
@@ -128,8 +133,9 @@ def workspace_bytes(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, t
     allocates ~20 MiB, not the 144 MiB a score matrix would take). Logits are computed for the last position of
     each sequence only.
     """
-    a, kvb = ACTIVATION_BYTES[target], geometry.kv_row_bytes // shape.head_dim  # int8: 1 (scales are noise here)
-    h, i, d, hq, hkv = shape.hidden, shape.intermediate, shape.head_dim, shape.heads, shape.kv_heads
+    a, kvb = ACTIVATION_BYTES[target], geometry.kv_row_bytes // geometry.head_dim  # int8: 1 (scales are noise)
+    # the paged layers' head dim: Gemma 4's full layers' global_head_dim, the widest
+    h, i, d, hq, hkv = shape.hidden, shape.intermediate, geometry.head_dim, shape.heads, shape.kv_heads
     cast = a if kvb != a else 0  # k/v.to(q.dtype) makes a copy when the pool dtype differs
 
     def step(tokens: int, kv_tokens: int, rows: int) -> int:

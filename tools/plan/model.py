@@ -13,13 +13,18 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from oval_edge.runtime.model.origin.source import bundled_gguf_path
 
+from oval_edge.geometry import kv_sharing
 from oval_edge.state_layout import StateLayer, StateLayout, state_layout
 
-from .families import HYBRID_TYPES, PLANNED_ARCHITECTURES, QK_NORM, hybrid_config, layer_kinds, norms_per_layer, \
-    text_part
+from .families import GEMMA4_TYPES, HYBRID_TYPES, PLANNED_ARCHITECTURES, QK_NORM, gemma4_config, hybrid_config, \
+    layer_kinds, norms_per_layer, text_part
+
+# ModelShape.kinds -> transformers' layer_types, for oval_edge.geometry's formulas (kv_config)
+LAYER_TYPE_NAMES = {"full": "full_attention", "sliding": "sliding_attention", "state": "linear_attention"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,14 @@ class ModelShape:
     # Qwen3.5's attention output gate (q_proj twice as wide)
     states: StateLayout | None = None
     attn_output_gate: bool = False
+    # Gemma 4 (families.gemma4_config): the full layers' head dim (0: head_dim), the last layers reading an earlier
+    # layer's K/V (oval_edge.geometry.kv_sharing), per-layer inputs of width P (0: none) from a table of
+    # per_layer_vocab rows, the shared layers' MLPs twice as wide
+    global_head_dim: int = 0
+    kv_shared_layers: int = 0
+    per_layer_input: int = 0
+    per_layer_vocab: int = 0
+    double_wide_mlp: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_kinds and len(self.layer_kinds) != self.layers:
@@ -72,26 +85,56 @@ class ModelShape:
         """Layers whose KV lives in per-sequence rings (oval_edge/kv/ring.py)."""
         return self.kinds.count("sliding")
 
+    def kv_config(self) -> SimpleNamespace:
+        """The shape under transformers' config names, for oval_edge.geometry's kv_dims, ring_layout, ring_head_dim
+        and kv_sharing: the pool is sized with the formulas the engine uses (runtime/engine/setup.pool_geometry)."""
+        return SimpleNamespace(
+            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            hidden_size=self.hidden, head_dim=self.head_dim, global_head_dim=self.global_head_dim,
+            layer_types=[LAYER_TYPE_NAMES[k] for k in self.kinds], sliding_window=self.sliding_window,
+            num_kv_shared_layers=self.kv_shared_layers)
+
+    def kv_sources(self) -> dict[int, int]:
+        """{shared layer: the layer whose K/V it reads} (Gemma 4's last kv_shared_layers); {} for other models."""
+        return dict(kv_sharing(self.kv_config()))
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Layer `layer`'s head dim: Gemma 4's full layers have their own (global_head_dim)."""
+        return self.global_head_dim if self.global_head_dim and self.kinds[layer] == "full" else self.head_dim
+
+    def layer_projections(self, layer: int, sources: dict[int, int] | None = None) -> list[tuple[str, int, int]]:
+        """(name, out_features N, in_features K) of the nn.Linear layers inside attention layer `layer`, as
+        runtime/model/decoder_build.py builds them: a layer reading another's K/V (sources: kv_sources()) has no
+        k/v projections and, with double_wide_mlp, an MLP twice as wide; Gemma 4 adds the per-layer input's gate
+        (hidden -> P) and projection (P -> hidden)."""
+        sources = self.kv_sources() if sources is None else sources
+        d = self.layer_head_dim(layer)
+        q, kv = self.heads * d, self.kv_heads * d
+        h, i = self.hidden, self.intermediate * (2 if self.double_wide_mlp and layer in sources else 1)
+        kv_proj = [] if layer in sources else [("k_proj", kv, h), ("v_proj", kv, h)]
+        per_layer = [("per_layer_input_gate", self.per_layer_input, h),
+                     ("per_layer_projection", h, self.per_layer_input)] if self.per_layer_input else []
+        return ([("q_proj", q * (2 if self.attn_output_gate else 1), h)] + kv_proj + [
+            ("o_proj", h, q), ("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)] + per_layer)
+
     def projections(self) -> list[tuple[str, int, int]]:
-        """(name, out_features N, in_features K) of the nn.Linear layers inside one attention decoder layer."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        h, i = self.hidden, self.intermediate
-        return [
-            ("q_proj", q * (2 if self.attn_output_gate else 1), h), ("k_proj", kv, h), ("v_proj", kv, h),
-            ("o_proj", h, q), ("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i),
-        ]
+        """The projections of the largest attention layer (one layer's load and dequantization transients)."""
+        sources = self.kv_sources()
+        layers = [self.layer_projections(layer, sources) for layer, kind in enumerate(self.kinds) if kind != "state"]
+        return max(layers, key=lambda p: sum(n * k for _, n, k in p))
 
     def all_projections(self) -> list[tuple[str, int, int]]:
         """The quantized projections of every layer: an attention layer's, or a state layer's own (Qwen3.5's fused
         q|k|v|z in and out projections, LFM2's conv in and out projections; runtime/model/decoder_build.py) and
-        its MLP."""
-        if self.states is None:
-            return self.projections() * self.layers
-        by_layer = {s.layer: s for s in self.states.layers}
+        its MLP; and Gemma 4's model-level projection of the embedding to the per-layer inputs."""
+        by_layer = {s.layer: s for s in self.states.layers} if self.states is not None else {}
+        sources = self.kv_sources()
         out = []
         for layer in range(self.layers):
             state = by_layer.get(layer)
-            out += self.projections() if state is None else self._state_projections(state)
+            out += self.layer_projections(layer, sources) if state is None else self._state_projections(state)
+        if self.per_layer_input:
+            out.append(("per_layer_model_projection", self.layers * self.per_layer_input, self.hidden))
         return out
 
     def _state_projections(self, state: StateLayer) -> list[tuple[str, int, int]]:
@@ -112,19 +155,30 @@ class ModelShape:
                 total += 2 * s.heads * self.hidden + 2 * s.heads + s.value_dim
         return total
 
+    def vector_parameters(self) -> int:
+        """Weights kept as vectors in the activation dtype: each layer's RMSNorms of `hidden` (2, or Gemma's 4) and
+        the final norm; q_norm on every attention layer and k_norm on those that keep K/V, at the layer's head dim;
+        Gemma 4's per-layer input block's output norm [hidden] and layer scalar [1] per layer and its per-layer
+        projection norm [P]."""
+        sources = self.kv_sources()
+        attention = [layer for layer, kind in enumerate(self.kinds) if kind != "state"]
+        qk = sum(self.layer_head_dim(layer) * (1 if layer in sources else 2) for layer in attention) \
+            if self.qk_norm else 0
+        per_layer = self.layers * self.hidden + self.per_layer_input if self.per_layer_input else 0
+        scalars = self.layers if self.architecture in GEMMA4_TYPES else 0
+        return (self.norms_per_layer * self.layers + 1) * self.hidden + qk + per_layer + scalars
+
+    @property
+    def per_layer_table(self) -> int:
+        """Values of Gemma 4's per-layer input table [per_layer_vocab, layers x P] (0 without one)."""
+        return self.per_layer_vocab * self.layers * self.per_layer_input
+
     @property
     def parameters(self) -> int:
-        if self.states is not None:
-            return (sum(n * k for _, n, k in self.all_projections()) + self.state_exact_parameters()
-                    + self.layers * self.norms_per_layer * self.hidden + self.vocab * self.hidden * (
-                        1 if self.tied_embeddings else 2) + self.hidden)
-        per_layer = sum(n * k for _, n, k in self.projections()) + self.norms_per_layer * self.hidden
-        if self.qk_norm:
-            per_layer += 2 * self.head_dim
-        if self.qkv_bias:
-            per_layer += (self.heads + 2 * self.kv_heads) * self.head_dim
-        head = 0 if self.tied_embeddings else self.vocab * self.hidden
-        return self.layers * per_layer + self.vocab * self.hidden + head + self.hidden
+        biases = self.layers * (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        return (sum(n * k for _, n, k in self.all_projections()) + self.state_exact_parameters()
+                + self.vector_parameters() + biases + self.per_layer_table
+                + self.vocab * self.hidden * (1 if self.tied_embeddings else 2))
 
     def describe(self) -> str:
         tie = "tied" if self.tied_embeddings else "untied"
@@ -134,10 +188,17 @@ class ModelShape:
         if self.states is not None:
             kinds += (f", {len(self.states.layers)} of {self.layers} layers keep a state "
                       f"({self.states.describe()})")
+        if self.kv_shared_layers:
+            kinds += f", the last {self.kv_shared_layers} read earlier layers' K/V and keep none"
+        if self.per_layer_input:
+            kinds += f", per-layer inputs of {self.per_layer_input} from a {self.per_layer_vocab}-row table"
         notes = "".join(f"; {n}" for n in self.notes)
+        full = f" (full layers {self.global_head_dim})" if self.global_head_dim not in (0, self.head_dim) else ""
+        wide = " (x2 on the shared layers)" if self.double_wide_mlp and self.kv_shared_layers else ""
         return (
             f"{self.name} ({self.architecture}, {self.layers} layers, hidden {self.hidden}, {self.heads} q / "
-            f"{self.kv_heads} kv heads x {self.head_dim}, ffn {self.intermediate}, vocab {self.vocab}, {tie} head, "
+            f"{self.kv_heads} kv heads x {self.head_dim}{full}, ffn {self.intermediate}{wide}, vocab {self.vocab}, "
+            f"{tie} head, "
             f"{self.parameters / 1e6:.0f}M params, max context {self.max_context}{kinds}{rotary}; from {self.source}"
             f"{notes})"
         )
@@ -188,6 +249,10 @@ def shape_from_config(config: dict, path: str, name: str) -> ModelShape:
     arch = config.get("model_type")
     if arch in HYBRID_TYPES:
         config = hybrid_config(config)
+    if arch in ("gemma4",) + GEMMA4_TYPES:  # a bare "gemma4" config is its text decoder's, as the loader reads it
+        config, filled = gemma4_config(config, path)
+        arch = config["model_type"] = GEMMA4_TYPES[0]
+        notes += filled
     if arch not in PLANNED_ARCHITECTURES:
         raise ValueError(f"{path}: model_type {arch!r} is not supported; oval-edge plans "
                          f"{', '.join(PLANNED_ARCHITECTURES)}")
@@ -222,6 +287,11 @@ def shape_from_config(config: dict, path: str, name: str) -> ModelShape:
         sliding_window=window if "sliding" in kinds else 0,
         rotary_dim=int(int(head_dim) * rotary) if rotary not in (None, 1, 1.0) else 0, notes=tuple(notes),
         states=state_layout(config), attn_output_gate=bool(config.get("attn_output_gate", False)),
+        global_head_dim=int(config.get("global_head_dim") or 0),
+        kv_shared_layers=int(config.get("num_kv_shared_layers") or 0),
+        per_layer_input=int(config.get("hidden_size_per_layer_input") or 0),
+        per_layer_vocab=int(config.get("vocab_size_per_layer_input") or 0) if arch in GEMMA4_TYPES else 0,
+        double_wide_mlp=bool(config.get("use_double_wide_mlp", False)),
     )
 
 
@@ -241,6 +311,9 @@ def _from_gguf(path: str) -> ModelShape:
     if arch not in PLANNED_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; oval-edge plans "
                          f"{', '.join(PLANNED_ARCHITECTURES)}")
+    if arch in ("gemma4",) + GEMMA4_TYPES:  # its two head sizes, shared K/V and per-layer inputs are not read here
+        raise ValueError(f"{path}: plan reads a Gemma 4 model's shape from its config.json, not from a GGUF header; "
+                         "pass the Hugging Face folder or its config.json (e.g. --model gemma-4-E2B-it)")
     heads = int(_scalar(fields, f"{arch}.attention.head_count", path))
     hidden = int(_scalar(fields, f"{arch}.embedding_length", path))
     key_length = fields.get(f"{arch}.attention.key_length")

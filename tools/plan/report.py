@@ -65,16 +65,20 @@ def format_device_plan(plan: DevicePlan, verbose: bool = False) -> str:
         + (f" + dense projections {format_bytes(w.dense_linear)}" if w.dense_linear else "")
         + f", embedding {format_bytes(w.embedding)}, lm_head "
         + ("tied (0 B)" if w.lm_head == 0 else format_bytes(w.lm_head))
-        + f", norms {format_bytes(w.norms)}" + (f", biases {format_bytes(w.biases)}" if w.biases else ""),
+        + f", norms {format_bytes(w.norms)}" + (f", biases {format_bytes(w.biases)}" if w.biases else "")
+        + (f", per-layer input table {format_bytes(w.per_layer_table)} ([{s.per_layer_vocab}, {s.layers} x "
+           f"{s.per_layer_input}], looked up, not read per step)" if w.per_layer_table else ""),
         f"KV       : {format_bytes(geo.kv_bytes_per_token)} per token ({geo.kv_label}, "
-        f"{'all' if not s.sliding_layers and s.states is None else f'the {s.full_layers} full'} layers) + "
+        f"{'all' if geo.paged_layers == s.layers else f'the {geo.paged_layers} full'} layers) + "
         f"{r.oval.scorer} "
         f"summaries (rank {r.oval.rank}) {format_bytes(geo.summary_bytes_per_page)} per page of {geo.page_size}; "
         f"top_k {r.oval.top_k}, sink {r.oval.sink_pages}, window {r.oval.window_max}, "
         f"dense layers {r.oval.dense_layers}"
-        + (f"; {s.sliding_layers} sliding layers keep a ring of ceil(({s.sliding_window} - 1) / page) + 1 pages "
-           f"of K/V per sequence ({_span([p.ring_bytes for p in plan.rows])} for batch {r.batch}), beside the pool"
-           if s.sliding_layers else "")
+        + (f"; {len(geo.ring_layers)} sliding layers keep a ring of ceil(({s.sliding_window} - 1) / page) + 1 "
+           f"pages of K/V per sequence ({_span([p.ring_bytes for p in plan.rows])} for batch {r.batch}), beside "
+           "the pool" if geo.ring_layers else "")
+        + (f"; the last {len(geo.shared)} layers keep no K/V (they read the pages or ring of layers "
+           f"{', '.join(str(n) for n in sorted(set(dict(geo.shared).values())))})" if geo.shared else "")
         + (f"; {len(geo.state_layers)} state layers keep {format_bytes(geo.state_bytes_per_sequence)} per sequence "
            f"(x batch {r.batch} + {state_snapshots(geo, r)} prefix-cache snapshots = "
            f"{format_bytes((r.batch + state_snapshots(geo, r)) * geo.state_bytes_per_sequence)}), beside the pool"
@@ -84,7 +88,7 @@ def format_device_plan(plan: DevicePlan, verbose: bool = False) -> str:
         f"request  : context {r.context} x batch {r.batch}, prefill chunk {r.prefill_chunk}",
         f"workspace: per page size, serve's formula reserves {_span([p.serve_workspace_bytes for p in plan.rows])}; "
         f"the largest step needs {_span([p.transient_bytes for p in plan.rows])}, of which sealing pages "
-        f"(a few pages x {s.full_layers} layers x {s.kv_heads} heads at once, bounded by bytes) "
+        f"(a few pages x {geo.paged_layers} layers x {s.kv_heads} heads at once, bounded by bytes) "
         f"{_span([p.seal_bytes for p in plan.rows])}; the plan sets aside the larger",
         "",
     ]

@@ -103,18 +103,20 @@ class WeightBreakdown:
     biases: int
     embedding: int
     lm_head: int  # 0 when tied to the embedding
-    norms: int
+    norms: int  # and the other vectors kept in the activation dtype (ModelShape.vector_parameters)
+    per_layer_table: int = 0  # Gemma 4's per-layer input table, a lookup like the embedding (0 without one)
 
     @property
     def total(self) -> int:
         return (self.linear_codes + self.quant_state + self.dense_linear + self.biases + self.embedding
-                + self.lm_head + self.norms)
+                + self.lm_head + self.norms + self.per_layer_table)
 
     @property
     def read_per_decode_step(self) -> int:
         """Bytes of weights one decode step streams: everything but the embedding table (only B rows of it are
-        read), except that a tied head reads the whole embedding matrix for the logits."""
-        return self.total if self.lm_head == 0 else self.total - self.embedding
+        read), except that a tied head reads the whole embedding matrix for the logits; never the per-layer input
+        table (B rows of it)."""
+        return (self.total if self.lm_head == 0 else self.total - self.embedding) - self.per_layer_table
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {
@@ -154,9 +156,10 @@ def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozense
     return WeightBreakdown(
         quant=quant, layout=layout, target=target, linear_codes=codes, quant_state=state, dense_linear=dense,
         biases=biases, embedding=embedding, lm_head=lm_head,
-        # 2 (or Gemma's 4) RMSNorms per layer, q/k norms where the family has them, plus the final norm
-        norms=((shape.norms_per_layer * shape.layers + 1) * shape.hidden
-               + (2 * shape.layers * shape.head_dim if shape.qk_norm else 0)) * act,
+        # 2 (or Gemma's 4) RMSNorms per layer, q/k norms where the family has them, the final norm, Gemma 4's
+        # per-layer input norms and layer scalars
+        norms=shape.vector_parameters() * act,
+        per_layer_table=_per_layer_table_bytes(shape, quant, target),
     )
 
 
@@ -190,8 +193,29 @@ def _table_bytes(shape: ModelShape, quant: str, target: str, int8_head_kernel: b
     sixteen = shape.vocab * shape.hidden * 2
     if shape.hidden % INT8_BLOCK:
         return sixteen, 0 if tied else sixteen
-    rows = ceil_div(shape.vocab, INT8_PANEL) * INT8_PANEL if target == "cpu" else shape.vocab
-    int8 = rows * shape.hidden + rows * (shape.hidden // INT8_BLOCK) * 4
+    int8 = int8_table_bytes(shape.vocab, shape.hidden, target)
     if target == "cpu" or int8_head_kernel:
         return int8, 0 if tied else int8
     return (sixteen, 0) if tied else (int8, sixteen)
+
+
+def int8_table_bytes(rows: int, width: int, target: str) -> int:
+    """An int8 table [rows, width] (runtime/model/embeddings.py): a code byte per weight and an fp32 scale per 32,
+    the rows padded to whole panels of 32 on a CPU (Int8Table), stored as they are on CUDA (CudaInt8Table)."""
+    rows = ceil_div(rows, INT8_PANEL) * INT8_PANEL if target == "cpu" else rows
+    return rows * width + rows * (width // INT8_BLOCK) * 4
+
+
+def _per_layer_table_bytes(shape: ModelShape, quant: str, target: str) -> int:
+    """Gemma 4's per-layer input table [per_layer_vocab, layers x P] as decoder_build._embedding_table keeps it:
+    in the activation dtype for quant 'none'; in 4-bit modes an int8 table where its width is a multiple of 32
+    (a lookup only: on CUDA too, with or without the head's kernel), else 16 bits. E2B: 262144 x 8960, 2.35 G
+    values, its largest tensor (2.46 GiB as int8 + scales, 4.38 GiB in 16 bits)."""
+    width = shape.layers * shape.per_layer_input
+    if not width:
+        return 0
+    if quant == "none":
+        return shape.per_layer_vocab * width * ACTIVATION_BYTES[target]
+    if width % INT8_BLOCK:
+        return shape.per_layer_vocab * width * 2
+    return int8_table_bytes(shape.per_layer_vocab, width, target)
