@@ -261,3 +261,20 @@ def test_gguf_as_llama_cpp_writes_it_serves_the_logits_of_transformers(tmp_path,
         full = reference(torch.tensor([PROMPT + tokens])).logits[0]
     assert tokens == full[len(PROMPT) - 1 : -1].argmax(-1).tolist()
     assert (ours - full[len(PROMPT) - 1 :]).abs().max().item() < 1e-4
+
+
+def test_a_projection_narrower_than_a_4bit_block_is_kept_as_read(tmp_path):
+    """The GGUF tiny model's per-layer input projection reads 16 values a row (a real E2B's: 256): no 4-bit layout
+    takes it (groups of 32, bitsandbytes' blocks of 64), so it stays as read while the others take the file's blocks
+    (--quant auto) or int4; both load and give the logits of quant none (Q8_0 file)."""
+    from oval_edge.tools.gguf_write.writer import write_gguf
+    from test_gguf_gemma4 import tiny_model
+
+    path = write_gguf(tiny_model("e2b-like"), str(tmp_path / "gemma4-q8.gguf"), "gemma4", "Q8_0")
+    exact = Engine.load(path, quant="none", device="cpu", oval=WIDE, config=EngineConfig(num_pages=64, oval_from=0))
+    blocks = Engine.load(path, quant="auto", device="cpu", oval=WIDE, config=EngineConfig(num_pages=64, oval_from=0))
+    gate = blocks.loaded.model.model.layers[0].per_layer_input
+    assert isinstance(gate.projection, torch.nn.Linear) and not isinstance(gate.gate, torch.nn.Linear)
+    _, want = decode_greedy(exact, PROMPT, 2)
+    _, got = decode_greedy(blocks, PROMPT, 2)
+    assert torch.nn.functional.cosine_similarity(got[0], want[0], dim=0) > 0.99

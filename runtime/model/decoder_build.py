@@ -26,6 +26,7 @@ from .grouped.layout import quantize_grouped
 from .quantize import linear4bit, pack_for_cpu
 
 BNB_QUANTS = ("nf4", "fp4")
+NARROWEST_BLOCK = 64  # input width a projection needs for every 4-bit layout (grouped: 32, bitsandbytes on a CPU: 64)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 _REQUIRED = {"attention": ("self_attn.o_proj.weight", "mlp.down_proj.weight"),
@@ -86,7 +87,10 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
         if any(b in names for b in biases) and not all(b in names for b in biases):
             raise ValueError(f"model {where}: {prefix}{parts} have biases on some projections only")
         has_bias = all(b in names for b in biases)
-        if quant == "gguf":  # the file's own blocks, never held in 16 bits
+        # Rows narrower than every 4-bit layout's block (32 values; bitsandbytes' CPU packing: 64) stay as read: a
+        # tiny model's per-layer input projection (llama.cpp stores such rows in 16 bits too)
+        mode = "none" if expected[1] % NARROWEST_BLOCK else quant
+        if mode == "gguf":  # the file's own blocks, never held in 16 bits
             bias = torch.cat([read(b, dtype) for b in biases]).to(device) if has_bias else None
             module = grouped_projection([_grouped_part(weights, f"{prefix}{p}.weight") for p in parts], bias, device)
             shape = [module.out_features, module.in_features]
@@ -96,10 +100,10 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
         if tuple(shape) != expected:
             raise ValueError(f"model {where}: {prefix}{'+'.join(parts)} has shape {shape}, its "
                              f"configuration says {list(expected)}; the weights and config.json do not match")
-        if quant == "gguf":
+        if mode == "gguf":
             return module
         bias = torch.cat([read(b) for b in biases]) if has_bias else None
-        return _projection(weight, bias, "none" if exact else quant, dtype, storage, device)
+        return _projection(weight, bias, "none" if exact else mode, dtype, storage, device)
 
     def _split_projection(parts: list[str], prefix: str) -> nn.Module:
         """A fused projection whose parts include row halves of a stored tensor ("q_proj:query" / "q_proj:gate"):
