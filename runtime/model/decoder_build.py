@@ -26,7 +26,7 @@ from .grouped.layout import quantize_grouped
 from .quantize import linear4bit, pack_for_cpu
 
 BNB_QUANTS = ("nf4", "fp4")
-NARROWEST_BLOCK = 64  # input width a projection needs for every 4-bit layout (grouped: 32, bitsandbytes on a CPU: 64)
+GROUP_BLOCK, BNB_BLOCK = 32, 64  # the input width a row must be a multiple of: grouped codes; bitsandbytes on a CPU
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 _REQUIRED = {"attention": ("self_attn.o_proj.weight", "mlp.down_proj.weight"),
@@ -89,7 +89,7 @@ def build_decoder(weights, config: DecoderConfig, quant: str, device: torch.devi
         has_bias = all(b in names for b in biases)
         # Rows narrower than every 4-bit layout's block (32 values; bitsandbytes' CPU packing: 64) stay as read: a
         # tiny model's per-layer input projection (llama.cpp stores such rows in 16 bits too)
-        mode = "none" if expected[1] % NARROWEST_BLOCK else quant
+        mode = "none" if expected[1] % (BNB_BLOCK if quant in BNB_QUANTS else GROUP_BLOCK) else quant
         if mode == "gguf":  # the file's own blocks, never held in 16 bits
             bias = torch.cat([read(b, dtype) for b in biases]).to(device) if has_bias else None
             module = grouped_projection([_grouped_part(weights, f"{prefix}{p}.weight") for p in parts], bias, device)
