@@ -51,6 +51,32 @@ def test_plan_counts_what_the_loader_allocates(folder, quant):
     assert planned.total == engine.loaded.weight_bytes, (planned.as_dict(), engine.loaded.weight_bytes)
 
 
+@pytest.mark.parametrize("config", [
+    "E2B",  # the published multimodal config (text_config read, towers ignored)
+    {"model_type": "gemma4_text", "num_hidden_layers": 12, "num_kv_shared_layers": 5},  # defaults: every 6th full
+    {"model_type": "gemma4_text", "num_hidden_layers": 7, "num_kv_shared_layers": 2, "head_dim": 32,
+     "layer_types": ["sliding_attention"] * 4 + ["full_attention"] + ["sliding_attention"] * 2,  # last forced full
+     "per_layer_config": {"4": {"head_dim": 96}, "6": {"head_dim": 96}}},  # transformers 5's full head dim
+], ids=["e2b", "defaults", "per_layer_config"])
+def test_plan_reads_a_gemma4_config_as_the_loader_does(config):
+    """The pool geometry plan derives from a config equals the one the engine builds from the loader's reading of
+    the same config (DecoderConfig.from_dict -> setup.pool_geometry), defaults and transformers 5's keys included."""
+    import json
+
+    import torch
+
+    from oval_edge.runtime.engine.setup import pool_geometry
+    from oval_edge.runtime.model.config import DecoderConfig
+    from oval_edge.tools.plan.model import shape_from_config
+
+    config = json.loads((E2B / "config.json").read_text()) if config == "E2B" else config
+    shape = shape_from_config(config, "a gemma4 config", "gemma4")
+    for target, oval in (("cpu", OvalConfig(page_size=16)), ("cuda", OvalConfig(page_size=32, record="int8"))):
+        engine = pool_geometry(DecoderConfig.from_dict(config, "a gemma4 config"), oval, EngineConfig(),
+                               torch.device(target), torch.float16 if target == "cuda" else torch.float32)
+        assert geometry_for(shape, oval, target) == engine, target
+
+
 def test_e2b_kv_bytes_by_hand():
     """gemma-4-E2B-it (35 layers, every 5th full; 1 KV head; full layers' head dim 512, sliding 256; window 512;
     the last 20 layers shared): of the first 15 layers, 3 are full (4, 9, 14) and keep pages, 12 sliding keep rings;

@@ -287,12 +287,17 @@ def shape_from_config(config: dict, path: str, name: str) -> ModelShape:
         sliding_window=window if "sliding" in kinds else 0,
         rotary_dim=int(int(head_dim) * rotary) if rotary not in (None, 1, 1.0) else 0, notes=tuple(notes),
         states=state_layout(config), attn_output_gate=bool(config.get("attn_output_gate", False)),
-        global_head_dim=int(config.get("global_head_dim") or 0),
-        kv_shared_layers=int(config.get("num_kv_shared_layers") or 0),
-        per_layer_input=int(config.get("hidden_size_per_layer_input") or 0),
-        per_layer_vocab=int(config.get("vocab_size_per_layer_input") or 0) if arch in GEMMA4_TYPES else 0,
-        double_wide_mlp=bool(config.get("use_double_wide_mlp", False)),
+        **(_gemma4_fields(config) if arch in GEMMA4_TYPES else {}),
     )
+
+
+def _gemma4_fields(config: dict) -> dict:
+    """ModelShape's Gemma 4 fields from a config families.gemma4_config filled (the loader reads them for Gemma 4
+    only, so plan does too)."""
+    return dict(global_head_dim=int(config["global_head_dim"]), kv_shared_layers=int(config["num_kv_shared_layers"]),
+                per_layer_input=int(config["hidden_size_per_layer_input"]),
+                per_layer_vocab=int(config["vocab_size_per_layer_input"]),
+                double_wide_mlp=bool(config["use_double_wide_mlp"]))
 
 
 def _from_gguf(path: str) -> ModelShape:
