@@ -41,6 +41,17 @@ def family(request, tmp_path_factory):
     return request.param, config, save_folder(tmp_path_factory.mktemp(request.param), config)
 
 
+def run_checked(engine: Engine, prompts: list[list[int]], params) -> list:
+    """Submit every prompt, step the engine until it has no work, checking the pool's invariants after each step;
+    every request must end without an error. Returns the requests."""
+    requests = [engine.submit(p, params) for p in prompts]
+    while engine.has_work():
+        engine.step()
+        engine.pool.check_invariants()
+    assert [r.error for r in requests] == [None] * len(prompts)
+    return requests
+
+
 def decode_greedy(engine: Engine, prompt: list[int], steps: int, attention_layers_read: list | None = None):
     """Prefill `prompt`, then `steps` greedy decode steps. Returns (tokens, logits [steps + 1, vocab])."""
     pool = engine.pool

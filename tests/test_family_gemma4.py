@@ -17,7 +17,7 @@ from oval_edge.runtime import Engine, EngineConfig
 from oval_edge.runtime.model.config import DecoderConfig, rotary_inv_freq
 
 from test_decoder_loading import save_folder
-from test_families import PROMPT, STEPS, _hf_all_logits, decode_greedy
+from test_families import PROMPT, STEPS, _hf_all_logits, decode_greedy, run_checked
 from test_static_step import compiled_step_matches_eager, traced_step
 
 TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
@@ -278,3 +278,20 @@ def test_a_projection_narrower_than_a_4bit_block_is_kept_as_read(tmp_path):
     _, want = decode_greedy(exact, PROMPT, 2)
     _, got = decode_greedy(blocks, PROMPT, 2)
     assert torch.nn.functional.cosine_similarity(got[0], want[0], dim=0) > 0.99
+
+
+def test_mixed_steps_and_preemption_give_the_tokens_of_a_roomy_run(folder):
+    """Five requests through the engine's scheduler: decode rows and prompt chunks of 16 share steps (the shared
+    layers read their sources' K/V of both groups), a pool too small for all preempts and recomputes; every request
+    ends with the tokens it gets alone in a roomy pool, and nothing is left held."""
+    from oval_edge.runtime.engine.request import SamplingParams
+
+    prompts = [[100 + (seed * 37 + i * 11) % 3000 for i in range(n)] for seed, n in enumerate((20, 30, 17, 25, 40))]
+    greedy = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0)
+    roomy = engine_for(folder, num_pages=128)
+    expected = [roomy.generate(p, greedy).output_ids for p in prompts]
+    engine = engine_for(folder, num_pages=14, prefill_chunk=16)
+    requests = run_checked(engine, prompts, greedy)
+    assert engine.stats.preemptions > 0
+    assert [r.output_ids for r in requests] == expected
+    assert engine.pool.num_used == 0 and engine.pool.rings.num_free == engine.pool.rings.sequences

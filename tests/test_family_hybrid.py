@@ -18,7 +18,7 @@ from oval_edge.pool_sizing import size_pool
 from oval_edge.state_layout import state_layout
 
 from test_decoder_loading import save_folder
-from test_families import PROMPT, STEPS, _hf_all_logits, decode_greedy
+from test_families import PROMPT, STEPS, _hf_all_logits, decode_greedy, run_checked
 from test_static_step import compiled_step_matches_eager, traced_step
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -308,11 +308,7 @@ def test_preempted_requests_recompute_their_state_and_lose_nothing(hybrid, prefi
     roomy = engine_for(folder, num_pages=128, prefix_cache=False)
     expected = [roomy.generate(p, long).output_ids for p in prompts]
     engine = engine_for(folder, num_pages=14, prefix_cache=prefix_cache, prefill_chunk=16)
-    requests = [engine.submit(p, long) for p in prompts]
-    while engine.has_work():
-        engine.step()
-        engine.pool.check_invariants()
-    assert [r.error for r in requests] == [None] * len(prompts)
+    requests = run_checked(engine, prompts, long)
     assert engine.stats.preemptions > 0
     assert [r.output_ids for r in requests] == expected
     assert engine.pool.num_used == 0 and engine.pool.states.num_free == engine.pool.states.slots
