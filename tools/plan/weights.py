@@ -58,6 +58,7 @@ ACTIVATION_BYTES = {"cpu": 4, "cuda": 2}  # embedding, untied head, norms, 'none
 LINEAR4_COMPUTE_BYTES = {"cpu": 2, "cuda": 2}  # bf16 on CPU, fp16 on CUDA: Qwen2 biases of 4-bit layers
 LAYOUTS = ("nested", "cpu-packed", "cpu-unnested")
 INT4_LAYOUT = (4, 32)  # quant int4: (code bits, weights per scale and min), runtime/model/grouped/layout.py
+BNB_QUANTS = ("nf4", "fp4")
 NATIVE_ENV = "OVAL_EDGE_NATIVE"  # oval_edge/kernels/cpu.py: "0" turns the native kernels (and so un-nesting) off
 
 
@@ -80,11 +81,18 @@ def linear4bit_bytes(n_out: int, n_in: int, layout: str) -> tuple[int, int]:
     return codes, nested + CODE_BOOK_BYTES
 
 
+def kept_as_read(width: int, quant: str) -> bool:
+    """Whether runtime/model/decoder_build.py keeps a projection of input width `width` as read (in the activation
+    dtype) under a 4-bit `quant`: rows that are not a whole number of the layout's blocks (grouped codes: 32;
+    bitsandbytes: 64), such as a tiny Gemma 4's per-layer input projection (llama.cpp stores those in 16 bits too)."""
+    return quant != "none" and width % (BLOCKSIZE if quant in BNB_QUANTS else INT4_LAYOUT[1]) != 0
+
+
 def cpu_layout(shape: ModelShape, cpu_flags: frozenset[str], native: bool | None = None) -> str:
     """Which 4-bit layout a CPU run ends up with: packed when bitsandbytes' AVX512-BF16 kernel applies, else unnested
     when the native kernels are on (native None: unless $OVAL_EDGE_NATIVE is "0"; they build wherever a C compiler
     is), else nested."""
-    packable = all(n % CPU_PACK_BLOCK_N == 0 and k % BLOCKSIZE == 0 for _, n, k in shape.all_projections())
+    packable = all(n % CPU_PACK_BLOCK_N == 0 for _, n, k in shape.all_projections() if k % BLOCKSIZE == 0)
     if "avx512_bf16" in cpu_flags and packable:
         return "cpu-packed"
     if native is None:
@@ -134,9 +142,12 @@ def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozense
         raise ValueError(f"target={target!r} is unknown; allowed: {', '.join(ACTIVATION_BYTES)}")
     act = ACTIVATION_BYTES[target]
     codes = state = dense = 0
+    # every projection for quant 'none'; else those too narrow for the 4-bit layout (kept_as_read; a GGUF's as stored)
+    stored = [(n, k) for n, k, _ in shape.stored_projections] if quant == "gguf" else \
+        [(n, k) for _, n, k in shape.all_projections()]
+    dense = sum(n * k for n, k in stored if quant == "none" or kept_as_read(k, quant)) * act
     if quant == "none":
         layout = "dense"
-        dense = sum(n * k for _, n, k in shape.all_projections()) * act
         bias_bytes = act
     elif quant in GROUPED_QUANTS:
         layout = "grouped"
@@ -145,6 +156,8 @@ def weight_bytes(shape: ModelShape, quant: str, target: str, cpu_flags: frozense
     else:
         layout = cpu_layout(shape, cpu_flags) if target == "cpu" else "nested"
         for _, n, k in shape.all_projections():
+            if kept_as_read(k, quant):
+                continue
             c, s = linear4bit_bytes(n, k, layout)
             codes += c
             state += s
@@ -176,9 +189,10 @@ def grouped_projection_bytes(shape: ModelShape, quant: str) -> tuple[int, int]:
     """(code bytes, scale + min bytes) of every projection held grouped: each GGUF tensor in the layout its type is
     served in (gguf_blocks.held_layout), or every projection as 4-bit codes per 32 (int4)."""
     if quant == "gguf":
-        totals = [held_bytes(rows, width, *held_layout(kind)) for rows, width, kind in shape.stored_projections]
+        totals = [held_bytes(rows, width, *held_layout(kind)) for rows, width, kind in shape.stored_projections
+                  if not kept_as_read(width, quant)]
     else:
-        totals = [held_bytes(n, k, *INT4_LAYOUT) for _, n, k in shape.all_projections()]
+        totals = [held_bytes(n, k, *INT4_LAYOUT) for _, n, k in shape.all_projections() if not kept_as_read(k, quant)]
     return sum(c for c, _ in totals), sum(s for _, s in totals)
 
 
