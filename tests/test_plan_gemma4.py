@@ -2,7 +2,8 @@
 (at global_head_dim), rings for the sliding layers that keep K/V (at head_dim), nothing for the last
 num_kv_shared_layers layers (they read their sources'), each layer's projections at its own head dim and MLP width,
 the per-layer input table kept as an int8 table — checked against what Engine.load allocates on the tiny Gemma 4 of
-test_family_gemma4, and against hand counts on gemma-4-E2B-it's published config."""
+test_family_gemma4 and on a GGUF written as llama.cpp writes Gemma 4, and against hand counts on
+gemma-4-E2B-it's published config."""
 
 from __future__ import annotations
 
@@ -115,16 +116,19 @@ def test_e2b_weights_show_the_per_layer_table(capsys):
     assert "the last 20 layers keep no K/V (they read the pages or ring of layers 13, 14)" in flat(out)
 
 
-def test_plan_refuses_a_gemma4_gguf_and_names_the_config(tmp_path, capsys):
-    """A Gemma 4 GGUF's header is not read for the plan (two head sizes, shared K/V, per-layer inputs): refused,
-    naming what to pass instead, rather than planned as a uniform model."""
-    import gguf
+def test_a_gemma4_gguf_plans_what_the_loader_holds(tmp_path):
+    """A Q8_0 GGUF as llama.cpp's converter writes Gemma 4 (test_gguf_gemma4's E2B-like tiny model: shared layers
+    found from the header, per-layer inputs of 16) is read as the loader reads it: the same pool geometry, and the
+    weights it holds exactly, in the file's own blocks (--quant auto; the per-layer model projection included, the
+    narrow per-layer projections kept as read) and re-quantized to int4."""
+    from oval_edge.tools.gguf_write.writer import write_gguf
+    from test_gguf_gemma4 import tiny_model
 
-    path = tmp_path / "gemma4.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma4")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="config.json"):
-        read_model_shape(str(path))
+    path = write_gguf(tiny_model("e2b-like"), str(tmp_path / "gemma4-q8.gguf"), "gemma4", "Q8_0")
+    shape = read_model_shape(path)
+    assert (shape.source, shape.kv_shared_layers, shape.global_head_dim, shape.per_layer_input) == \
+        ("GGUF metadata", 3, 64, 16)
+    for quant in ("auto", "int4"):
+        engine = Engine.load(path, quant=quant, device="cpu", oval=POOL, config=ENGINE)
+        assert geometry_for(shape, POOL, "cpu") == engine.pool.geometry
+        assert weight_bytes(shape, quant, "cpu").total == engine.loaded.weight_bytes, quant

@@ -28,6 +28,8 @@ the vision tower (oval-edge serves text only), and says so in the shape's notes.
 from __future__ import annotations
 
 from oval_edge.runtime.model.families.gemma4 import GEMMA4_DEFAULTS, GEMMA4_TYPES, gemma4_fields
+from oval_edge.runtime.model.families.gemma4_gguf import GEMMA4_GGUF_ARCHS, ROPE_FREQS, config_values, decoder_tensors
+from oval_edge.runtime.model.grouped.gguf_blocks import is_stored_projection
 from oval_edge.runtime.model.families.hybrid import HYBRID_TYPES, hybrid_fields
 from oval_edge.runtime.model.origin.source import SUPPORTED_ARCHITECTURES as PLANNED_ARCHITECTURES  # the loader's list
 
@@ -97,6 +99,25 @@ def gemma4_config(config: dict, path: str) -> tuple[dict, list[str]]:
     merged, fields = gemma4_fields(config, path)
     notes = [f"gemma4_text defaults (transformers' config class) for {', '.join(filled)}"] if filled else []
     return merged | {"layer_types": list(fields["layer_types"])} | {k: fields[k] for k in GEMMA4_SHAPE_KEYS}, notes
+
+
+def gemma4_gguf_config(reader, path: str, scalar, array) -> tuple[dict, list]:
+    """A Gemma 4 GGUF (llama.cpp's gemma4) as the loader reads it: its header as Gemma4TextConfig keys
+    (families/gemma4_gguf.config_values, the vocabulary and the tie added as runtime/model/gguf_metadata.py adds
+    them), and the tensors the loader holds as projections in the file's blocks: the decoder layers' (a shared layer's
+    stored K/V left out, as decoder_tensors leaves it) and the per-layer model projection. scalar(key) / array(key):
+    the header's `gemma4.<key>`, None when absent."""
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}  # transformers' order
+    rope_freqs = next((t.data for t in reader.tensors if t.name == ROPE_FREQS), None)
+    try:
+        values = config_values(scalar, array, shapes, rope_freqs)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    values.update(vocab_size=len(tokens.data) if tokens is not None else scalar("vocab_size"),
+                  tie_word_embeddings="output.weight" not in shapes)
+    kept = decoder_tensors(reader, path, scalar).values()
+    return values, [t for t in kept if is_stored_projection(t) or t.name == "per_layer_model_proj.weight"]
 
 
 def norms_per_layer(arch: str) -> int:

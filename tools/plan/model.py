@@ -10,6 +10,7 @@ GGUFs attn_q_norm / attn_k_norm, Gemma GGUFs post_attention_norm and post_ffw_no
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ from oval_edge.runtime.model.origin.source import bundled_gguf_path
 from oval_edge.geometry import kv_sharing
 from oval_edge.state_layout import StateLayer, StateLayout, state_layout
 
-from .families import GEMMA4_TYPES, HYBRID_TYPES, PLANNED_ARCHITECTURES, QK_NORM, gemma4_config, hybrid_config, \
-    layer_kinds, norms_per_layer, text_part
+from .families import GEMMA4_GGUF_ARCHS, GEMMA4_TYPES, HYBRID_TYPES, PLANNED_ARCHITECTURES, QK_NORM, gemma4_config, \
+    gemma4_gguf_config, hybrid_config, layer_kinds, norms_per_layer, text_part
 
 # ModelShape.kinds -> transformers' layer_types, for oval_edge.geometry's formulas (kv_config)
 LAYER_TYPE_NAMES = {"full": "full_attention", "sliding": "sliding_attention", "state": "linear_attention"}
@@ -316,9 +317,15 @@ def _from_gguf(path: str) -> ModelShape:
     if arch not in PLANNED_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; oval-edge plans "
                          f"{', '.join(PLANNED_ARCHITECTURES)}")
-    if arch in ("gemma4",) + GEMMA4_TYPES:  # its two head sizes, shared K/V and per-layer inputs are not read here
-        raise ValueError(f"{path}: plan reads a Gemma 4 model's shape from its config.json, not from a GGUF header; "
-                         "pass the Hugging Face folder or its config.json (e.g. --model gemma-4-E2B-it)")
+    if arch in GEMMA4_GGUF_ARCHS:  # two head sizes, shared K/V, per-layer inputs: read as the loader reads them
+        def header(key: str):
+            return _scalar(fields, f"{arch}.{key}", path) if f"{arch}.{key}" in fields else None
+
+        config, stored = gemma4_gguf_config(reader, path, header, lambda key: _array(fields, f"{arch}.{key}"))
+        shape = shape_from_config(config, path, os.path.splitext(os.path.basename(path))[0])
+        held = tuple((int(t.shape[1]), int(t.shape[0]), t.tensor_type.name) for t in stored)
+        return dataclasses.replace(shape, source="GGUF metadata", file_bytes=os.path.getsize(path),
+                                   stored_projections=held)
     heads = int(_scalar(fields, f"{arch}.attention.head_count", path))
     hidden = int(_scalar(fields, f"{arch}.embedding_length", path))
     key_length = fields.get(f"{arch}.attention.key_length")
@@ -343,6 +350,14 @@ def _from_gguf(path: str) -> ModelShape:
         stored_projections=tuple((int(t.shape[1]), int(t.shape[0]), t.tensor_type.name) for t in reader.tensors
                                  if is_stored_projection(t)),
     )
+
+
+def _array(fields, key: str) -> list | None:
+    """A GGUF header array (numbers), None when absent or a scalar (a key llama.cpp writes either way)."""
+    from gguf import GGUFValueType
+
+    field = fields.get(key)
+    return field.contents() if field is not None and field.types[0] == GGUFValueType.ARRAY else None
 
 
 def _scalar(fields, key: str, path: str):
