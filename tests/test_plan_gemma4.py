@@ -132,3 +132,19 @@ def test_a_gemma4_gguf_plans_what_the_loader_holds(tmp_path):
         engine = Engine.load(path, quant=quant, device="cpu", oval=POOL, config=ENGINE)
         assert geometry_for(shape, POOL, "cpu") == engine.pool.geometry
         assert weight_bytes(shape, quant, "cpu").total == engine.loaded.weight_bytes, quant
+    _plans_without_torch(path)
+
+
+def _plans_without_torch(gguf_path: str) -> None:
+    """plan stays torch-free on Gemma 4 (a config and a GGUF): the loader's config readers it imports are."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom oval_edge.jetson.modules import get_module\n"
+            "from oval_edge.tools.plan.compute import PlanRequest, plan_device\n"
+            "from oval_edge.tools.plan.model import read_model_shape\n"
+            f"for model in ({str(E2B)!r}, {gguf_path!r}):\n"
+            "    plan_device(read_model_shape(model), get_module('orin-nano-8gb'), PlanRequest(context=512))\n"
+            "assert 'torch' not in sys.modules, 'plan imported torch'\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
