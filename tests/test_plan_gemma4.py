@@ -133,6 +133,16 @@ def test_a_gemma4_gguf_plans_what_the_loader_holds(tmp_path):
         assert geometry_for(shape, POOL, "cpu") == engine.pool.geometry
         assert weight_bytes(shape, quant, "cpu").total == engine.loaded.weight_bytes, quant
     _plans_without_torch(path)
+    # `oval-edge pull` plans from the header alone (the rest of the file a hole of zeros): the same plan
+    header_only = tmp_path / "header-only.gguf"
+    from gguf import GGUFReader
+
+    header_only.write_bytes(Path(path).read_bytes()[:GGUFReader(path).data_offset])
+    with open(header_only, "r+b") as handle:
+        handle.truncate(Path(path).stat().st_size)
+    hole = read_model_shape(str(header_only))
+    assert geometry_for(hole, POOL, "cuda") == geometry_for(shape, POOL, "cuda")
+    assert weight_bytes(hole, "auto", "cuda") == weight_bytes(shape, "auto", "cuda")
 
 
 def _plans_without_torch(gguf_path: str) -> None:

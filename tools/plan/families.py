@@ -28,7 +28,7 @@ the vision tower (oval-edge serves text only), and says so in the shape's notes.
 from __future__ import annotations
 
 from oval_edge.runtime.model.families.gemma4 import GEMMA4_DEFAULTS, GEMMA4_TYPES, gemma4_fields
-from oval_edge.runtime.model.families.gemma4_gguf import GEMMA4_GGUF_ARCHS, ROPE_FREQS, config_values, decoder_tensors
+from oval_edge.runtime.model.families.gemma4_gguf import GEMMA4_GGUF_ARCHS, config_values, decoder_tensors
 from oval_edge.runtime.model.grouped.gguf_blocks import is_stored_projection
 from oval_edge.runtime.model.families.hybrid import HYBRID_TYPES, hybrid_fields
 from oval_edge.runtime.model.origin.source import SUPPORTED_ARCHITECTURES as PLANNED_ARCHITECTURES  # the loader's list
@@ -108,9 +108,8 @@ def gemma4_gguf_config(reader, path: str, scalar, array) -> tuple[dict, list]:
     stored K/V left out, as decoder_tensors leaves it) and the per-layer model projection. scalar(key) / array(key):
     the header's `gemma4.<key>`, None when absent."""
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}  # transformers' order
-    rope_freqs = next((t.data for t in reader.tensors if t.name == ROPE_FREQS), None)
-    try:
-        values = config_values(scalar, array, shapes, rope_freqs)
+    try:  # rope_freqs' values only set the rotation, no byte: the header alone is read (`pull` plans from it)
+        values = config_values(scalar, array, shapes, None)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     tokens = reader.fields.get("tokenizer.ggml.tokens")
