@@ -134,12 +134,17 @@ def workspace_bytes(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, t
     each sequence only.
     """
     a, kvb = ACTIVATION_BYTES[target], geometry.kv_row_bytes // geometry.head_dim  # int8: 1 (scales are noise)
-    # the paged layers' head dim: Gemma 4's full layers' global_head_dim, the widest
-    h, i, d, hq, hkv = shape.hidden, shape.intermediate, geometry.head_dim, shape.heads, shape.kv_heads
+    # the paged layers' head dim (Gemma 4's full layers' global_head_dim, the widest) and the widest MLP (Gemma 4's
+    # shared layers' with use_double_wide_mlp)
+    widest = shape.projections()
+    h, d, hq, hkv = shape.hidden, geometry.head_dim, shape.heads, shape.kv_heads
+    i = max(n for name, n, _ in widest if name == "gate_proj")
     cast = a if kvb != a else 0  # k/v.to(q.dtype) makes a copy when the pool dtype differs
 
     def step(tokens: int, kv_tokens: int, rows: int) -> int:
-        resid = 3 * tokens * h * a  # residual, normed input, attention / MLP output
+        # residual, normed input, attention / MLP output; Gemma 4's per-layer inputs [tokens, layers x P] live
+        # through the whole forward
+        resid = (3 * h + shape.layers * shape.per_layer_input) * tokens * a
         qkv = 2 * tokens * (hq + 2 * hkv) * d * a  # projections and their rotated copies
         gathered = rows * 2 * hkv * kv_tokens * d * (kvb + cast)  # K, V copied out of the pool
         index = rows * hkv * kv_tokens * (8 + 8 + 1)  # positions, flat slot indices (int64), valid mask
@@ -149,7 +154,7 @@ def workspace_bytes(shape: ModelShape, oval: OvalConfig, geometry: KVGeometry, t
         # bitsandbytes on CUDA dequantizes the whole weight for many rows (a prefill chunk); a decode step's rows go in
         # calls of <= 4 through its fused 4-bit GEMM up to CHUNKED_ROWS (runtime/model/projections.Chunked4bit);
         # the packed CPU kernel never dequantizes; without it a CPU prefill dequantizes as bitsandbytes does.
-        dequant = max(n * k for _, n, k in shape.projections()) * 2 \
+        dequant = max(n * k for _, n, k in widest) * 2 \
             if layout in ("nested", "cpu-unnested") and tokens > CHUNKED_ROWS else 0
         logits = rows * shape.vocab * 4
         return resid + max(attention, mlp) + dequant + logits
