@@ -158,3 +158,16 @@ def _plans_without_torch(gguf_path: str) -> None:
             "assert 'torch' not in sys.modules, 'plan imported torch'\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_serve_reserves_the_widest_mlp():
+    """E2B's 20 shared layers have MLPs twice as wide (use_double_wide_mlp): serve's prefill reserve (and plan's
+    copy of it) is sized by that width, not the config's intermediate_size."""
+    from oval_edge.geometry import prefill_workspace_bytes
+    from oval_edge.tools.plan.memory import reserved_workspace_bytes, widest_mlp
+
+    shape = read_model_shape(str(E2B))
+    g = geometry_for(shape, OvalConfig(page_size=16), "cpu")
+    assert widest_mlp(shape) == 2 * shape.intermediate == 12288
+    assert reserved_workspace_bytes(shape, g, "cpu", 512, 4096) == prefill_workspace_bytes(
+        shape.hidden, 12288, shape.heads, g, 512, 4096, 4, step_tokens=513)

@@ -217,8 +217,11 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         log.info("KV pool: %d pages fixed by num_pages (%s)", pages, format_bytes(pool.nbytes()))
         return pool
     act_bytes = torch.finfo(loaded.dtype).bits // 8
+    # the widest MLP (Gemma 4's KV-shared layers' are doubled); tools/plan reserves the same
+    mlp = max(map(c.layer_intermediate, range(c.num_hidden_layers))) if hasattr(c, "layer_intermediate") \
+        else c.intermediate_size
     workspace = prefill_workspace_bytes(
-        c.hidden_size, c.intermediate_size, c.num_attention_heads, geometry, config.prefill_chunk,
+        c.hidden_size, mlp, c.num_attention_heads, geometry, config.prefill_chunk,
         max_model_len, act_bytes, step_tokens=config.step_tokens,
     )
     workspace += geometry.stage_bytes(stage)  # int8: open pages' keys kept for sealing (0 otherwise)
@@ -227,7 +230,7 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         workspace += (layout.recall_pages * geometry.bytes_per_page + store.blocks * geometry.summary_bytes_per_page
                       + DenseMirror.bytes_for(geometry, layout.mirrored_layers, layout.recall_pages + store.blocks))
     if uses_cuda_graphs(config, loaded.device):  # the captured steps keep their blocks for the process's life
-        workspace += decode_graph_bytes(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.vocab_size,
+        workspace += decode_graph_bytes(c.hidden_size, mlp, c.num_attention_heads, c.vocab_size,
                                         geometry, config.max_batch, max_model_len, act_bytes)
     if loaded.device.type == "cuda":
         reserve = max(0, torch.cuda.memory_reserved(loaded.device) - loaded.weight_bytes)

@@ -34,10 +34,11 @@ def conversation(engine: Engine, words: list[str], seed: int, turns: int, answer
         ids = engine.encode_chat(messages)
         first: dict[str, float] = {}
         watch = Stopwatch()
-        request = engine.submit(ids, SamplingParams(max_tokens=answer, temperature=0.0, ignore_eos=True),
-                                on_token=lambda *_: first.setdefault("s", watch.seconds()))
+        request = engine.submit(ids, SamplingParams(max_tokens=answer, temperature=0.0, ignore_eos=True))
         while not request.finished:
             engine.step()
+            if request.output_ids:  # the step that sampled the first token (a callback fires on text, which a
+                first.setdefault("s", watch.seconds)  # random model's first token may not give yet)
         out.append((len(ids), request.cached_tokens, first["s"] * 1000))
         messages.append({"role": "assistant", "content": engine.tokenizer.decode(request.output_ids)})
     return out
@@ -45,7 +46,8 @@ def conversation(engine: Engine, words: list[str], seed: int, turns: int, answer
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="a hybrid model folder or GGUF")
+    parser.add_argument("model", help="a model folder or GGUF (a hybrid, or any other: Gemma's sliding layers turn "
+                                      "the prefix cache off, so both columns run without it)")
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--conversations", type=int, default=3, help="chats per engine and round")
     parser.add_argument("--answer", type=int, default=48, help="tokens each answer generates")

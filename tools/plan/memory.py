@@ -101,13 +101,18 @@ def reserved_workspace_bytes(shape: ModelShape, geometry: KVGeometry, target: st
     what `workspace_bytes` below expects to be really used."""
     act = ACTIVATION_BYTES[target]
     # serve's default step budget (EngineConfig.step_tokens): max_batch decode rows + one chunk
-    reserved = prefill_workspace_bytes(shape.hidden, shape.intermediate, shape.heads, geometry, chunk, context, act,
+    mlp = widest_mlp(shape)  # Gemma 4's shared layers' doubled MLP, as setup.build_pool reserves for it
+    reserved = prefill_workspace_bytes(shape.hidden, mlp, shape.heads, geometry, chunk, context, act,
                                        step_tokens=batch + chunk)
     reserved += geometry.stage_bytes(stage_pages_for(geometry, batch, batch + chunk))  # int8: open pages' keys
     if target == "cuda":  # serve captures the static step into CUDA graphs by default (runtime/engine/forward/cuda_graph.py)
-        reserved += decode_graph_bytes(shape.hidden, shape.intermediate, shape.heads, shape.vocab, geometry, batch,
-                                       context, act)
+        reserved += decode_graph_bytes(shape.hidden, mlp, shape.heads, shape.vocab, geometry, batch, context, act)
     return reserved
+
+
+def widest_mlp(shape: ModelShape) -> int:
+    """The widest MLP of any layer (Gemma 4's KV-shared layers' with use_double_wide_mlp; the config's elsewhere)."""
+    return max((n for name, n, _ in shape.all_projections() if name == "gate_proj"), default=shape.intermediate)
 
 
 def seal_transient_bytes(shape: ModelShape, geometry: KVGeometry, pages_per_step: int) -> int:
