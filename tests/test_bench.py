@@ -309,3 +309,24 @@ def test_schema_flag_validation(tmp_path):
         bench_command.build_settings(_bench_args(schema=str(bad), device="cpu", engines="dense"))
     with pytest.raises(ValueError, match="exactly when --schema"):
         BenchSettings(contexts=(512,), engines=("oval", "oval+schema"))
+
+
+def test_a_peers_computed_kv_reads_count_each_kind_of_layer():
+    """The peers' K/V bytes (computed from the shape): Llama reads every layer over the whole context; Gemma-4-E2B
+    reads 7 full layers (3 keeping K/V, 4 sharing it) of 1 x 512 over the context and 28 sliding ones of 1 x 256 over
+    the 512-token window; Qwen3.5's DeltaNet layers read no K/V."""
+    from pathlib import Path
+
+    from oval_edge.tools.bench.command import dense_kv_elements
+    from oval_edge.tools.bench.peer_engines import computed_kv_bytes
+    from oval_edge.tools.plan.model import read_model_shape
+
+    configs = Path(__file__).resolve().parent / "fixtures" / "configs"
+    job = {"prompt_ids": [0] * 8000, "gen": 193}  # 8,192 cached tokens at the last step
+    llama = dense_kv_elements(read_model_shape(str(configs / "Llama-3.2-1B-Instruct")))
+    assert computed_kv_bytes(job | {"kv_elements_per_token": llama}, "float16") == 8192 * 2 * 16 * 8 * 64 * 2
+    gemma = dense_kv_elements(read_model_shape(str(configs / "gemma-4-E2B-it")))
+    assert computed_kv_bytes(job | {"kv_elements_per_token": gemma}, "float16") == \
+        (8192 * 7 * 2 * 512 + 512 * 28 * 2 * 256) * 2
+    qwen = dense_kv_elements(read_model_shape(str(configs / "Qwen3.5-0.8B")))
+    assert computed_kv_bytes(job | {"kv_elements_per_token": qwen}, "float16") == 8192 * 6 * 2 * 2 * 256 * 2

@@ -95,6 +95,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="extra arguments for the server that --serve auto starts, e.g. \"--max-batch 8\"")
 
 
+def dense_kv_elements(shape) -> dict:
+    """What a dense engine's decode step reads from its K/V cache, per cached token (for the peers' computed bytes):
+    K and V of every layer reading the whole context at its head dim ("full": Gemma 4's at global_head_dim, its
+    shared layers included: they read their sources' K/V), and of every sliding layer per token of its window
+    ("window", "sliding_window"); a hybrid's state layers read no K/V."""
+    def elements(kind: str) -> int:
+        return sum(2 * shape.kv_heads * shape.layer_head_dim(i) for i, k in enumerate(shape.kinds) if k == kind)
+
+    return {"full": elements("full"), "window": elements("sliding"), "sliding_window": shape.sliding_window}
+
+
 def run(args: argparse.Namespace) -> int:
     if args.serve:
         from oval_edge.tools.load.command import run_load
@@ -104,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from oval_edge.tools.plan.model import read_model_shape
 
     shape = read_model_shape(settings.model)
-    kv_elements = 2 * shape.layers * shape.kv_heads * shape.head_dim
+    kv_elements = dense_kv_elements(shape)
     notes = [f"model: {settings.model_name}: {shape.describe()}"]
     for context in settings.contexts:
         length = prompt_length(context, settings.gen, shape.max_context)

@@ -27,14 +27,17 @@ LLAMA_CPP_KV_DTYPE = "float16"  # llama.cpp's default type_k / type_v (f16)
 
 
 def computed_kv_bytes(job: dict, dtype: str) -> int:
-    """K+V bytes of every cached token at the last decode step, all layers (job['kv_elements_per_token'] =
-    2 x layers x kv_heads x head_dim, from the model's shape)."""
+    """K+V bytes a dense step reads at the last decode step, all layers (job['kv_elements_per_token']:
+    command.dense_kv_elements of the model's shape): every cached token in the layers reading the whole context,
+    the window's tokens in the sliding ones."""
     tokens = len(job["prompt_ids"]) + int(job["gen"]) - 1
-    return tokens * int(job["kv_elements_per_token"]) * DTYPE_BYTES[dtype]
+    per = job["kv_elements_per_token"]
+    window = min(tokens, int(per["sliding_window"] or tokens))
+    return (tokens * int(per["full"]) + window * int(per["window"])) * DTYPE_BYTES[dtype]
 
 
 def _kv_source(dtype: str) -> str:
-    return f"computed: (prompt + generated - 1) tokens x K/V bytes per token in {dtype}, all layers"
+    return f"computed: the K/V a dense step reads in {dtype}, all layers (sliding layers: their window)"
 
 
 def run_hf(job: dict, meter: MemoryMeter, clock: TokenClock) -> dict:

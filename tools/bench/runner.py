@@ -40,7 +40,7 @@ def build_prompts(tokenizer, contexts: tuple[int, ...], gen: int, max_positions:
 
 
 def job_spec(settings: BenchSettings, engine: str, context: int, run: int, prompt: list[int],
-             kv_elements_per_token: int) -> dict:
+             kv_elements_per_token: dict) -> dict:
     return {
         "engine": engine, "context": context, "run": run, "prompt_ids": prompt, "warmup_ids": warmup_ids(prompt),
         "gen": settings.gen, "model": settings.model, "model_dir": settings.model_dir,
@@ -92,7 +92,7 @@ def run_worker(job: dict, workdir: str, timeout_s: float) -> dict:
     return {**base, "error": f"worker exited with status {proc.returncode}: {tail}"}
 
 
-def run_all(settings: BenchSettings, prompts: dict[int, list[int]], kv_elements_per_token: int,
+def run_all(settings: BenchSettings, prompts: dict[int, list[int]], kv_elements_per_token: dict,
             progress: bool = True, worker: Callable[[dict, str, float], dict] = run_worker) -> list[dict]:
     """Every (engine, context, run) in alternating order; returns the per-run rows in that order."""
     from tqdm import tqdm
