@@ -49,15 +49,16 @@ def size_pool(
     reserve_bytes: int = 0,
     ring_sequences: int = 0,
     state_snapshots: int = 0,
+    ring_snapshots: int = 0,
 ) -> PoolSizing:
     """pages = floor((budget - weights - workspace - reserve - rings - states) / bytes_per_page), where the sliding
     layers' rings and the state layers' states cost geometry.sequence_bytes for each of `ring_sequences` sequences
-    (the engine's max_batch: each running sequence holds one), and `state_snapshots` more states for prefix caching
-    (oval_edge/kv/state.py).
+    (the engine's max_batch: each running sequence holds one), plus `state_snapshots` more states and
+    `ring_snapshots` more rings for prefix caching (oval_edge/kv/state.py, ring.py).
 
     Raises ValueError with the minimum budget when not even one page fits, so the user knows what to set.
     """
-    ring_bytes = ring_sequences * geometry.ring_bytes_per_sequence
+    ring_bytes = (ring_sequences + ring_snapshots) * geometry.ring_bytes_per_sequence
     state_bytes = (ring_sequences + state_snapshots) * geometry.state_bytes_per_sequence
     reserve_bytes += ring_bytes + state_bytes  # spent before any page, like the reserve (split out again below)
     left = budget_bytes - weight_bytes - workspace_bytes - reserve_bytes

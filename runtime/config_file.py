@@ -11,8 +11,8 @@
               row is shorter run the dense step: `oval-edge profile` measures it; 0 = OVAL at every length),
               decode_step, and device ("auto", "cpu", "cuda", "cuda:N"), host, port; the page store's kv_store (a
               path on the NVMe drive, relative to the config file's folder), kv_store_size (bytes or "16GiB"),
-              pool_tokens, recall_pages, kv_store_checksums; state_snapshots (a hybrid model's state copies for
-              prefix caching)
+              pool_tokens, recall_pages, kv_store_checksums; state_snapshots (a hybrid model's state copies or a
+              sliding-window model's ring windows, for prefix caching)
     [plan]    what the planner predicted (numbers and strings; informational, serve does not act on it)
 
 `oval_config(sections)` gives the OvalConfig with the budget merged in, `engine_kwargs(sections)` the

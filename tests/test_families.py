@@ -41,6 +41,34 @@ def family(request, tmp_path_factory):
     return request.param, config, save_folder(tmp_path_factory.mktemp(request.param), config)
 
 
+def follow_ups_decode_as_full_prefills(make_engine, prompt: list[int]) -> Engine:
+    """Prefix caching past what pages give back (layer states, ring windows: oval_edge/kv/snapshots.py). With
+    make_engine(num_pages, prefill_chunk, prefix_cache=...) engines of 16-token pages: a 70-token prompt (chunks end
+    at 48 and at 64, its last full page) and a 30-token answer (decode ends steps at 80 and 96); a re-asked prompt
+    then maps 64 cached tokens and the next turn 96, each decoding the tokens and logprobs (1e-4) of a full
+    prefill; nothing is allocated after startup. Returns the caching engine."""
+    from oval_edge.runtime.engine.request import SamplingParams
+
+    greedy = dict(temperature=0.0, ignore_eos=True, logprobs=3)
+    cached = make_engine(num_pages=64, prefill_chunk=48)
+    pointers = cached.pool.storage_pointers()
+    first = prompt[:70]
+    out = cached.generate(first, SamplingParams(max_tokens=30, **greedy))
+    turn = first + list(out.output_ids) + [400, 401, 402, 403, 404]
+    again = cached.generate(first + [405, 406], SamplingParams(max_tokens=4, **greedy))
+    assert again.cached_tokens == 64  # the prompt's own last full page
+    second = cached.generate(turn, SamplingParams(max_tokens=6, **greedy))
+    assert second.cached_tokens == 96  # the answer's last page boundary, reached in decode
+    fresh = make_engine(num_pages=64, prefill_chunk=48, prefix_cache=False)
+    for got, asked in ((again, first + [405, 406]), (second, turn)):
+        want = fresh.generate(asked, SamplingParams(max_tokens=len(got.output_ids), **greedy))
+        assert got.output_ids == want.output_ids
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got.samples, want.samples)) < 1e-4
+    cached.pool.check_invariants()
+    assert cached.pool.storage_pointers() == pointers
+    return cached
+
+
 def run_checked(engine: Engine, prompts: list[list[int]], params) -> list:
     """Submit every prompt, step the engine until it has no work, checking the pool's invariants after each step;
     every request must end without an error. Returns the requests."""

@@ -17,7 +17,8 @@ from oval_edge import OvalConfig
 from oval_edge.runtime.model.config import DecoderConfig
 
 from test_decoder_loading import save_folder
-from test_families import PROMPT, STEPS, _hf_all_logits, decode_greedy, engine_for
+from test_families import (PROMPT, STEPS, _hf_all_logits, decode_greedy, engine_for,
+                           follow_ups_decode_as_full_prefills)
 
 WINDOW = 64
 
@@ -133,6 +134,22 @@ def test_static_step_equals_the_eager_forward_for_concurrent_rows(gemma3):
     assert outputs[0] == outputs[1]
     for prompt, tokens in zip(prompts, outputs[0]):
         assert tokens == _hf_all_logits(folder, prompt + tokens)[len(prompt) - 1 : -1].argmax(-1).tolist()
+
+
+def test_gemma3_prefix_cache_with_ring_snapshots(gemma3):
+    """state_snapshots > 0 turns prefix caching on for Gemma 3 (copies of its rings at page boundaries): follow-up
+    prompts map the cached pages and decode as full prefills (test_families.follow_ups_decode_as_full_prefills)."""
+    from oval_edge.runtime import Engine, EngineConfig
+
+    _, folder = gemma3
+
+    def make(prefix_cache: bool = True, **settings):
+        return Engine.load(folder, quant="none", device="cpu", oval=OvalConfig(page_size=16, top_k=16,
+                                                                               kv_dtype="float32"),
+                           config=EngineConfig(oval_from=0, max_batch=2, state_snapshots=2, prefix_cache=prefix_cache,
+                                           **settings))
+
+    follow_ups_decode_as_full_prefills(make, PROMPT)
 
 
 def test_gemma3_gguf_under_llama_cpp_names_loads_to_the_same_logits(tmp_path):

@@ -17,7 +17,8 @@ from oval_edge.runtime import Engine, EngineConfig
 from oval_edge.runtime.model.config import DecoderConfig, rotary_inv_freq
 
 from test_decoder_loading import save_folder
-from test_families import PROMPT, STEPS, _hf_all_logits, decode_greedy, run_checked
+from test_families import (PROMPT, STEPS, _hf_all_logits, decode_greedy, follow_ups_decode_as_full_prefills,
+                           run_checked)
 from test_static_step import compiled_step_matches_eager, traced_step
 
 TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
@@ -295,3 +296,17 @@ def test_mixed_steps_and_preemption_give_the_tokens_of_a_roomy_run(folder):
     assert engine.stats.preemptions > 0
     assert [r.output_ids for r in requests] == expected
     assert engine.pool.num_used == 0 and engine.pool.rings.num_free == engine.pool.rings.sequences
+
+
+def test_prefix_cache_with_ring_snapshots_restores_the_windows(folder):
+    """With state_snapshots > 0 a sliding model keeps copies of its rings at page boundaries: a follow-up prompt maps
+    the cached pages up to a boundary whose windows were kept, starts its rings from that copy and decodes what a
+    full prefill decodes (logprobs within 1e-4); the copies are allocated once with the pool. Default: off."""
+    assert not engine_for(folder).pool.tables.ledger.enabled  # no snapshots by default: no prefix cache for rings
+    cached = follow_ups_decode_as_full_prefills(lambda **settings: engine_for(folder, state_snapshots=4, **settings),
+                                                PROMPT)
+    assert cached.pool.rings.snapshots == 4
+    assert cached.pool.rings.nbytes() == (4 + 4) * cached.pool.geometry.ring_bytes_per_sequence
+    from oval_edge.runtime.server.metrics import ServerMetrics
+
+    assert "oval_edge_kv_ring_snapshots_total 4.0" in ServerMetrics(lambda: ("ready", cached)).render()[0].decode()

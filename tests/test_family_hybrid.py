@@ -18,7 +18,8 @@ from oval_edge.pool_sizing import size_pool
 from oval_edge.state_layout import state_layout
 
 from test_decoder_loading import save_folder
-from test_families import PROMPT, STEPS, _hf_all_logits, decode_greedy, run_checked
+from test_families import (PROMPT, STEPS, _hf_all_logits, decode_greedy, follow_ups_decode_as_full_prefills,
+                           run_checked)
 from test_static_step import compiled_step_matches_eager, traced_step
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -242,27 +243,9 @@ def test_prefix_cache_restores_the_state_where_the_cached_prompt_ends(hybrid):
     """A second request whose prompt starts with the first's conversation maps the cached pages only up to a page
     whose state was kept, starts from that snapshot and decodes what a full prefill decodes; snapshots are allocated
     once with the pool."""
-    from oval_edge.runtime.engine.request import SamplingParams
-
     _, _, folder = hybrid
-    greedy = dict(temperature=0.0, ignore_eos=True, logprobs=3)
-    cached = engine_for(folder, num_pages=64, prefill_chunk=48)
+    cached = follow_ups_decode_as_full_prefills(lambda **settings: engine_for(folder, **settings), PROMPT)
     assert cached.pool.states.snapshots == 8
-    pointers = cached.pool.storage_pointers()
-    first = PROMPT[:70]  # chunks end at 48 and at 64 (the prompt's last full page: its state is kept), then 70
-    out = cached.generate(first, SamplingParams(max_tokens=30, **greedy))  # decode ends steps at 80 and 96
-    turn = first + list(out.output_ids) + [400, 401, 402, 403, 404]
-    again = cached.generate(first + [405, 406], SamplingParams(max_tokens=4, **greedy))
-    assert again.cached_tokens == 64  # the prompt's own last full page
-    second = cached.generate(turn, SamplingParams(max_tokens=6, **greedy))
-    assert second.cached_tokens == 96  # the answer's last page boundary, reached in decode
-    fresh = engine_for(folder, num_pages=64, prefill_chunk=48, prefix_cache=False)
-    for got, prompt in ((again, first + [405, 406]), (second, turn)):
-        want = fresh.generate(prompt, SamplingParams(max_tokens=len(got.output_ids), **greedy))
-        assert got.output_ids == want.output_ids
-        assert max(abs(a.logprob - b.logprob) for a, b in zip(got.samples, want.samples)) < 1e-4
-    cached.pool.check_invariants()
-    assert cached.pool.storage_pointers() == pointers
 
 
 @pytest.mark.parametrize("architecture", ["qwen35", "lfm2"])

@@ -81,7 +81,9 @@ class PagePool:
         self.int8 = Int8Pages(g, frames, stage_pages or 2 * (ring_sequences or 8) + 8, dtype,
                               self.device) if g.kv_int8 else None
         # Sliding layers keep a ring per sequence (ring.py) for at most ring_sequences (default: pages) sequences.
-        self.rings = SlidingRings(g, ring_sequences or num_pages, dtype, self.device) if g.ring_layers else None
+        # With prefix caching and state_snapshots > 0 they keep that many window copies too (ring.py).
+        self.rings = SlidingRings(g, ring_sequences or num_pages, dtype, self.device,
+                                  state_snapshots if prefix_salt is not None else 0) if g.ring_layers else None
         # Hybrid models' state layers keep a slot per running sequence (state.py); the same count as the rings.
         self.states = SequenceStates(g.states, ring_sequences or 8, TORCH_DTYPES[g.states.dtype], self.device,
                                      state_snapshots if prefix_salt is not None else 0) if g.states else None
@@ -99,9 +101,11 @@ class PagePool:
         self.group_slots = GroupSlots.for_pool(g, records, self.device)  # two-level scoring's coarse record slots
         self.summaries = allocate_summaries(g, records, dtype, self.device, self.group_slots)
         self.output_metric: torch.Tensor | None = None  # G^{1/2} [paged layers, Hkv, D, D] for eta > 0
-        # Bookkeeping (page_tables.py). Prefix caching is off with sliding layers: a cached page's positions are
-        # long gone from the rings.
-        self.tables = PageTables(num_pages, g.page_size, None if self.rings is not None else prefix_salt)
+        # What cached pages do not give back (layer states, sliding windows), restored from boundary copies
+        # (snapshots.py); prefix caching needs copies of each, else it is off
+        self.keepers = [k for k in (self.states, self.rings) if k is not None]
+        sharable = all(k.snapshots for k in self.keepers)
+        self.tables = PageTables(num_pages, g.page_size, prefix_salt if sharable else None)
         self.sealer = PageSealer(self.eta)  # a public hook: eval seals each row's pages with that row's eta
         self.store = None if store is None else StoreTier(self, store, store_layout)
 
@@ -220,8 +224,9 @@ class PagePool:
         if self.tables.owns(seq_id):
             raise ValueError(f"sequence {seq_id!r} already owns pages; free it first or use grow()")
         hits, names = self.tables.prefix_hits(tokens)
-        if self.states is not None:  # a hybrid maps cached pages only up to a page whose state was kept (state.py)
-            hits = hits[: next((j for j in range(len(hits), 0, -1) if self.states.has_snapshot(names[j - 1])), 0)]
+        if self.keepers:  # cached pages only up to a page whose layer states and ring windows were kept
+            hits = hits[: next((j for j in range(len(hits), 0, -1)
+                                if all(k.has_snapshot(names[j - 1]) for k in self.keepers)), 0)]
         need = self.pages_needed(max(num_tokens, 1)) - len(hits)
         if need > self.num_takeable - self.ledger.cached_among(hits):
             return None
@@ -231,8 +236,8 @@ class PagePool:
             if self.rings is not None:
                 self.rings.release(seq_id)
             return None
-        if self.states is not None and hits:
-            self.states.restore(seq_id, names[len(hits) - 1])
+        for keeper in self.keepers if hits else ():
+            keeper.restore(seq_id, names[len(hits) - 1])
         for page in hits:
             self.ledger.take(page)
         missing = [p for p in hits if p in self.unsummarized] if scored else []
@@ -365,9 +370,10 @@ class PagePool:
                 continue
             written = length - self.tables.lengths[sid]
             before, sealed_now = self.tables.advance(sid, length)
-            if self.states is not None and self.states.snapshots and sealed_now and length % self.page_size == 0 \
+            if self.keepers and sealed_now and length % self.page_size == 0 \
                     and self.tables.parent.get(sid) is not None:  # the step ended on a named page boundary
-                self.states.snapshot(sid, self.tables.parent[sid], "decode" if written == 1 else "prefill")
+                for keeper in self.keepers:
+                    keeper.snapshot(sid, self.tables.parent[sid], "decode" if written == 1 else "prefill")
             if sid in self.tables.unscored:
                 if self.int8 is not None:  # no summaries now; a later seal reads the dequantized keys
                     self.int8.staging.release(sealed_now)

@@ -10,6 +10,12 @@ Tensors: k, v [sliding layers, sequences * R, kv_heads, page_size, D] (D: geomet
 its paged layers' 512); ring r owns pages r*R .. r*R + R - 1.
 `sequences` is how many sequences may hold pages at once (the engine's max_batch): a sequence that finds no free
 ring waits like one that finds no free page.
+
+Prefix caching (`snapshots` > 0): a cached page chain gives back the full layers' K/V, but the sliding layers'
+window before it is gone from the rings, so where a step ends on a page boundary the sequence's R ring pages of
+every sliding layer are copied into one of `snapshots` more rings (snapshots.py names them), and a prompt that maps
+cached pages up to such a boundary starts its rings from a copy. Ring page j holds logical page lp with lp = j mod
+R in every ring, so a ring copied whole keeps each position where a later step looks for it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import torch
 
 from oval_edge.geometry import KVGeometry
 
+from .snapshots import SnapshotNames
+
 
 def ring_row(geometry: KVGeometry, base, position):
     """Head-0 row of `position` in a sequence's ring that starts at ring page `base`, in a sliding layer's
@@ -29,13 +37,16 @@ def ring_row(geometry: KVGeometry, base, position):
 
 
 class SlidingRings:
-    def __init__(self, geometry: KVGeometry, sequences: int, dtype: torch.dtype, device: torch.device) -> None:
-        if sequences < 1:
-            raise ValueError(f"ring sequences={sequences} must be >= 1 (how many sequences hold pages at once)")
+    def __init__(self, geometry: KVGeometry, sequences: int, dtype: torch.dtype, device: torch.device,
+                 snapshots: int = 0) -> None:
+        if sequences < 1 or snapshots < 0:
+            raise ValueError(f"ring sequences={sequences} must be >= 1 (how many sequences hold pages at once) and "
+                             f"snapshots={snapshots} >= 0")
         g = geometry
-        self.geometry, self.sequences, self.ring_pages = g, sequences, g.ring_pages
+        self.geometry, self.sequences, self.ring_pages, self.snapshots = g, sequences, g.ring_pages, snapshots
         self.index = {layer: i for i, layer in enumerate(g.ring_layers)}  # model layer -> row of k / v
-        shape = (len(g.ring_layers), sequences * self.ring_pages, g.kv_heads, g.page_size, g.ring_dim)
+        # rings 0 .. sequences - 1 run; snapshot j is ring sequences + j
+        shape = (len(g.ring_layers), (sequences + snapshots) * self.ring_pages, g.kv_heads, g.page_size, g.ring_dim)
         # The only allocations the rings ever make.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -43,6 +54,7 @@ class SlidingRings:
         self.v_rows = [self.v[i].view(-1, g.ring_dim) for i in range(shape[0])]
         self._free: list[int] = list(range(sequences - 1, -1, -1))
         self._owner: dict[Hashable, int] = {}
+        self.names = SnapshotNames(snapshots)
 
     @property
     def num_free(self) -> int:
@@ -62,6 +74,31 @@ class SlidingRings:
         ring = self._owner.pop(seq_id, None)
         if ring is not None:
             self._free.append(ring)
+        self.names.forget(seq_id)
+
+    # ---- snapshots (prefix caching) -----------------------------------------------------------------------
+    def has_snapshot(self, name: bytes) -> bool:
+        return self.names.has(name)
+
+    def snapshot(self, seq_id: Hashable, name: bytes, kind: str) -> bool:
+        """Copy the sequence's rings (it just ended a step on the page boundary `name` names) into a snapshot ring;
+        False when none can be had (nothing is copied)."""
+        target, fresh = self.names.place(seq_id, name, kind)
+        if target is None:
+            return False
+        if fresh:
+            self._copy(self._owner[seq_id], self.sequences + target)
+        return True
+
+    def restore(self, seq_id: Hashable, name: bytes) -> None:
+        """Start the sequence's rings (it holds one) from the snapshot `name`."""
+        self._copy(self.sequences + self.names.use(name), self._owner[seq_id])
+
+    def _copy(self, source: int, target: int) -> None:
+        """Ring `source`'s R pages of every sliding layer, K and V, over ring `target`'s."""
+        R = self.ring_pages
+        for tensor in (self.k, self.v):
+            tensor[:, target * R : (target + 1) * R].copy_(tensor[:, source * R : (source + 1) * R])
 
     def base(self, seq_id: Hashable) -> int:
         """The first ring page of the sequence's ring."""
@@ -89,3 +126,4 @@ class SlidingRings:
         assert len(set(owned)) == len(owned), "a ring held by two sequences"
         assert not set(owned) & set(self._free), "a ring both held and free"
         assert len(owned) + len(self._free) == self.sequences, "rings were lost or duplicated"
+        self.names.check_invariants()

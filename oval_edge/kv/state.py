@@ -10,22 +10,20 @@ owns one slot of fixed-size tensors that the layer reads and updates in place at
 like one that finds no free page. A slot is zeroed when a sequence takes it (a fresh sequence's state is zero;
 a preempted one recomputes from its prompt).
 
-Prefix caching: a cached page chain gives back K/V, not the state at its end, so `snapshots` more slots (allocated
-with the rest) keep copies of states taken where a step ended on a page boundary, named by that page's prefix-cache
-name (the hash of every token before it). Each running sequence keeps at most two: its latest boundary in prefill
-(the scheduler ends a chunk at the prompt's last full page, so that is the prompt's) and its latest in decode;
-when it ends they stay, evicted least recently used first. A request whose prompt maps cached pages maps only as
-far as the last page with a snapshot, and starts from a copy of it (restore).
+Prefix caching: `snapshots` more slots (allocated with the rest) keep copies of states taken where a step ended
+on a page boundary (snapshots.py: which slot holds which boundary); a request whose prompt maps cached pages maps
+only as far as the last page with a snapshot, and starts from a copy of it (restore).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Hashable
 
 import torch
 
 from oval_edge.state_layout import StateLayout
+
+from .snapshots import SnapshotNames
 
 
 class SequenceStates:
@@ -44,9 +42,7 @@ class SequenceStates:
                           if s.kind == "linear_attention" else None for s in layout.layers]
         self._free: list[int] = list(range(slots - 1, -1, -1))
         self._owner: dict[Hashable, int] = {}
-        self._cached: OrderedDict[bytes, int] = OrderedDict()  # page name -> snapshot slot, least recent first
-        self._free_snapshots: list[int] = list(range(total - 1, slots - 1, -1))
-        self._kept: dict[Hashable, dict[str, bytes]] = {}  # a running sequence's snapshots: kind -> name
+        self.names = SnapshotNames(snapshots)  # snapshot j lives in slot slots + j
 
     @property
     def num_free(self) -> int:
@@ -71,44 +67,27 @@ class SequenceStates:
         slot = self._owner.pop(seq_id, None)
         if slot is not None:
             self._free.append(slot)
-        self._kept.pop(seq_id, None)  # its snapshots stay cached, evictable now
+        self.names.forget(seq_id)
 
     # ---- snapshots (prefix caching) -----------------------------------------------------------------------
     def has_snapshot(self, name: bytes) -> bool:
-        return name in self._cached
+        return self.names.has(name)
 
     def snapshot(self, seq_id: Hashable, name: bytes, kind: str) -> bool:
-        """Copy the sequence's state (it just ended a step on the page boundary `name` names) into a snapshot slot:
-        the one its previous snapshot of this kind ("prefill" / "decode") used, else a free one, else the least
-        recently used one no running sequence keeps. False when none can be had (nothing is copied)."""
-        kept = self._kept.setdefault(seq_id, {})
-        if name in self._cached:
-            self._cached.move_to_end(name)
-            kept[kind] = name
-            return True
-        previous = kept.get(kind)
-        # names another sequence (or this one's other kind) keeps: never overwritten or evicted
-        held = {n for sid, names in self._kept.items() for k, n in names.items() if (sid, k) != (seq_id, kind)}
-        if previous is not None and previous not in held and previous in self._cached:
-            target = self._cached.pop(previous)
-        elif self._free_snapshots:
-            target = self._free_snapshots.pop()
-        else:
-            victim = next((n for n in self._cached if n not in held and n != previous), None)
-            if victim is None:
-                return False
-            target = self._cached.pop(victim)
-        source = self._owner[seq_id]
-        for tensor in self.tensors():
-            tensor[target].copy_(tensor[source])
-        self._cached[name] = target
-        kept[kind] = name
+        """Copy the sequence's state (it just ended a step on the page boundary `name` names) into a snapshot slot
+        (SnapshotNames.place picks it). False when none can be had (nothing is copied)."""
+        target, fresh = self.names.place(seq_id, name, kind)
+        if target is None:
+            return False
+        if fresh:
+            source = self._owner[seq_id]
+            for tensor in self.tensors():
+                tensor[self.slots + target].copy_(tensor[source])
         return True
 
     def restore(self, seq_id: Hashable, name: bytes) -> None:
         """Start the sequence (holding a slot) from the snapshot `name`."""
-        source, target = self._cached[name], self._owner[seq_id]
-        self._cached.move_to_end(name)
+        source, target = self.slots + self.names.use(name), self._owner[seq_id]
         for tensor in self.tensors():
             tensor[target].copy_(tensor[source])
 
@@ -129,9 +108,4 @@ class SequenceStates:
         assert len(set(owned)) == len(owned), "a state slot held by two sequences"
         assert not set(owned) & set(self._free), "a state slot both held and free"
         assert len(owned) + len(self._free) == self.slots, "state slots were lost or duplicated"
-        cached = list(self._cached.values())
-        assert len(set(cached)) == len(cached) and not set(cached) & set(self._free_snapshots), \
-            "a snapshot slot holds two names or is both free and used"
-        assert len(cached) + len(self._free_snapshots) == self.snapshots, "snapshot slots were lost"
-        assert all(n in self._cached for names in self._kept.values() for n in names.values()), \
-            "a running sequence keeps a snapshot that is gone"
+        self.names.check_invariants()

@@ -98,9 +98,9 @@ class Scheduler:
             if request.status != PREFILL:
                 continue
             chunk = min(len(request.prefill_ids) - request.prefilled, prefill_chunk, budget)
-            states = self.pool.states
-            if states is not None and states.snapshots:  # end a chunk on the prompt's last full page: its state is
-                last = len(request.prefill_ids) // self.pool.page_size * self.pool.page_size  # kept (kv/state.py)
+            if any(k.snapshots for k in self.pool.keepers):  # end a chunk on the prompt's last full page: its
+                # layer states and ring windows are kept there (kv/snapshots.py)
+                last = len(request.prefill_ids) // self.pool.page_size * self.pool.page_size
                 if request.prefilled < last < request.prefilled + chunk:
                     chunk = last - request.prefilled
             if not self._resident(request, request.prefilled + chunk, plan):

@@ -63,10 +63,11 @@ class EngineConfig:
     recall_pages  frames per layer that stored pages are recalled into (default max_batch x KV heads x top_k: what
                   one step's selection can name)
     kv_store_checksums  crc32 every stored page and check it on every read (debug)
-    state_snapshots  a hybrid model's (Qwen3.5, LFM2) copies of layer states kept for prefix caching, taken where a
-                  prompt's last full page ends and at the latest page boundary of each answer (oval_edge/kv/state.py);
-                  each costs one sequence's state bytes from the budget. Default None: 2 x max_batch; 0 turns prefix
-                  caching off for such a model
+    state_snapshots  copies of what a sequence keeps beside its pages, for prefix caching: a hybrid model's
+                  (Qwen3.5, LFM2) layer states, a sliding-window model's (Gemma 2/3/4) ring windows; taken where a
+                  prompt's last full page ends and at the latest page boundary of each answer (oval_edge/kv/
+                  snapshots.py); each costs one sequence's states and rings from the budget. Default None: 2 x
+                  max_batch for a hybrid, 0 (prefix caching off) for sliding layers; 0 turns prefix caching off
     """
 
     max_batch: int = 4
@@ -116,7 +117,7 @@ class EngineConfig:
         snapshots = self.state_snapshots
         if snapshots is not None and (isinstance(snapshots, bool) or not isinstance(snapshots, int) or snapshots < 0):
             raise ValueError(f"state_snapshots={snapshots!r} must be an integer >= 0 (0: no prefix caching for a "
-                             "hybrid model) or unset for 2 x max_batch")
+                             "hybrid or sliding-window model) or unset for the default")
         for name in ("pool_tokens", "recall_pages"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -185,21 +186,24 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
     log.info("decode kernels: %s", describe_kernels(loaded.device))
     geometry = pool_geometry(c, oval, config, loaded.device, loaded.dtype)
     salt = prefix_salt(loaded, oval, geometry) if config.prefix_cache else None
-    if salt is not None and geometry.ring_layers:
-        log.info("prefix cache: off (%d sliding-window layers keep only their window; a cached page's keys are "
-                 "gone from their rings)", len(geometry.ring_layers))
-        salt = None
     snapshots = 0
-    if geometry.states is not None and salt is not None:
-        snapshots = 2 * config.max_batch if config.state_snapshots is None else config.state_snapshots
+    if salt is not None and (geometry.states is not None or geometry.ring_layers):
+        # What a cached page chain does not give back, restored from copies taken at page boundaries: a hybrid's
+        # layer states (default 2 x max_batch copies: they are small) and the sliding layers' windows (default
+        # none: a copy is a whole ring per sliding layer, Gemma-3-4B 120 MiB at page 32)
+        default = 2 * config.max_batch if geometry.states is not None else 0
+        snapshots = default if config.state_snapshots is None else config.state_snapshots
+        kept = " and ".join(what for what, present in (
+            (f"the {len(geometry.state_layers)} state layers' states", geometry.states is not None),
+            (f"the {len(geometry.ring_layers)} sliding layers' windows", bool(geometry.ring_layers))) if present)
+        each = format_bytes(geometry.sequence_bytes)
         if snapshots == 0:
-            log.info("prefix cache: off (state_snapshots=0: the %d state layers' state at a cached page cannot be "
-                     "restored)", len(geometry.state_layers))
+            log.info("prefix cache: off (%s at a cached page cannot be restored without snapshots; "
+                     "state_snapshots = N keeps N copies of %s each)", kept, each)
             salt = None
         else:
-            log.info("prefix cache: on, %d state snapshots (%s each) restore the %d state layers where a cached "
-                     "prompt page ends", snapshots, format_bytes(geometry.state_bytes_per_sequence),
-                     len(geometry.state_layers))
+            log.info("prefix cache: on, %d snapshots (%s each) restore %s where a cached prompt page ends",
+                     snapshots, each, kept)
     if config.num_pages is None and geometry.paged_layers == 0:
         # Every layer on a window (Mistral v0.1, Phi-3-mini-4k): pages hold no bytes, only positions; enough of them
         # for max_batch sequences at full length, and the rings are the whole KV cache.
@@ -241,11 +245,11 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         # Enough for max_batch sequences at full context, but never more than the memory there is.
         wanted = loaded.weight_bytes + workspace + reserve
         wanted += config.max_batch * (-(-max_model_len // oval.page_size) * geometry.bytes_per_page
-                                      + geometry.sequence_bytes) + snapshots * geometry.state_bytes_per_sequence
+                                      + geometry.sequence_bytes) + snapshots * geometry.sequence_bytes
         held = loaded.weight_bytes + reserve  # already inside `available` accounting below
         budget = min(wanted, held + int(0.8 * available_bytes(loaded.device)))
     sizing = size_pool(budget, loaded.weight_bytes, geometry, workspace, reserve, ring_sequences=config.max_batch,
-                       state_snapshots=snapshots)
+                       state_snapshots=snapshots, ring_snapshots=snapshots if geometry.ring_layers else 0)
     log.info("KV pool: %s", sizing.explain())
     pages = sizing.pages
     mirror_per_frame = DenseMirror.bytes_for(geometry, tier["store_layout"].mirrored_layers, 1) if store else 0
@@ -257,8 +261,7 @@ def build_pool(loaded: LoadedModel, oval: OvalConfig, config: EngineConfig, max_
         log.info("KV pool: capped at %d pages by pool_tokens=%d", pages, config.pool_tokens)
     pages = check_resident(geometry, oval, config, store, pages)
     return PagePool(geometry, pages, loaded.device, eta=oval.eta, sizing=sizing, prefix_salt=salt,
-                    ring_sequences=config.max_batch, stage_pages=stage, store=store,
-                        state_snapshots=snapshots, **tier)
+                    ring_sequences=config.max_batch, stage_pages=stage, store=store, state_snapshots=snapshots, **tier)
 
 
 def build_store(config: EngineConfig, geometry: KVGeometry, oval: OvalConfig,

@@ -94,7 +94,9 @@ def _engine_facts(engine):
     if rings is not None:
         yield _gauge("kv_rings_total", "per-sequence rings of the sliding layers (allocated once)", rings.sequences)
         yield _gauge("kv_ring_pages_per_sequence", "pages one ring holds per sliding layer", g.ring_pages)
-        yield _gauge("kv_ring_bytes", "bytes of all rings", rings.nbytes())
+        yield _gauge("kv_ring_snapshots_total", "ring copies kept for prefix caching (allocated once; state_snapshots)",
+                     rings.snapshots)
+        yield _gauge("kv_ring_bytes", "bytes of all rings and their snapshots", rings.nbytes())
     states = pool.states
     yield _gauge("state_layers", "a hybrid's layers that keep a fixed state per sequence (linear attention, short "
                  "conv) instead of K/V", len(g.state_layers))

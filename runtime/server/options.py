@@ -41,7 +41,7 @@ class EngineSpec:
     recall_pages: int | None = None  # recall frames per layer (None: the engine's default)
     kv_store_checksums: bool = False
     oval_from: int | None = None  # dense decode below this many tokens (None: the device's default)
-    state_snapshots: int | None = None  # a hybrid's state copies for prefix caching (None: 2 x max_batch)
+    state_snapshots: int | None = None  # layer-state / ring-window copies for prefix caching (None: setup's default)
 
     def engine_config(self):
         from oval_edge.runtime.engine.setup import EngineConfig
@@ -109,9 +109,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="share full KV pages between requests whose prompts start alike (default: on); "
                             "--no-prefix-cache prefills every prompt in full")
     group.add_argument("--state-snapshots", type=int, metavar="N", default=None,
-                       help="hybrid models (Qwen3.5, LFM2): layer-state copies kept so a cached prompt prefix can be "
-                            "resumed, one sequence's state bytes each from the budget (default: 2 x max batch; 0 "
-                            "turns prefix caching off for them)")
+                       help="copies kept so a cached prompt prefix can be resumed: a hybrid's (Qwen3.5, LFM2) layer "
+                            "states, a sliding-window model's (Gemma) ring windows; one sequence's worth each from "
+                            "the budget (default: 2 x max batch for hybrids, 0 for sliding models: prefix caching "
+                            "off; 0 turns it off)")
     group.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=None,
                        help="keep the quantized weights under $OVAL_EDGE_CACHE/weights and memory-map them at the next "
                             "start (default: on, unless $OVAL_EDGE_WEIGHT_CACHE=0); --no-weight-cache quantizes from "

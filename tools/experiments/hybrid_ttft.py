@@ -8,6 +8,7 @@ the request ends), TTFT from submit to the first token. Engines with the prefix 
 running `--conversations` chats per round, two rounds; medians per turn.
 
     python -m oval_edge.tools.experiments.hybrid_ttft FOLDER [--turns 8] [--conversations 3] [--answer 48]
+                                                       [--state-snapshots N]
 """
 
 from __future__ import annotations
@@ -46,12 +47,15 @@ def conversation(engine: Engine, words: list[str], seed: int, turns: int, answer
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="a model folder or GGUF (a hybrid, or any other: Gemma's sliding layers turn "
-                                      "the prefix cache off, so both columns run without it)")
+    parser.add_argument("model", help="a model folder or GGUF (a hybrid, or a sliding-window model with "
+                                      "--state-snapshots N)")
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--conversations", type=int, default=3, help="chats per engine and round")
     parser.add_argument("--answer", type=int, default=48, help="tokens each answer generates")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--state-snapshots", type=int, default=None,
+                        help="the engines' state_snapshots (default: the engine's; a sliding-window model needs > 0 "
+                             "for its prefix cache)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with open(TEXT, encoding="utf-8") as handle:
@@ -59,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[bool, list[list[tuple[int, int, float]]]] = {True: [], False: []}
     for prefix in (True, False, True, False):
         engine = Engine.load(args.model, quant="auto", device="cpu", oval=OvalConfig(),
-                             config=EngineConfig(max_batch=4, prefix_cache=prefix, max_model_len=8192))
+                             config=EngineConfig(max_batch=4, prefix_cache=prefix, max_model_len=8192,
+                                                 state_snapshots=args.state_snapshots))
         runs[prefix] += [conversation(engine, words, seed, args.turns, args.answer)
                          for seed in range(args.conversations)]
     print("| turn | prompt tokens | cached (on) | TTFT, prefix cache on | TTFT, off | off / on |")
