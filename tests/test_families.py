@@ -41,6 +41,39 @@ def family(request, tmp_path_factory):
     return request.param, config, save_folder(tmp_path_factory.mktemp(request.param), config)
 
 
+def chunks_and_a_batch_equal_one_pass(make_engine, prompt: list[int], cut: int) -> None:
+    """`prompt` prefilled in chunks [0, 7), [7, cut), [cut, end) gives the last logits of one pass (1e-4); two
+    sequences decoded in one static step give what each gives alone (make_engine() builds a fresh engine)."""
+    def prefill(pool, seq_id: str, length: int):
+        assert pool.allocate(seq_id, 200) is not None
+        return pool.prepare([seq_id], [length])
+
+    engine = make_engine()
+    pool = engine.pool
+    step = prefill(pool, "one", len(prompt))
+    whole, _ = engine.runner.forward(step, torch.tensor(prompt), decode=False)
+    pool.commit(step)
+    pool.free("one")
+    assert pool.allocate("chunks", 200) is not None
+    for start, stop in ((0, 7), (7, cut), (cut, len(prompt))):
+        step = pool.prepare(["chunks"], [stop - start])
+        logits, _ = engine.runner.forward(step, torch.tensor(prompt[start:stop]), decode=False)
+        pool.commit(step)
+    assert (logits - whole).abs().max().item() < 1e-4
+    other = prompt[::-1][:33]
+    step = prefill(pool, "other", len(other))
+    engine.runner.forward(step, torch.tensor(other), decode=False)
+    pool.commit(step)
+    together, _, _ = engine.static.decode(["chunks", "other"], [11, 12])
+    alone = make_engine()
+    for sid, asked, token, row in (("chunks", prompt, 11, 0), ("other", other, 12, 1)):
+        step = prefill(alone.pool, sid, len(asked))
+        alone.runner.forward(step, torch.tensor(asked), decode=False)
+        alone.pool.commit(step)
+        single, _, _ = alone.static.decode([sid], [token])
+        assert (single[0] - together[row]).abs().max().item() < 1e-4
+
+
 def follow_ups_decode_as_full_prefills(make_engine, prompt: list[int]) -> Engine:
     """Prefix caching past what pages give back (layer states, ring windows: oval_edge/kv/snapshots.py). With
     make_engine(num_pages, prefill_chunk, prefix_cache=...) engines of 16-token pages: a 70-token prompt (chunks end

@@ -17,8 +17,8 @@ from oval_edge.runtime import Engine, EngineConfig
 from oval_edge.runtime.model.config import DecoderConfig, rotary_inv_freq
 
 from test_decoder_loading import save_folder
-from test_families import (PROMPT, STEPS, _hf_all_logits, decode_greedy, follow_ups_decode_as_full_prefills,
-                           run_checked)
+from test_families import (PROMPT, STEPS, _hf_all_logits, chunks_and_a_batch_equal_one_pass, decode_greedy,
+                           follow_ups_decode_as_full_prefills, run_checked)
 from test_static_step import compiled_step_matches_eager, traced_step
 
 TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
@@ -127,33 +127,7 @@ def test_chunks_past_the_window_and_a_batch_equal_one_pass_and_each_alone(folder
     """Prefill in chunks longer than the ring (each overwrites ring pages its first queries still need: the shared
     sliding layer reads its source's window as it was before the chunk) gives the logits of one pass; two sequences
     decoded in one batch give what each gives alone."""
-    engine = engine_for(folder)
-    pool = engine.pool
-    assert pool.allocate("one", 200) is not None
-    step = pool.prepare(["one"], [len(PROMPT)])
-    whole, _ = engine.runner.forward(step, torch.tensor(PROMPT), decode=False)
-    pool.commit(step)
-    pool.free("one")
-    assert pool.allocate("chunks", 200) is not None
-    for start, stop in ((0, 7), (7, 47), (47, len(PROMPT))):
-        step = pool.prepare(["chunks"], [stop - start])
-        logits, _ = engine.runner.forward(step, torch.tensor(PROMPT[start:stop]), decode=False)
-        pool.commit(step)
-    assert (logits - whole).abs().max().item() < 1e-4
-    other = PROMPT[::-1][:33]
-    assert pool.allocate("other", 200) is not None
-    step = pool.prepare(["other"], [len(other)])
-    engine.runner.forward(step, torch.tensor(other), decode=False)
-    pool.commit(step)
-    together, _, _ = engine.static.decode(["chunks", "other"], [11, 12])
-    alone = engine_for(folder)
-    for sid, prompt, token, row in (("chunks", PROMPT, 11, 0), ("other", other, 12, 1)):
-        assert alone.pool.allocate(sid, 200) is not None
-        step = alone.pool.prepare([sid], [len(prompt)])
-        alone.runner.forward(step, torch.tensor(prompt), decode=False)
-        alone.pool.commit(step)
-        single, _, _ = alone.static.decode([sid], [token])
-        assert (single[0] - together[row]).abs().max().item() < 1e-4
+    chunks_and_a_batch_equal_one_pass(lambda: engine_for(folder), PROMPT, 47)
 
 
 def test_static_step_same_ops_at_every_length_and_no_host_sync(folder, monkeypatch):

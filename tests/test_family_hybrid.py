@@ -18,8 +18,8 @@ from oval_edge.pool_sizing import size_pool
 from oval_edge.state_layout import state_layout
 
 from test_decoder_loading import save_folder
-from test_families import (PROMPT, STEPS, _hf_all_logits, decode_greedy, follow_ups_decode_as_full_prefills,
-                           run_checked)
+from test_families import (PROMPT, STEPS, _hf_all_logits, chunks_and_a_batch_equal_one_pass, decode_greedy,
+                           follow_ups_decode_as_full_prefills, run_checked)
 from test_static_step import compiled_step_matches_eager, traced_step
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -121,30 +121,7 @@ def test_chunked_prefill_and_a_batch_carry_each_sequence_state(hybrid):
     """A prompt prefilled in three chunks (the state carried between them) gives the logits of one pass; two
     sequences decoded in one batch (each at its own state slot) give what each gives alone."""
     _, _, folder = hybrid
-    engine = engine_for(folder)
-    pool = engine.pool
-    step = _prefill_step(pool, "one", len(PROMPT))
-    whole, _ = engine.runner.forward(step, torch.tensor(PROMPT), decode=False)
-    pool.commit(step)
-    pool.free("one")
-    assert pool.allocate("chunks", 200) is not None
-    for start, stop in ((0, 7), (7, 45), (45, len(PROMPT))):
-        step = pool.prepare(["chunks"], [stop - start])
-        logits, _ = engine.runner.forward(step, torch.tensor(PROMPT[start:stop]), decode=False)
-        pool.commit(step)
-    assert (logits - whole).abs().max().item() < 1e-4
-    other = PROMPT[::-1][:33]
-    step = _prefill_step(pool, "other", len(other))
-    engine.runner.forward(step, torch.tensor(other), decode=False)
-    pool.commit(step)
-    together, _, lengths = engine.static.decode(["chunks", "other"], [11, 12])
-    alone = engine_for(folder)
-    for sid, prompt, token, row in (("chunks", PROMPT, 11, 0), ("other", other, 12, 1)):
-        step = _prefill_step(alone.pool, sid, len(prompt))
-        alone.runner.forward(step, torch.tensor(prompt), decode=False)
-        alone.pool.commit(step)
-        single, _, _ = alone.static.decode([sid], [token])
-        assert (single[0] - together[row]).abs().max().item() < 1e-4
+    chunks_and_a_batch_equal_one_pass(lambda: engine_for(folder), PROMPT, 45)
 
 
 def _prefill_step(pool, seq_id: str, length: int):

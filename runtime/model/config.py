@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from oval_edge.geometry import kv_sharing
+
 from .families.gemma import GEMMA_TYPES, gemma_fields, text_part, with_defaults
 from .families.gemma4 import GEMMA4_TYPES, gemma4_fields, gemma4_text_part
 from .families.hybrid import HYBRID_TYPES, hybrid_fields, hybrid_text_part
@@ -123,8 +125,6 @@ class DecoderConfig:
         if self.hidden_size_per_layer_input and self.vocab_size_per_layer_input < 1:
             raise ValueError(f"model {self.where}: per-layer inputs need vocab_size_per_layer_input >= 1")
         if self.num_kv_shared_layers:
-            from oval_edge.geometry import kv_sharing
-
             kv_sharing(self)  # raises when a shared layer's kind has no earlier layer keeping K/V
         if self.rope_layers and (len(self.rope_layers) != self.num_hidden_layers
                                  or any(flag not in (0, 1) for flag in self.rope_layers)):
@@ -162,8 +162,6 @@ class DecoderConfig:
         """The layer whose K/V layer `layer` attends to: itself, or for a Gemma 4 shared layer its source."""
         if layer < self.num_hidden_layers - self.num_kv_shared_layers:
             return layer
-        from oval_edge.geometry import kv_sharing
-
         return dict(kv_sharing(self))[layer]
 
     def layer_intermediate(self, layer: int) -> int:

@@ -116,8 +116,7 @@ class LayerOps:
     kv_source: int = -1  # Gemma 4: the layer whose K/V this one attends to (its projection is q only); -1: its own
     q_norm: Callable | None = None  # such a layer's query head norm (it has no key one)
     value_norm_eps: float = 0.0  # Gemma 4: RMS-norm each value head (no scale) with this eps; 0: not
-    per_layer_input: torch.nn.Module | None = None  # Gemma 4 (decoder.PerLayerInput), after the MLP
-    per_layer_gate: Callable | None = None
+    per_layer_gate: Callable | None = None  # Gemma 4's per-layer input block (decoder.PerLayerInput), after the MLP
     per_layer_projection: Callable | None = None
     per_layer_norm: Callable | None = None
     layer_scalar: torch.Tensor | None = None  # Gemma 4: the residual times this [1] at the layer's end
@@ -140,7 +139,7 @@ class LayerOps:
         source = int(getattr(attn, "kv_source", -1))
         gemma4 = dict(head_dim=int(getattr(attn, "head_dim", 0) or head_dim), kv_source=source,
                       q_norm=bind_one_op_norm(attn.q_norm) if source >= 0 and attn.q_norm is not None else None,
-                      value_norm_eps=float(getattr(attn, "value_norm_eps", 0.0)), per_layer_input=block,
+                      value_norm_eps=float(getattr(attn, "value_norm_eps", 0.0)),
                       per_layer_gate=bind_projection(block.gate) if block is not None else None,
                       per_layer_projection=bind_projection(block.projection) if block is not None else None,
                       per_layer_norm=bind_one_op_norm(block.post_norm) if block is not None else None,

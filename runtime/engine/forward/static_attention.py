@@ -139,11 +139,12 @@ class StaticAttention:
         step, valids, windows = self.step, self.valids, self.windows
         real = step.real
         attended = (step.lengths * real).sum() * (step.dense_layers * self.runner.kv_heads)
-        in_rings = torch.zeros((), dtype=torch.long, device=real.device)
+        zero = torch.zeros((), dtype=torch.long, device=real.device)
+        in_rings = zero
         if self.ring is not None:  # each sliding layer attends to the ring's valid slots
             in_rings = (self.ring[1].sum((1, 2)) * real).sum() * step.sliding_layers
             attended = attended + in_rings
-        window_sum = window_count = torch.zeros((), dtype=torch.long, device=real.device)
+        window_sum = window_count = zero
         if valids:
             attended = attended + (torch.stack(valids).sum((0, 2, 3)) * real).sum()
             sparse = (self.plan.sparse_rows.long() * real)[None, :, None]  # [1, B, 1]
